@@ -1,0 +1,24 @@
+"""dualvp: log-probabilities and entropies from vocab-sharded logits.
+
+This package is the specification: the math written once (:mod:`dualvp.spec`),
+the float64 NumPy oracle (:mod:`dualvp.reference`), argument validation
+(:mod:`dualvp.validation`), the shared test scenarios (:mod:`dualvp.cases`),
+and the ``dualvp`` command (``verify``, ``bench``). The backends live in
+``dualvp_torch`` and ``dualvp_jax``.
+"""
+
+from . import cases, reference, simulate, spec, validation
+from .reference import logprob_entropy, logprob_entropy_grad
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "spec",
+    "reference",
+    "simulate",
+    "validation",
+    "cases",
+    "logprob_entropy",
+    "logprob_entropy_grad",
+    "__version__",
+]

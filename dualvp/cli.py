@@ -1,0 +1,31 @@
+"""Argument parsing for the ``dualvp`` command."""
+
+from __future__ import annotations
+
+import argparse
+from typing import Optional, Sequence
+
+__all__ = ["main"]
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="dualvp", description=__doc__)
+    sub = p.add_subparsers(dest="command", required=True)
+    v = sub.add_parser("verify", help="check every backend against the float64 oracle and each other")
+    v.add_argument("--tp", type=int, default=2, help="tensor-parallel size W (vocab shards)")
+    v.add_argument("--tokens", type=int, default=256, help="rows T")
+    v.add_argument("--vocab", type=int, default=4096, help="full vocabulary V (divisible by --tp)")
+    v.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16", "float64"])
+    v.add_argument("--temperature", type=float, default=1.0)
+    v.add_argument("--mask", default="none", choices=["none", "nucleus", "drop_target", "random"])
+    v.add_argument("--seed", type=int, default=0)
+    return p
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    args = _parser().parse_args(argv)
+    if args.command == "verify":
+        from .verify import run
+
+        return run(args)
+    raise AssertionError(args.command)

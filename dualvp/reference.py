@@ -1,0 +1,111 @@
+"""The float64 NumPy oracle, over the full (unsharded) logits.
+
+Built from textbook formulas, independently of :mod:`dualvp.spec`: a
+max-shifted ``log_softmax``, ``softmax = exp(log_softmax)``, ``H = -sum p log
+p``, and the closed-form gradients::
+
+    dL/dz = (onehot(y) - q) / tau
+    dH/dz = -p (log p + H) / tau          (equal to p (E_p[u] - u) / tau)
+
+It is the judge for everything else: slow, allocating, and exact to float64
+round-off. All options of the backends are supported: keep mask (the target is
+always kept; the entropy stays unmasked), temperature, ``ignore_index`` and any
+leading batch dims.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+__all__ = ["logprob_entropy", "logprob_entropy_grad"]
+
+
+def _log_softmax(u: np.ndarray) -> np.ndarray:
+    m = np.max(u, axis=-1, keepdims=True)
+    m = np.where(np.isneginf(m), 0.0, m)
+    with np.errstate(divide="ignore"):
+        return u - m - np.log(np.sum(np.exp(u - m), axis=-1, keepdims=True))
+
+
+def _prepare(logits, target, keep_mask, temperature, ignore_index):
+    z = np.asarray(logits, dtype=np.float64)
+    y = np.asarray(target).astype(np.int64)
+    u = z / float(temperature)
+    valid = y != ignore_index
+    y_safe = np.where(valid, y, 0)
+    onehot = np.arange(u.shape[-1]) == y_safe[..., None]
+    onehot &= valid[..., None]
+    logp = _log_softmax(u)
+    if keep_mask is None:
+        logq = logp
+    else:
+        kept = np.asarray(keep_mask, dtype=bool) | onehot
+        with np.errstate(invalid="ignore"):
+            logq = _log_softmax(np.where(kept, u, -np.inf))
+    return u, valid, y_safe, onehot, logp, logq
+
+
+def _entropy(logp: np.ndarray) -> np.ndarray:
+    p = np.exp(logp)
+    with np.errstate(invalid="ignore"):
+        return -np.sum(np.where(p > 0, p * logp, 0.0), axis=-1)
+
+
+def logprob_entropy(
+    logits,
+    target,
+    *,
+    keep_mask=None,
+    temperature: float = 1.0,
+    ignore_index: int = -100,
+) -> tuple[np.ndarray, np.ndarray]:
+    """Log-prob of the target and entropy, in float64.
+
+    Args:
+      logits: ``[..., V]`` full logits (any float dtype; computed in float64).
+      target: ``[...]`` integer token ids in ``[0, V)`` or ``ignore_index``.
+      keep_mask: ``[..., V]`` bool or ``None``. The log-prob is taken under the
+        distribution renormalised over ``keep_mask | onehot(target)``.
+      temperature: ``tau > 0``; the distribution is ``softmax(logits / tau)``.
+      ignore_index: rows with this target get log-prob 0.
+
+    Returns:
+      ``(logprob [...], entropy [...])`` float64.
+    """
+    u, valid, y, _, logp, logq = _prepare(logits, target, keep_mask, temperature, ignore_index)
+    lp = np.take_along_axis(logq, y[..., None], axis=-1)[..., 0]
+    return np.where(valid, lp, 0.0), _entropy(logp)
+
+
+def logprob_entropy_grad(
+    logits,
+    target,
+    grad_logprob,
+    grad_entropy=None,
+    *,
+    keep_mask=None,
+    temperature: float = 1.0,
+    ignore_index: int = -100,
+) -> np.ndarray:
+    """Gradient of ``sum(grad_logprob * L + grad_entropy * H)`` w.r.t. logits.
+
+    Args:
+      logits, target, keep_mask, temperature, ignore_index: as in
+        :func:`logprob_entropy`.
+      grad_logprob: ``[...]`` upstream gradient of the log-prob.
+      grad_entropy: ``[...]`` upstream gradient of the entropy, or ``None``.
+
+    Returns:
+      ``[..., V]`` float64.
+    """
+    u, valid, _, onehot, logp, logq = _prepare(logits, target, keep_mask, temperature, ignore_index)
+    gl = np.where(valid, np.asarray(grad_logprob, dtype=np.float64), 0.0)[..., None]
+    q = np.exp(logq)
+    g = gl * (onehot.astype(np.float64) - q)
+    if grad_entropy is not None:
+        p = np.exp(logp)
+        h = _entropy(logp)[..., None]
+        gh = np.asarray(grad_entropy, dtype=np.float64)[..., None]
+        with np.errstate(invalid="ignore"):
+            g = g + gh * np.where(p > 0, -p * (logp + h), 0.0)
+    return g / float(temperature)

@@ -1,0 +1,35 @@
+"""The shared scenario table builds what its names promise."""
+
+import numpy as np
+import pytest
+
+from dualvp import cases
+
+
+@pytest.mark.parametrize("c", cases.CASES, ids=lambda c: c.name)
+def test_case_builds(c):
+    p = cases.make(c)
+    assert p.logits.shape == tuple(c.lead) + (c.vocab,)
+    assert p.target.shape == tuple(c.lead)
+    # logits are exactly representable in the case's dtype
+    np.testing.assert_array_equal(cases.round_to_dtype(p.logits, c.dtype), p.logits)
+    valid = p.target != c.ignore_index
+    assert np.all((p.target[valid] >= 0) & (p.target[valid] < c.vocab))
+    if c.mask == "drop_target" and valid.any():
+        assert not p.keep_mask[valid, p.target[valid]].any() if p.target.ndim == 1 else True
+
+
+def test_bfloat16_rounding_matches_torch_if_available():
+    torch = pytest.importorskip("torch")
+    x = np.random.default_rng(0).normal(size=1000) * 100
+    ours = cases.round_to_dtype(x, "bfloat16")
+    theirs = torch.tensor(x, dtype=torch.float32).to(torch.bfloat16).double().numpy()
+    np.testing.assert_array_equal(ours, theirs)
+
+
+def test_within_tolerance_detects_errors():
+    ref = np.array([1.0, -np.inf, 2.0])
+    assert cases.within_tolerance(ref.copy(), ref, cases.Tolerance(0, 0))
+    assert not cases.within_tolerance(np.array([1.0, 0.0, 2.0]), ref, cases.Tolerance(1, 1))
+    assert not cases.within_tolerance(np.array([1.1, -np.inf, 2.0]), ref, cases.Tolerance(1e-3, 0))
+    assert cases.max_errors(np.array([np.nan]), np.array([1.0]))[0] == float("inf")
