@@ -1,5 +1,11 @@
 import os
 
+# JAX reads XLA_FLAGS once, at import: give every test process (and the torch
+# ranks it spawns, which inherit the environment) 8 host devices before any
+# test module imports jax.
+if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
+
 # Hypothesis: a bounded profile for CI; DUALVP_FUZZ_EXAMPLES raises the budget
 # for a longer opt-in run.
 from hypothesis import HealthCheck, settings
