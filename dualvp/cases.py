@@ -30,6 +30,9 @@ __all__ = [
     "max_errors",
     "within_tolerance",
     "confident_lm_logits",
+    "BadInput",
+    "BAD_INPUTS",
+    "bad_input_base",
 ]
 
 _MASKS = ("none", "nucleus", "drop_target", "all_but_target", "random")
@@ -356,3 +359,81 @@ def within_tolerance(x, ref, tol: Tolerance) -> bool:
         return False
     err = np.abs(x[fin] - ref[fin])
     return bool(np.all(err <= tol.atol + tol.rtol * np.abs(ref[fin])))
+
+
+# --- bad inputs ---------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class BadInput:
+    """A call that must raise ``error`` with ``arg`` named in the message.
+
+    ``changes`` override the arguments of :func:`bad_input_base`. NumPy arrays
+    are converted to the backend's array type (keeping their dtype); other
+    values (Python lists, strings, numbers) are passed as they are.
+    ``backends`` lists the backends the case applies to.
+    """
+
+    name: str
+    changes: dict
+    error: type
+    arg: str
+    backends: tuple = ("torch", "jax")
+
+
+def bad_input_base() -> dict:
+    """Valid arguments (NumPy) that every :data:`BAD_INPUTS` case starts from."""
+    rng = np.random.default_rng(0)
+    return dict(
+        logits=rng.normal(size=(4, 8)).astype(np.float32),
+        target=np.array([0, 3, 7, -100], dtype=np.int64),
+        keep_mask=None,
+        temperature=1.0,
+        with_entropy=True,
+        entropy_grad=True,
+        ignore_index=-100,
+    )
+
+
+def _z(shape, dtype=np.float32):
+    return np.zeros(shape, dtype=dtype)
+
+
+#: At least 25 invalid calls; both backends must reject each one the same way.
+BAD_INPUTS: tuple[BadInput, ...] = (
+    BadInput("logits_list", {"logits": [[0.0] * 8] * 4}, TypeError, "logits"),
+    BadInput("logits_int", {"logits": np.zeros((4, 8), dtype=np.int32)}, TypeError, "logits"),
+    BadInput("logits_bool", {"logits": np.zeros((4, 8), dtype=bool)}, TypeError, "logits"),
+    BadInput("logits_complex", {"logits": np.zeros((4, 8), dtype=np.complex64)}, TypeError, "logits", ("torch",)),
+    BadInput("logits_scalar", {"logits": np.float32(1.0), "target": np.int64(0)}, ValueError, "logits"),
+    BadInput("logits_empty_vocab", {"logits": _z((4, 0))}, ValueError, "logits"),
+    BadInput("target_float", {"target": np.zeros(4, dtype=np.float32)}, TypeError, "target"),
+    BadInput("target_bool", {"target": np.zeros(4, dtype=bool)}, TypeError, "target"),
+    BadInput("target_list", {"target": [0, 1, 2, 3]}, TypeError, "target"),
+    BadInput("target_too_long", {"target": np.zeros(5, dtype=np.int64)}, ValueError, "target"),
+    BadInput("target_extra_dim", {"target": np.zeros((4, 1), dtype=np.int64)}, ValueError, "target"),
+    BadInput("target_missing_dim", {"logits": _z((2, 4, 8)), "target": np.zeros(8, dtype=np.int64)}, ValueError, "target"),
+    BadInput("lead_dims_swapped", {"logits": _z((2, 3, 8)), "target": np.zeros((3, 2), dtype=np.int64)}, ValueError, "target"),
+    BadInput("target_too_large", {"target": np.array([0, 1, 8, 2], dtype=np.int64)}, ValueError, "target"),
+    BadInput("target_negative", {"target": np.array([0, -1, 2, 3], dtype=np.int64)}, ValueError, "target"),
+    BadInput("keep_mask_float", {"keep_mask": np.ones((4, 8), dtype=np.float32)}, TypeError, "keep_mask"),
+    BadInput("keep_mask_int", {"keep_mask": np.ones((4, 8), dtype=np.int64)}, TypeError, "keep_mask"),
+    BadInput("keep_mask_shape", {"keep_mask": np.ones((4, 7), dtype=bool)}, ValueError, "keep_mask"),
+    BadInput("keep_mask_rows", {"keep_mask": np.ones((8,), dtype=bool)}, ValueError, "keep_mask"),
+    BadInput("temperature_zero", {"temperature": 0.0}, ValueError, "temperature"),
+    BadInput("temperature_negative", {"temperature": -1.0}, ValueError, "temperature"),
+    BadInput("temperature_nan", {"temperature": float("nan")}, ValueError, "temperature"),
+    BadInput("temperature_inf", {"temperature": float("inf")}, ValueError, "temperature"),
+    BadInput("temperature_str", {"temperature": "1.0"}, TypeError, "temperature"),
+    BadInput("temperature_bool", {"temperature": True}, TypeError, "temperature"),
+    BadInput("temperature_array", {"temperature": np.array([1.0, 2.0])}, TypeError, "temperature"),
+    BadInput("ignore_index_float", {"ignore_index": -100.0}, TypeError, "ignore_index"),
+    BadInput("ignore_index_str", {"ignore_index": "-100"}, TypeError, "ignore_index"),
+    BadInput("with_entropy_str", {"with_entropy": "yes"}, TypeError, "with_entropy"),
+    BadInput("with_entropy_int", {"with_entropy": 1}, TypeError, "with_entropy"),
+    BadInput("entropy_grad_none", {"entropy_grad": None}, TypeError, "entropy_grad"),
+    BadInput("group_str", {"group": "world"}, TypeError, "group", ("torch",)),
+    BadInput("group_int", {"group": 0}, TypeError, "group", ("torch",)),
+    BadInput("validate_str", {"validate": "no"}, TypeError, "validate", ("torch",)),
+)
+assert len({b.name for b in BAD_INPUTS}) == len(BAD_INPUTS)
