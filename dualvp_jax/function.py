@@ -1,0 +1,265 @@
+"""The JAX op: a ``jax.custom_vjp`` over one vocab shard, combined over a mesh axis.
+
+Forward, per shard (inside ``shard_map``, or unsharded when ``axis_name`` is
+``None``)::
+
+    stats = spec.shard_stats(z_shard)                 [..., 6]   O(T)
+    table = all_gather(stats, axis_name, to="invarying")  [W, ..., 6]  the only collective
+    comb  = spec.combine_stats(table)                  O(T), identical on every shard
+    logprob, entropy = spec.outputs(comb)
+
+Backward: ``spec.grad_logits`` from the saved logits and the O(T) combined
+statistics; no collective (the statistics are already global). Residuals are
+the caller's logits (a reference, in the caller's dtype), target, keep mask and
+O(T) statistics: nothing of size ``[T, V_local]`` is created for the backward.
+
+Varying-manual-axes (``check_vma``): the gathered table and everything
+computed from it (outputs, statistics) is *invariant* over ``axis_name``
+(``all_gather(..., to="invarying")``), so a caller may declare the outputs
+replicated over the vocab axis; the gradient with respect to the logits varies
+like the logits. ``lax.pmax`` is not used anywhere, so nothing needs a
+differentiation rule for it (the forward of a ``custom_vjp`` is never
+differentiated).
+
+Precision: 16- and 32-bit inputs are computed in float32, float64 inputs in
+float64 (under ``jax_enable_x64``); outputs have the compute dtype; the
+gradient is computed in the compute dtype and cast to the input dtype last.
+
+Out-of-range targets: a traced target cannot raise. A row whose target is
+neither ``ignore_index`` nor in ``[0, W * V_local)`` gets NaN log-prob, NaN
+entropy and a NaN gradient row (never a silently wrong number). When the
+target is concrete (not traced) the public functions check the range first
+and raise ``ValueError``.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+from typing import NamedTuple, Optional
+
+import numpy as np
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from dualvp import spec
+from dualvp.validation import check_args
+
+__all__ = ["logprob_entropy"]
+
+
+class _Config(NamedTuple):
+    """Static (hashable) options of one call."""
+
+    axis_name: object  # None, a mesh axis name, or a tuple of names
+    temperature: float
+    ignore_index: int
+    with_entropy: bool
+    entropy_grad: bool
+
+
+# --- argument handling --------------------------------------------------------
+
+
+def _is_tracer(x) -> bool:
+    return isinstance(x, jax.core.Tracer)
+
+
+def _describe(name: str, x, kinds: str):
+    """``(shape, dtype name)`` of an array argument, or TypeError naming it."""
+    if isinstance(x, (jax.Array, np.ndarray, np.generic)) or _is_tracer(x):
+        return tuple(int(d) for d in np.shape(x)) if not _is_tracer(x) else tuple(x.shape), jnp.dtype(x.dtype).name
+    raise TypeError(f"{name}: expected {kinds}, got {type(x).__name__}")
+
+
+def _int_dtype():
+    return jnp.int64 if jax.config.jax_enable_x64 else jnp.int32
+
+
+def _check_temperature_type(temperature) -> None:
+    # dualvp.validation.check_temperature falls back to float(), which accepts
+    # True and "1.0"; the op needs a static Python / NumPy number.
+    if isinstance(temperature, (bool, np.bool_, str, bytes)) or _is_tracer(temperature):
+        raise TypeError(
+            f"temperature: expected a finite float > 0 (a static Python number), "
+            f"got {type(temperature).__name__} {temperature!r}"
+        )
+
+
+def _validate(logits, target, keep_mask, temperature, ignore_index, with_entropy, entropy_grad):
+    """Static checks (shapes, dtypes, options); returns the temperature as a float."""
+    _check_temperature_type(temperature)
+    ls, ld = _describe("logits", logits, "a floating jax.Array or numpy array [..., V_local]")
+    ts, td = _describe("target", target, "an integer jax.Array or numpy array [...]")
+    ks = kd = None
+    if keep_mask is not None:
+        ks, kd = _describe("keep_mask", keep_mask, "None or a bool jax.Array or numpy array [..., V_local]")
+    return check_args(
+        logits_shape=ls,
+        logits_dtype=ld,
+        target_shape=ts,
+        target_dtype=td,
+        keep_shape=ks,
+        keep_dtype=kd,
+        temperature=temperature,
+        ignore_index=ignore_index,
+        with_entropy=with_entropy,
+        entropy_grad=entropy_grad,
+    )
+
+
+def check_target_range(target, vocab_size: int, ignore_index: int) -> None:
+    """Raise ``ValueError`` if a concrete ``target`` holds ids outside ``[0, V)``.
+
+    Does nothing for traced targets (under ``jit`` / ``grad`` / ``vmap`` /
+    ``shard_map``); those rows come out NaN instead. Reads the target back to
+    the host (O(T) bytes, one synchronisation).
+    """
+    if _is_tracer(target):
+        return
+    t = np.asarray(target)
+    if t.size == 0:
+        return
+    t = t.astype(np.int64, copy=False) if t.dtype != np.uint64 else t
+    bad = (t != ignore_index) & ((t < 0) | (t >= vocab_size))
+    n = int(np.count_nonzero(bad))
+    if n:
+        shown = np.unique(t[bad])[:5].tolist()
+        raise ValueError(
+            f"target: expected ids in [0, {vocab_size}) or ignore_index={ignore_index}, "
+            f"got {n} out-of-range id(s), e.g. {shown}"
+        )
+
+
+# --- the op -------------------------------------------------------------------
+
+
+def _compute_dtype(dtype):
+    # bf16 / f16 / f32 -> f32; f64 -> f64 (only reachable under jax_enable_x64).
+    return jnp.promote_types(dtype, jnp.float32)
+
+
+def _shard_position(cfg: _Config, target, v_local: int):
+    """``(valid, owns, local, bad)`` for this shard, and the shard count."""
+    if cfg.axis_name is None:
+        r, w = 0, 1
+    else:
+        r = lax.axis_index(cfg.axis_name)
+        w = lax.axis_size(cfg.axis_name)
+    valid, owns, local = spec.target_to_local(jnp, target, r, v_local, cfg.ignore_index)
+    bad = valid & ((target < 0) | (target >= w * v_local))
+    return valid, owns, local, bad
+
+
+def _gather(cfg: _Config, stats):
+    if cfg.axis_name is None:
+        return stats[None]
+    # The one collective of the op. ``to="invarying"``: the table is the same
+    # on every shard, and its type says so (check_vma).
+    return lax.all_gather(stats, cfg.axis_name, axis=0, to="invarying")
+
+
+def _forward(logits, target, keep, cfg: _Config):
+    cdt = _compute_dtype(logits.dtype)
+    z = logits.astype(cdt)
+    valid, owns, local, bad = _shard_position(cfg, target, logits.shape[-1])
+    stats = spec.shard_stats(jnp, z, local, owns, keep, cfg.temperature)
+    comb = spec.combine_stats(jnp, _gather(cfg, stats), axis=0, temperature=cfg.temperature)
+    logprob, entropy = spec.outputs(jnp, comb, valid, cfg.temperature)
+    nan = jnp.full_like(logprob, jnp.nan)
+    logprob = jnp.where(bad, nan, logprob)
+    entropy = jnp.where(bad, nan, entropy)
+    return (logprob, entropy), comb
+
+
+@partial(jax.custom_vjp, nondiff_argnums=(3,))
+def _op(logits, target, keep, cfg: _Config):
+    return _forward(logits, target, keep, cfg)[0]
+
+
+def _op_fwd(logits, target, keep, cfg: _Config):
+    out, comb = _forward(logits, target, keep, cfg)
+    # Residuals: references to the inputs plus O(T) statistics.
+    return out, (logits, target, keep, comb)
+
+
+def _op_bwd(cfg: _Config, res, cotangents):
+    logits, target, keep, comb = res
+    g_logprob, g_entropy = cotangents
+    cdt = _compute_dtype(logits.dtype)
+    z = logits.astype(cdt)
+    valid, owns, local, bad = _shard_position(cfg, target, logits.shape[-1])
+    g_logprob = jnp.asarray(g_logprob, cdt)
+    g_entropy = jnp.asarray(g_entropy, cdt) if (cfg.with_entropy and cfg.entropy_grad) else None
+    g = spec.grad_logits(jnp, z, local, owns, keep, comb, valid, g_logprob, g_entropy, cfg.temperature)
+    g = jnp.where(bad[..., None], jnp.full_like(g, jnp.nan), g)
+    return g.astype(logits.dtype), None, None
+
+
+_op.defvjp(_op_fwd, _op_bwd)
+
+
+def logprob_entropy(
+    logits,
+    target,
+    *,
+    axis_name=None,
+    keep_mask=None,
+    temperature: float = 1.0,
+    with_entropy: bool = True,
+    entropy_grad: bool = True,
+    ignore_index: int = -100,
+):
+    """Log-prob of ``target`` and entropy, from this shard's logits.
+
+    Call it inside ``jax.shard_map`` on the per-shard logits with the vocab
+    split over the mesh axis ``axis_name`` (shard ``r = lax.axis_index``
+    holds global columns ``[r*V_local, (r+1)*V_local)``), or outside any
+    ``shard_map`` with ``axis_name=None`` on full logits.
+
+    Args:
+      logits: ``[..., V_local]`` float32 / bfloat16 / float16 / float64.
+      target: ``[...]`` integer *global* token ids in ``[0, W*V_local)`` or
+        ``ignore_index``. Same on every shard of ``axis_name``.
+      axis_name: the mesh axis (or tuple of axes) that splits the vocabulary;
+        ``None``: unsharded.
+      keep_mask: ``None`` or ``[..., V_local]`` bool (top-p / top-k replay);
+        the log-prob is under the distribution renormalised over
+        ``keep_mask`` plus the target. The entropy ignores it.
+      temperature: finite float > 0, a Python number (static); logits are
+        divided by it inside the op.
+      with_entropy: ``False``: the entropy output is ``None``.
+      entropy_grad: ``False``: the entropy is returned under
+        ``lax.stop_gradient`` and contributes no gradient.
+      ignore_index: rows whose target equals it get log-prob 0 and no
+        log-prob gradient.
+
+    Returns:
+      ``(logprob, entropy)``, each ``[...]`` float32 (float64 for float64
+      input under ``jax_enable_x64``), invariant over ``axis_name``;
+      ``entropy`` is ``None`` when ``with_entropy=False``.
+
+    Raises:
+      TypeError / ValueError naming the argument for bad shapes, dtypes or
+      options (at trace time), and ``ValueError`` for out-of-range targets
+      when ``target`` is concrete and ``axis_name`` is ``None``. Traced
+      out-of-range targets give NaN rows.
+    """
+    tau = _validate(logits, target, keep_mask, temperature, ignore_index, with_entropy, entropy_grad)
+    if axis_name is None:
+        check_target_range(target, int(np.shape(logits)[-1]), ignore_index)
+    return _apply(logits, target, keep_mask, _Config(axis_name, tau, ignore_index, with_entropy, entropy_grad))
+
+
+def _apply(logits, target, keep_mask, cfg: _Config):
+    """The op on validated arguments (called per shard)."""
+    logits = jnp.asarray(logits)
+    target = jnp.asarray(target).astype(_int_dtype())
+    keep = None if keep_mask is None else jnp.asarray(keep_mask)
+    logprob, entropy = _op(logits, target, keep, cfg)
+    if not cfg.with_entropy:
+        return logprob, None
+    if not cfg.entropy_grad:
+        entropy = lax.stop_gradient(entropy)
+    return logprob, entropy

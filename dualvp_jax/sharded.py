@@ -1,0 +1,144 @@
+"""Global-array entry point: ``shard_map`` of the per-shard op over a mesh.
+
+``logits [..., V]`` is split on its last dimension over the mesh axis
+``vocab_axis``; its leading dimensions keep whatever sharding they already
+have over the other mesh axes (for example tokens split over a data-parallel
+axis), read from the array's type (explicit axes) or its committed
+``NamedSharding`` (auto axes); otherwise they are replicated. ``target`` and
+``keep_mask`` follow the logits. Outputs are sharded like the leading
+dimensions of the logits and replicated over ``vocab_axis``.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
+
+from .function import _Config, _apply, _validate, check_target_range
+
+__all__ = ["sharded_logprob_entropy"]
+
+
+def _axes_of(entry):
+    if entry is None:
+        return ()
+    return tuple(entry) if isinstance(entry, (tuple, list)) else (entry,)
+
+
+def _current_spec(x, mesh):
+    """The PartitionSpec of ``x`` over ``mesh`` if known, else ``None``."""
+    try:
+        sh = jax.typeof(x).sharding
+        if isinstance(sh, NamedSharding) and tuple(sh.mesh.axis_names) == tuple(mesh.axis_names):
+            if any(e is not None for e in sh.spec):
+                return sh.spec
+    except Exception:  # noqa: BLE001 - not a JAX value / no typed sharding
+        pass
+    sh = getattr(x, "sharding", None) if isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer) else None
+    if isinstance(sh, NamedSharding) and tuple(sh.mesh.axis_names) == tuple(mesh.axis_names):
+        return sh.spec
+    return None
+
+
+def _lead_spec(logits, mesh, vocab_axis, ndim: int) -> tuple:
+    """Leading-dim spec entries: the logits' own, minus any use of ``vocab_axis``."""
+    cur = _current_spec(logits, mesh)
+    lead = [None] * (ndim - 1)
+    if cur is None:
+        return tuple(lead)
+    cur = tuple(cur) + (None,) * (ndim - len(tuple(cur)))
+    for i in range(ndim - 1):
+        axes = tuple(a for a in _axes_of(cur[i]) if a != vocab_axis)
+        lead[i] = None if not axes else (axes[0] if len(axes) == 1 else axes)
+    return tuple(lead)
+
+
+def _is_explicit(mesh, axes) -> bool:
+    types = dict(zip(mesh.axis_names, getattr(mesh, "axis_types", ()) or ()))
+    return any(types.get(a) == AxisType.Explicit for a in axes)
+
+
+def _place(x, mesh, spec, explicit: bool):
+    """Give ``x`` the sharding ``spec`` (needed by shard_map on explicit axes)."""
+    if x is None:
+        return None
+    x = jnp.asarray(x) if not isinstance(x, jax.Array) else x
+    if explicit:
+        cur = _current_spec(x, mesh)
+        if cur is None or tuple(cur) + (None,) * (x.ndim - len(tuple(cur))) != tuple(spec):
+            x = jax.reshard(x, NamedSharding(mesh, spec))
+    return x
+
+
+def sharded_logprob_entropy(
+    logits,
+    target,
+    mesh,
+    vocab_axis="tp",
+    *,
+    keep_mask=None,
+    temperature: float = 1.0,
+    with_entropy: bool = True,
+    entropy_grad: bool = True,
+    ignore_index: int = -100,
+):
+    """Log-prob and entropy of global logits whose vocab is split over ``vocab_axis``.
+
+    Args:
+      logits: ``[..., V]`` global array; ``V`` divisible by the size of
+        ``vocab_axis``. Shard ``r`` of the axis holds columns
+        ``[r*V/W, (r+1)*V/W)``.
+      target: ``[...]`` global token ids in ``[0, V)`` or ``ignore_index``.
+      mesh: a ``jax.sharding.Mesh`` (from ``jax.make_mesh``, explicit axes, or
+        ``Mesh(...)``, auto axes).
+      vocab_axis: name of the mesh axis splitting the vocabulary.
+      keep_mask, temperature, with_entropy, entropy_grad, ignore_index: as in
+        :func:`dualvp_jax.logprob_entropy`.
+
+    Returns:
+      ``(logprob, entropy)`` global ``[...]`` arrays (``entropy`` ``None``
+      when ``with_entropy=False``).
+
+    Raises:
+      TypeError / ValueError naming the argument; ``ValueError`` for
+      out-of-range targets when ``target`` is concrete (not traced).
+    """
+    tau = _validate(logits, target, keep_mask, temperature, ignore_index, with_entropy, entropy_grad)
+    if not isinstance(mesh, Mesh):
+        raise TypeError(f"mesh: expected a jax.sharding.Mesh, got {type(mesh).__name__}")
+    if vocab_axis not in mesh.axis_names:
+        raise ValueError(f"vocab_axis: expected one of the mesh axes {tuple(mesh.axis_names)}, got {vocab_axis!r}")
+    world = int(mesh.shape[vocab_axis])
+    shape = tuple(np.shape(logits)) if not isinstance(logits, jax.core.Tracer) else tuple(logits.shape)
+    if shape[-1] % world:
+        raise ValueError(
+            f"logits: expected the vocab size V = logits.shape[-1] divisible by the size {world} "
+            f"of mesh axis {vocab_axis!r}, got shape {shape}"
+        )
+    check_target_range(target, shape[-1], ignore_index)
+
+    ndim = len(shape)
+    lead = _lead_spec(logits, mesh, vocab_axis, ndim)
+    z_spec, t_spec = P(*lead, vocab_axis), P(*lead)
+    explicit = _is_explicit(mesh, mesh.axis_names)
+    logits = _place(logits, mesh, z_spec, explicit)
+    target = _place(target, mesh, t_spec, explicit)
+    keep_mask = _place(keep_mask, mesh, z_spec, explicit)
+
+    cfg = _Config(vocab_axis, tau, ignore_index, with_entropy, entropy_grad)
+    has_mask = keep_mask is not None
+
+    def body(z, y, *k):
+        lp, h = _apply(z, y, k[0] if has_mask else None, cfg)
+        return (lp, h) if with_entropy else (lp,)
+
+    in_specs = (z_spec, t_spec) + ((z_spec,) if has_mask else ())
+    out_specs = (t_spec, t_spec) if with_entropy else (t_spec,)
+    args = (logits, target) + ((keep_mask,) if has_mask else ())
+    out = jax.shard_map(body, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=True)(*args)
+    if with_entropy:
+        return out[0], out[1]
+    return out[0], None
