@@ -1,0 +1,17 @@
+"""dualvp_torch: the PyTorch backend of dualvp.
+
+``logprob_entropy(logits, target, *, group=None, ...)`` computes the log-prob
+of the target token and the entropy from this rank's vocab shard of the
+logits, with exact gradients, one all-gather of O(T) statistics per call and
+no ``[T, V_local]`` buffer in the forward. See :func:`logprob_entropy`.
+
+``dualvp_torch.compat`` offers drop-in replacements for slime's
+``calculate_log_probs_and_entropy`` and Megatron's
+``vocab_parallel_cross_entropy``; ``dualvp_torch.testing`` runs a function on
+W gloo ranks.
+"""
+
+from . import compat
+from .function import logprob_entropy
+
+__all__ = ["logprob_entropy", "compat"]

@@ -1,0 +1,93 @@
+"""The op's collectives over a ``torch.distributed`` process group.
+
+Two collectives exist, both all-gathers of small tensors, both outside the
+compiled kernels:
+
+* :func:`gather_stats`: the per-shard ``[T, 6]`` statistics (float32, or
+  float64 for float64 input) gathered into ``[W, T, 6]``; every rank then
+  combines them locally with :func:`dualvp.spec.combine_stats`, so all ranks
+  hold bit-identical combined statistics. This is the op's only collective
+  in the forward, and the backward has none. It is issued for every call with
+  a group, whatever ``with_entropy``, ``entropy_grad``, ``keep_mask`` or
+  ``temperature`` are.
+* :func:`gather_records`: the agreement step of ``validate=True``: one int64
+  record of :data:`dualvp.validation.RECORD_FIELDS` per rank, gathered into
+  ``[W, len(RECORD_FIELDS)]`` and copied to the host with one ``.tolist()``:
+  the only host-device synchronisation of the op.
+
+On NCCL (and other backends that support it) ``all_gather_into_tensor`` is
+used; on gloo, which does not implement it for every build, the list form of
+``all_gather`` writes into views of one preallocated output.
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["is_process_group", "group_rank_world", "all_gather_rows", "gather_stats", "gather_records", "comm_device"]
+
+
+def is_process_group(group) -> bool:
+    return dist.is_available() and isinstance(group, dist.ProcessGroup)
+
+
+def group_rank_world(group) -> tuple[int, int]:
+    """``(rank, world size)`` of this process in ``group``; ``(0, 1)`` for ``None``."""
+    if group is None:
+        return 0, 1
+    return dist.get_rank(group), dist.get_world_size(group)
+
+
+def _backend(group) -> str:
+    try:
+        return str(dist.get_backend(group)).lower()
+    except Exception:
+        return ""
+
+
+def comm_device(group, hint: Optional[torch.Tensor] = None) -> torch.device:
+    """The device a small tensor must live on to travel over ``group``."""
+    backend = _backend(group)
+    if backend == "gloo":
+        return torch.device("cpu")
+    if hint is not None and hint.device.type != "cpu":
+        return hint.device
+    if backend == "nccl" and torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu") if hint is None else hint.device
+
+
+def all_gather_rows(x: torch.Tensor, group) -> torch.Tensor:
+    """All-gather ``x`` from every rank of ``group`` into ``[W, *x.shape]`` (rank order)."""
+    world = dist.get_world_size(group)
+    x = x.contiguous()
+    out = torch.empty((world,) + tuple(x.shape), dtype=x.dtype, device=x.device)
+    if _backend(group) == "gloo":
+        dist.all_gather(list(out.unbind(0)), x, group=group)
+    else:
+        dist.all_gather_into_tensor(out, x, group=group)
+    return out
+
+
+def gather_stats(stats: torch.Tensor, group) -> torch.Tensor:
+    """``[T, 6]`` shard statistics of every rank -> ``[W, T, 6]``."""
+    return all_gather_rows(stats, group)
+
+
+def gather_records(
+    record: Sequence[int], bad_targets: Optional[torch.Tensor], group, device: torch.device
+) -> list[list[int]]:
+    """All-gather the agreement records; returns them on the host, rank order.
+
+    ``bad_targets`` (a 0-d int64 device tensor, or ``None`` when this rank
+    failed validation) is written into the record's last field on the device,
+    so the range check of the targets needs no synchronisation of its own: the
+    single ``.tolist()`` here is the validation step's only host sync.
+    """
+    rec = torch.tensor(list(record), dtype=torch.int64).to(device, non_blocking=True)
+    if bad_targets is not None:
+        rec[-1:].copy_(bad_targets.reshape(1).to(device=device, dtype=torch.int64))
+    return all_gather_rows(rec, group).tolist()

@@ -1,0 +1,283 @@
+"""The vocab-parallel log-prob + entropy op: a ``torch.autograd.Function``.
+
+Data flow of one call (``group`` with ``W`` ranks; ``T`` rows; shard ``V_local``)::
+
+    validate=True:  local checks -> agreement all-gather ([W, 10] int64) -> 1 host sync
+    forward:        kernels.shard_stats      [T, V_local] -> [T, 6]   (fused, compiled)
+                    collectives.gather_stats [T, 6] -> [W, T, 6]      (1 all-gather)
+                    spec.combine_stats, spec.outputs                  (O(T), identical on all ranks)
+    backward:       kernels.shard_grad       [T, V_local] -> gradient (fused; no collective)
+
+Memory (``B`` = bytes of the logits shard): the forward allocates only O(T)
+tensors (plus bounded row-chunk scratch on the eager path); the op saves the
+logits by reference, the target-derived ``[T]`` tensors, the keep mask (by
+reference) and O(T) statistics; the backward allocates the gradient (input
+dtype) and O(T) (or chunk) scratch. With ``inplace_grad=True`` the gradient
+is written into the saved logits' storage instead, chunk by chunk.
+"""
+
+from __future__ import annotations
+
+import array_api_compat.torch as xp
+import torch
+from torch.autograd.function import once_differentiable
+
+from dualvp import spec, validation
+
+from . import collectives, kernels
+
+__all__ = ["logprob_entropy"]
+
+
+def _dtype_name(dtype) -> str:
+    return str(dtype).replace("torch.", "")
+
+
+def _kind(x) -> str:
+    if isinstance(x, torch.Tensor):
+        return f"tensor of dtype {_dtype_name(x.dtype)} and shape {tuple(x.shape)}"
+    return f"{type(x).__name__} {x!r}"[:200]
+
+
+def _check_flag(name: str, value) -> None:
+    if not isinstance(value, bool):
+        raise TypeError(f"{name}: expected a bool, got {type(value).__name__} {value!r}")
+
+
+def _local_checks(logits, target, keep_mask, temperature, ignore_index, with_entropy, entropy_grad, inplace_grad):
+    """Every local (rank-private, host-only) check; returns the temperature as a float."""
+    if not isinstance(logits, torch.Tensor):
+        raise TypeError(f"logits: expected a torch.Tensor [..., V_local] of a floating dtype, got {_kind(logits)}")
+    if not isinstance(target, torch.Tensor):
+        raise TypeError(f"target: expected an integer torch.Tensor [...], got {_kind(target)}")
+    if keep_mask is not None and not isinstance(keep_mask, torch.Tensor):
+        raise TypeError(f"keep_mask: expected None or a bool torch.Tensor [..., V_local], got {_kind(keep_mask)}")
+    tau = validation.check_args(
+        logits_shape=tuple(logits.shape),
+        logits_dtype=_dtype_name(logits.dtype),
+        target_shape=tuple(target.shape),
+        target_dtype=_dtype_name(target.dtype),
+        keep_shape=None if keep_mask is None else tuple(keep_mask.shape),
+        keep_dtype=None if keep_mask is None else _dtype_name(keep_mask.dtype),
+        temperature=temperature,
+        ignore_index=ignore_index,
+        with_entropy=with_entropy,
+        entropy_grad=entropy_grad,
+    )
+    _check_flag("inplace_grad", inplace_grad)
+    if target.device != logits.device:
+        raise ValueError(f"target: expected a tensor on the logits' device {logits.device}, got device {target.device}")
+    if keep_mask is not None and keep_mask.device != logits.device:
+        raise ValueError(
+            f"keep_mask: expected a tensor on the logits' device {logits.device}, got device {keep_mask.device}"
+        )
+    if inplace_grad:
+        if logits.requires_grad and logits.is_leaf:
+            raise ValueError(
+                "inplace_grad: expected logits produced by an autograd graph (a non-leaf tensor); got a leaf "
+                "tensor that requires grad, whose storage is the caller's own data and is never overwritten"
+            )
+        if not logits.is_contiguous():
+            raise ValueError(
+                f"inplace_grad: expected contiguous logits (the gradient is written into their storage), "
+                f"got strides {tuple(logits.stride())} for shape {tuple(logits.shape)}"
+            )
+    return tau
+
+
+class _Options:
+    __slots__ = ("rank", "world", "group", "tau", "ignore_index", "need_entropy_grad", "inplace_grad")
+
+    def __init__(self, **kw):
+        for k, v in kw.items():
+            setattr(self, k, v)
+
+
+def _target_to_local(y, rank, v_local, ignore_index):
+    y = y.to(torch.int64)
+    return spec.target_to_local(xp, y, rank, v_local, ignore_index)
+
+
+_UNMATERIALISED = (
+    "dualvp_torch.logprob_entropy: the gradient of the {} arrived as None in backward. The op never calls "
+    "ctx.set_materialize_grads(False), so autograd should pass zeros for an output that does not reach the "
+    "loss; a None here means a caller or wrapper disabled gradient materialisation. Computing the gradient "
+    "without it would silently drop that term, so the op refuses."
+)
+
+
+class LogProbEntropyFunction(torch.autograd.Function):
+    """``(logits, target, keep_mask, options) -> (logprob, entropy)``; see :func:`logprob_entropy`."""
+
+    @staticmethod
+    def forward(ctx, logits, target, keep_mask, opt: _Options):
+        shape = tuple(target.shape)
+        v = logits.shape[-1]
+        z = logits.reshape(-1, v)
+        keep = None if keep_mask is None else keep_mask.reshape(-1, v)
+        cdt = kernels.compute_dtype(logits.dtype)
+        valid, owns, local = _target_to_local(target.reshape(-1), opt.rank, v, opt.ignore_index)
+        tau_t = torch.full((), opt.tau, dtype=cdt, device=z.device)
+        stats = kernels.shard_stats(z, local, owns, keep, tau_t)
+        if opt.group is not None:
+            all_stats = collectives.gather_stats(stats, opt.group)
+        else:
+            all_stats = stats[None]
+        comb = spec.combine_stats(xp, all_stats, axis=0, temperature=opt.tau)
+        logprob, entropy = spec.outputs(xp, comb, valid, opt.tau)
+        logprob, entropy = logprob.reshape(shape), entropy.reshape(shape)
+        ctx.opt = opt
+        ctx.logits_shape = tuple(logits.shape)
+        c = comb.c if opt.need_entropy_grad else None
+        ctx.save_for_backward(logits, keep_mask, local, owns, valid, comb.M, comb.log_s, c, comb.mk, comb.log_sk)
+        if not opt.need_entropy_grad:
+            ctx.mark_non_differentiable(entropy)
+        return logprob, entropy
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad_logprob, grad_entropy):
+        opt = ctx.opt
+        if grad_logprob is None:
+            raise RuntimeError(_UNMATERIALISED.format("log-prob"))
+        if opt.need_entropy_grad and grad_entropy is None:
+            raise RuntimeError(_UNMATERIALISED.format("entropy"))
+        if not ctx.needs_input_grad[0]:
+            return None, None, None, None
+        logits, keep_mask, local, owns, valid, M, log_s, c, mk, log_sk = ctx.saved_tensors
+        v = logits.shape[-1]
+        z = logits.reshape(-1, v)
+        keep = None if keep_mask is None else keep_mask.reshape(-1, v)
+        cdt = kernels.compute_dtype(logits.dtype)
+        gl = grad_logprob.reshape(-1).to(cdt)
+        gl = torch.where(valid, gl, torch.zeros_like(gl))
+        if opt.need_entropy_grad:
+            ge = grad_entropy.reshape(-1).to(cdt)
+        else:
+            ge = torch.zeros_like(gl)
+            c = torch.zeros_like(gl)
+        tau_t = torch.full((), opt.tau, dtype=cdt, device=z.device)
+        g = kernels.shard_grad(z, local, owns, keep, M, log_s, c, mk, log_sk, gl, ge, tau_t, inplace=opt.inplace_grad)
+        return g.view(ctx.logits_shape), None, None, None
+
+
+def logprob_entropy(
+    logits,
+    target,
+    *,
+    group=None,
+    keep_mask=None,
+    temperature=1.0,
+    with_entropy=True,
+    entropy_grad=True,
+    ignore_index=-100,
+    validate=True,
+    inplace_grad=False,
+):
+    """Log-prob of the target and entropy from vocab-sharded logits.
+
+    Args:
+      logits: ``[..., V_local]`` this rank's contiguous vocab shard (float32,
+        bfloat16, float16 or float64). Rank ``r`` of a ``W``-rank ``group``
+        owns the global columns ``[r*V_local, (r+1)*V_local)``.
+      target: ``[...]`` integer *global* token ids (same leading shape).
+      group: a ``torch.distributed.ProcessGroup`` that shards the vocabulary,
+        or ``None`` (unsharded: no collectives at all).
+      keep_mask: ``[..., V_local]`` bool, the tokens the sampler kept (top-p /
+        top-k replay). The log-prob is under the distribution renormalised over
+        ``keep_mask`` plus the target (always kept); the entropy is unmasked.
+      temperature: ``tau > 0``; the op uses ``softmax(logits / tau)`` without
+        an extra buffer.
+      with_entropy: ``False`` returns ``None`` for the entropy (it costs
+        nothing extra either way: the statistics are shared).
+      entropy_grad: ``False`` returns the entropy with ``requires_grad=False``
+        and keeps nothing alive for its gradient.
+      ignore_index: rows whose target equals it get log-prob 0 and no
+        log-prob gradient.
+      validate: ``True`` checks the arguments, the target range and (with a
+        group) that all ranks agree on options and shapes, through one small
+        all-gather and one host sync; every rank then raises the same error.
+        ``False`` skips the range check and the agreement collective (no sync);
+        all ranks must then agree on ``validate`` itself and on every option
+        and shape, and out-of-range targets give unspecified results.
+        Local argument checks (types, shapes, dtypes) always run; they are
+        host-only.
+      inplace_grad: ``True`` writes the gradient into the logits' own storage
+        in backward (O(T) extra memory instead of ``B``). The logits must be a
+        contiguous non-leaf tensor; after backward they hold the gradient.
+        If another autograd node saved the same logits, its backward fails
+        with torch's "modified by an inplace operation" error instead of
+        using overwritten values; modifying the logits between forward and
+        backward fails the same way.
+
+    Returns:
+      ``(logprob [...], entropy [...] or None)``, float32 (float64 for
+      float64 input).
+
+    Raises:
+      TypeError / ValueError naming the argument for invalid input (with a
+      group and ``validate=True``, on every rank, or ``RuntimeError`` on every
+      rank when the ranks disagree).
+    """
+    if group is not None and not collectives.is_process_group(group):
+        raise TypeError(f"group: expected a torch.distributed.ProcessGroup or None, got {_kind(group)}")
+    if not isinstance(validate, bool):
+        raise TypeError(f"validate: expected a bool, got {type(validate).__name__} {validate!r}")
+    rank, world = collectives.group_rank_world(group)
+
+    error = None
+    tau = None
+    try:
+        tau = _local_checks(
+            logits, target, keep_mask, temperature, ignore_index, with_entropy, entropy_grad, inplace_grad
+        )
+    except (TypeError, ValueError) as exc:
+        error = exc
+
+    if validate and group is not None:
+        if error is None:
+            record = validation.agreement_record(
+                error=None,
+                n_rows=target.numel(),
+                v_local=logits.shape[-1],
+                logits_dtype=_dtype_name(logits.dtype),
+                has_mask=keep_mask is not None,
+                with_entropy=with_entropy,
+                entropy_grad=entropy_grad,
+                temperature=tau,
+                ignore_index=ignore_index,
+            )
+            bad = _count_bad_targets(target, ignore_index, world * logits.shape[-1])
+            device = collectives.comm_device(group, logits)
+        else:
+            record = validation.agreement_record(error=error)
+            bad = None
+            device = collectives.comm_device(group, logits if isinstance(logits, torch.Tensor) else None)
+        table = collectives.gather_records(record, bad, group, device)
+        validation.check_agreement(table, rank=rank, local_error=error, vocab_size=None if error else world * logits.shape[-1])
+    else:
+        if error is not None:
+            raise error
+        if validate and target.numel():
+            record = [0] * len(validation.RECORD_FIELDS)
+            record[-1] = int(_count_bad_targets(target, ignore_index, world * logits.shape[-1]))  # the one sync
+            validation.check_agreement([record], rank=0, vocab_size=world * logits.shape[-1])
+
+    opt = _Options(
+        rank=rank,
+        world=world,
+        group=group,
+        tau=tau,
+        ignore_index=ignore_index,
+        need_entropy_grad=bool(with_entropy and entropy_grad),
+        inplace_grad=inplace_grad,
+    )
+    logprob, entropy = LogProbEntropyFunction.apply(logits, target, keep_mask, opt)
+    return logprob, (entropy if with_entropy else None)
+
+
+def _count_bad_targets(target, ignore_index, vocab_size) -> torch.Tensor:
+    """0-d int64 device tensor: targets outside ``[0, vocab_size)`` that are not ``ignore_index``."""
+    y = target.to(torch.int64)
+    bad = (y != ignore_index) & ((y < 0) | (y >= vocab_size))
+    return bad.sum(dtype=torch.int64)
