@@ -1,0 +1,124 @@
+"""Helpers shared by the JAX tests: meshes, input conversion, a jitted value+gradient runner."""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+
+import numpy as np
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+import dualvp_jax
+from dualvp import cases, reference
+
+JNP_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16, "float64": jnp.float64}
+
+
+@functools.lru_cache(maxsize=None)
+def mesh_1d(world: int, kind: str = "explicit"):
+    """A 1-D ("tp",) mesh: from ``jax.make_mesh`` (explicit axes) or ``Mesh`` (auto axes)."""
+    if kind == "explicit":
+        return jax.make_mesh((world,), ("tp",))
+    return Mesh(np.array(jax.devices()[:world]), ("tp",))
+
+
+@functools.lru_cache(maxsize=None)
+def mesh_2d(dp: int, tp: int, kind: str = "explicit"):
+    if kind == "explicit":
+        return jax.make_mesh((dp, tp), ("dp", "tp"))
+    return Mesh(np.array(jax.devices()[: dp * tp]).reshape(dp, tp), ("dp", "tp"))
+
+
+def x64_for(dtype: str):
+    """Float64 inputs need jax_enable_x64; scope it to the test (no leak)."""
+    return jax.enable_x64(True) if dtype == "float64" else contextlib.nullcontext()
+
+
+def inputs(prob: cases.Problem, dtype: str | None = None):
+    """JAX arrays of a problem: logits in the case dtype (exact: already rounded), target, mask, cotangents."""
+    dtype = dtype or prob.case.dtype
+    z = jnp.asarray(prob.logits.astype(np.float32) if dtype != "float64" else prob.logits).astype(JNP_DTYPES[dtype])
+    y = jnp.asarray(prob.target)
+    k = None if prob.keep_mask is None else jnp.asarray(prob.keep_mask)
+    cdt = jnp.float64 if dtype == "float64" else jnp.float32
+    gl = jnp.asarray(prob.grad_logprob, cdt)
+    ge = jnp.asarray(prob.grad_entropy, cdt)
+    return z, y, k, gl, ge
+
+
+def reference_of(prob: cases.Problem, *, entropy_grad: bool = True):
+    c = prob.case
+    kw = dict(keep_mask=prob.keep_mask, temperature=c.temperature, ignore_index=c.ignore_index)
+    lp, h = reference.logprob_entropy(prob.logits, prob.target, **kw)
+    g = reference.logprob_entropy_grad(
+        prob.logits, prob.target, prob.grad_logprob, prob.grad_entropy if entropy_grad else None, **kw
+    )
+    return lp, h, g
+
+
+_RUNNERS: dict = {}
+
+
+def sharded_runner(world: int, kind: str, tau: float, ignore_index: int, has_mask: bool,
+                   with_entropy: bool = True, entropy_grad: bool = True, jit: bool = True):
+    """``f(z, y, k, gl, ge) -> (logprob, entropy, grad)`` through the global-array API."""
+    key = (world, kind, tau, ignore_index, has_mask, with_entropy, entropy_grad, jit)
+    if key in _RUNNERS:
+        return _RUNNERS[key]
+    mesh = mesh_1d(world, kind)
+
+    def run(z, y, k, gl, ge):
+        def f(z):
+            return dualvp_jax.sharded_logprob_entropy(
+                z, y, mesh, "tp", keep_mask=k if has_mask else None, temperature=tau,
+                with_entropy=with_entropy, entropy_grad=entropy_grad, ignore_index=ignore_index)
+
+        (lp, h), vjp = jax.vjp(f, z)
+        (g,) = vjp((gl, ge if with_entropy else None))
+        return lp, h, g
+
+    fn = jax.jit(run) if jit else run
+    _RUNNERS[key] = fn
+    return fn
+
+
+def shard_map_runner(world: int, kind: str, tau: float, ignore_index: int, has_mask: bool):
+    """Same through a user-written ``jax.shard_map`` around :func:`dualvp_jax.logprob_entropy`."""
+    key = ("shard_map", world, kind, tau, ignore_index, has_mask)
+    if key in _RUNNERS:
+        return _RUNNERS[key]
+    mesh = mesh_1d(world, kind)
+    zs = P(None, "tp")
+
+    def body(z, y, *k):
+        return dualvp_jax.logprob_entropy(z, y, axis_name="tp", keep_mask=k[0] if has_mask else None,
+                                          temperature=tau, ignore_index=ignore_index)
+
+    def run(z, y, k, gl, ge):
+        lead = z.ndim - 1
+        zspec = P(*([None] * lead), "tp")
+        tspec = P(*([None] * lead))
+        in_specs = (zspec, tspec) + ((zspec,) if has_mask else ())
+        sm = jax.shard_map(body, mesh=mesh, in_specs=in_specs, out_specs=(tspec, tspec))
+        args = (y,) + ((k,) if has_mask else ())
+        if kind == "explicit":
+            z = jax.reshard(z, NamedSharding(mesh, zspec))
+            args = tuple(jax.reshard(a, NamedSharding(mesh, s)) for a, s in zip(args, in_specs[1:]))
+        (lp, h), vjp = jax.vjp(lambda z: sm(z, *args), z)
+        (g,) = vjp((gl, ge))
+        return lp, h, g
+
+    del zs
+    fn = jax.jit(run)
+    _RUNNERS[key] = fn
+    return fn
+
+
+def check_close(name, x, ref, dtype, quantity):
+    x = np.asarray(jnp.asarray(x, jnp.float64 if x.dtype == jnp.float64 else jnp.float32), dtype=np.float64)
+    tol = cases.tolerance(dtype, quantity)
+    ok = cases.within_tolerance(x, ref, tol)
+    assert ok, f"{name} {quantity}: max errors (abs, rel) {cases.max_errors(x, ref)} > {tol}"
