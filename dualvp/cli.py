@@ -19,6 +19,10 @@ def _parser() -> argparse.ArgumentParser:
     v.add_argument("--temperature", type=float, default=1.0)
     v.add_argument("--mask", default="none", choices=["none", "nucleus", "drop_target", "random"])
     v.add_argument("--seed", type=int, default=0)
+    b = sub.add_parser("bench", help="speed, memory and precision of every implementation against baselines")
+    from .bench import add_arguments
+
+    add_arguments(b)
     return p
 
 
@@ -28,4 +32,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         from .verify import run
 
         return run(args)
+    if args.command == "bench":
+        from .bench import run as run_bench
+
+        return run_bench(args)
     raise AssertionError(args.command)
