@@ -19,6 +19,10 @@ def _parser() -> argparse.ArgumentParser:
     v.add_argument("--temperature", type=float, default=1.0)
     v.add_argument("--mask", default="none", choices=["none", "nucleus", "drop_target", "random"])
     v.add_argument("--seed", type=int, default=0)
+    v.add_argument("--backends", default="torch,jax", help="comma-separated subset of torch,jax")
+    v.add_argument("--no-compile", dest="compile", action="store_false",
+                   help="torch: use the eager row-chunked path instead of torch.compile")
+    v.add_argument("--timeout", type=float, default=300.0, help="seconds before a backend run is killed")
     b = sub.add_parser("bench", help="speed, memory and precision of every implementation against baselines")
     from .bench import add_arguments
 

@@ -1,13 +1,50 @@
-"""``dualvp verify``: every backend against the float64 oracle."""
+"""``dualvp verify``: torch and JAX on the same problem, against the oracle and each other.
+
+Builds one random problem (confident-LM logits, upstream gradients for
+log-prob and entropy, an optional keep mask), computes
+
+* the float64 oracle (:mod:`dualvp.reference`) on the full logits,
+* the specification run over ``W`` simulated shards (:mod:`dualvp.simulate`),
+* ``dualvp_torch`` on ``W`` real gloo ranks (one process each),
+* ``dualvp_jax`` on a mesh of ``W`` host devices,
+
+and prints the max abs / rel error of log-prob, entropy and the logits
+gradient for each backend against the oracle and for torch against JAX, with
+PASS/FAIL against :data:`dualvp.cases.TOLERANCES`. Exit status 1 on any FAIL.
+
+The backends run in child processes: the gloo ranks, and one JAX process whose
+``XLA_FLAGS`` asks for ``W`` host devices before JAX is imported.
+"""
 
 from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from typing import Optional
 
 import numpy as np
 
 from . import cases, reference, simulate
 
+__all__ = ["run", "compare", "Row", "problem_for"]
 
-def run(args) -> int:
+
+class Row:
+    """One line of the report."""
+
+    def __init__(self, check: str, quantity: str, abs_err: float, rel_err: float, ok: bool, note: str = ""):
+        self.check, self.quantity, self.abs_err, self.rel_err, self.ok, self.note = (
+            check, quantity, abs_err, rel_err, ok, note)
+
+    def as_dict(self) -> dict:
+        return dict(check=self.check, quantity=self.quantity, abs=self.abs_err, rel=self.rel_err, ok=self.ok)
+
+
+def problem_for(args) -> cases.Problem:
+    """The verify problem: a :class:`dualvp.cases.Case` built from the options."""
     c = cases.Case(
         name="verify",
         lead=(args.tokens,),
@@ -18,20 +55,190 @@ def run(args) -> int:
         mask=args.mask,
         logits="confident_lm",
         seed=args.seed,
+        ignore_frac=0.05,
     )
-    prob = cases.make(c)
-    kw = dict(keep_mask=prob.keep_mask, temperature=c.temperature, ignore_index=c.ignore_index)
-    ref = reference.logprob_entropy(prob.logits, prob.target, **kw)
-    ref_g = reference.logprob_entropy_grad(prob.logits, prob.target, prob.grad_logprob, prob.grad_entropy, **kw)
-    lp, h, g = simulate.logprob_entropy_sharded(
+    return cases.make(c)
+
+
+def _tol_pair(dtype: str, quantity: str) -> cases.Tolerance:
+    # Each backend is within `tol` of the oracle, so the two differ by at most 2 * tol.
+    t = cases.tolerance(dtype, quantity)
+    return cases.Tolerance(2 * t.atol, 2 * t.rtol)
+
+
+def compare(results: dict, oracle: dict, dtype: str) -> list:
+    """Rows for every backend vs the oracle and for each pair of backends.
+
+    Args:
+      results: backend name -> ``{"logprob", "entropy", "grad"}`` NumPy arrays.
+      oracle: the same keys, float64.
+    """
+    rows = []
+    quantities = ("logprob", "entropy", "grad")
+    for name, res in results.items():
+        for q in quantities:
+            a, r = cases.max_errors(res[q], oracle[q])
+            ok = cases.within_tolerance(res[q], oracle[q], cases.tolerance(dtype, q))
+            rows.append(Row(f"{name} vs oracle", q, a, r, ok))
+    if "torch" in results and "jax" in results:
+        for q in quantities:
+            x, y = results["torch"][q], results["jax"][q]
+            a, r = cases.max_errors(x, y)
+            ok = cases.within_tolerance(x, y, _tol_pair(dtype, q))
+            rows.append(Row("torch vs jax", q, a, r, ok))
+    return rows
+
+
+def _progress(step: int, total: int, text: str, t0: Optional[float] = None) -> float:
+    now = time.perf_counter()
+    if t0 is None:
+        print(f"[{step}/{total}] {text} ...", file=sys.stderr, flush=True)
+    else:
+        print(f"[{step}/{total}] {text} done in {now - t0:.1f} s", file=sys.stderr, flush=True)
+    return now
+
+
+def _torch_rank(rank, world, path, dtype, temperature, compile_):
+    """One gloo rank: forward + backward on this rank's shard; returns NumPy arrays."""
+    import torch
+
+    from dualvp_torch import logprob_entropy
+
+    data = np.load(path)
+    v = data["logits"].shape[-1] // world
+    sl = slice(rank * v, (rank + 1) * v)
+    tdt = getattr(torch, dtype)
+    z = torch.from_numpy(np.ascontiguousarray(data["logits"][..., sl])).to(tdt).requires_grad_(True)
+    y = torch.from_numpy(data["target"])
+    keep = torch.from_numpy(np.ascontiguousarray(data["keep"][..., sl])) if data["has_keep"] else None
+    lp, h = logprob_entropy(z, y, group=torch.distributed.group.WORLD if world > 1 else None,
+                            keep_mask=keep, temperature=temperature)
+    gl = torch.from_numpy(data["grad_logprob"]).to(lp.dtype)
+    ge = torch.from_numpy(data["grad_entropy"]).to(h.dtype)
+    torch.autograd.backward([lp, h], [gl, ge])
+    return dict(
+        logprob=lp.detach().double().numpy(),
+        entropy=h.detach().double().numpy(),
+        grad=z.grad.double().numpy(),
+    )
+
+
+def _run_torch(path: str, args) -> dict:
+    from dualvp_torch.testing import run_ranks
+
+    env = {} if args.compile else {"DUALVP_COMPILE": "0"}
+    outs = run_ranks(_torch_rank, args.tp, path, args.dtype, args.temperature, args.compile,
+                     timeout=args.timeout, env=env)
+    for r, o in enumerate(outs[1:], start=1):
+        # every rank holds the same combined statistics, hence the same outputs
+        for q in ("logprob", "entropy"):
+            if not np.array_equal(o[q], outs[0][q], equal_nan=True):
+                raise RuntimeError(f"torch rank {r} {q} differs from rank 0")
+    return dict(
+        logprob=outs[0]["logprob"],
+        entropy=outs[0]["entropy"],
+        grad=np.concatenate([o["grad"] for o in outs], axis=-1),
+    )
+
+
+_JAX_CHILD = r"""
+import sys, numpy as np
+import jax
+if sys.argv[3] == "float64":
+    jax.config.update("jax_enable_x64", True)
+import jax.numpy as jnp
+import dualvp_jax
+path, out, dtype, tau, world = sys.argv[1], sys.argv[2], sys.argv[3], float(sys.argv[4]), int(sys.argv[5])
+data = np.load(path)
+mesh = jax.make_mesh((world,), ("tp",), devices=jax.devices()[:world])
+z = jnp.asarray(data["logits"]).astype(getattr(jnp, dtype))
+y = jnp.asarray(data["target"])
+keep = jnp.asarray(data["keep"]) if data["has_keep"] else None
+def f(z):
+    return dualvp_jax.sharded_logprob_entropy(z, y, mesh, "tp", keep_mask=keep, temperature=tau)
+(lp, h), vjp = jax.vjp(f, z)
+(g,) = vjp((jnp.asarray(data["grad_logprob"]).astype(lp.dtype), jnp.asarray(data["grad_entropy"]).astype(h.dtype)))
+np.savez(out, logprob=np.asarray(lp, np.float64), entropy=np.asarray(h, np.float64),
+         grad=np.asarray(g.astype(jnp.float32 if dtype != "float64" else jnp.float64), np.float64))
+"""
+
+
+def _run_jax(path: str, args) -> dict:
+    out = path.replace(".npz", "_jax.npz")
+    env = dict(os.environ)
+    env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count={args.tp}").strip()
+    env.setdefault("JAX_PLATFORMS", "cpu")
+    proc = subprocess.run(
+        [sys.executable, "-c", _JAX_CHILD, path, out, args.dtype, repr(args.temperature), str(args.tp)],
+        env=env, capture_output=True, text=True, timeout=args.timeout,
+    )
+    if proc.returncode:
+        raise RuntimeError(f"JAX backend failed:\n{proc.stderr[-4000:]}")
+    data = np.load(out)
+    return {k: data[k] for k in ("logprob", "entropy", "grad")}
+
+
+def _print_table(rows: list, args) -> None:
+    print(f"dualvp verify: W={args.tp} T={args.tokens} V={args.vocab} dtype={args.dtype} "
+          f"temperature={args.temperature} mask={args.mask} seed={args.seed}")
+    head = f"{'check':<18} {'quantity':<9} {'max abs err':>12} {'max rel err':>12}  {'tolerance (abs + rel*|ref|)':<28} result"
+    print(head)
+    print("-" * len(head))
+    for r in rows:
+        t = (_tol_pair(args.dtype, r.quantity) if r.check == "torch vs jax"
+             else cases.tolerance(args.dtype, r.quantity))
+        print(f"{r.check:<18} {r.quantity:<9} {r.abs_err:>12.3e} {r.rel_err:>12.3e}  "
+              f"{f'{t.atol:.0e} + {t.rtol:.0e}':<28} {'PASS' if r.ok else 'FAIL'}{r.note}")
+
+
+def run(args) -> int:
+    """Entry point of ``dualvp verify``; returns the exit status."""
+    if args.vocab % args.tp:
+        print(f"dualvp verify: --vocab {args.vocab} is not divisible by --tp {args.tp}", file=sys.stderr)
+        return 2
+    backends = [b for b in args.backends.split(",") if b]
+    total = 3 + len(backends)
+    t = _progress(1, total, f"building the problem (T={args.tokens}, V={args.vocab})")
+    prob = problem_for(args)
+    _progress(1, total, "problem", t)
+
+    t = _progress(2, total, "float64 oracle and the spec over simulated shards")
+    kw = dict(keep_mask=prob.keep_mask, temperature=args.temperature, ignore_index=-100)
+    lp, h = reference.logprob_entropy(prob.logits, prob.target, **kw)
+    g = reference.logprob_entropy_grad(prob.logits, prob.target, prob.grad_logprob, prob.grad_entropy, **kw)
+    oracle = dict(logprob=lp, entropy=h, grad=g)
+    sdt = np.float64 if args.dtype == "float64" else np.float32
+    s_lp, s_h, s_g = simulate.logprob_entropy_sharded(
         prob.logits, prob.target, args.tp, grad_logprob=prob.grad_logprob, grad_entropy=prob.grad_entropy,
-        dtype=np.float32 if args.dtype != "float64" else np.float64, **kw
-    )
-    fail = False
-    print(f"{'check':<18}{'quantity':<10}{'max abs':>12}{'max rel':>12}  result")
-    for name, x, r in (("logprob", lp, ref[0]), ("entropy", h, ref[1]), ("grad", g, ref_g)):
-        a, rel = cases.max_errors(x, r)
-        ok = cases.within_tolerance(x, r, cases.tolerance(args.dtype, name))
-        fail |= not ok
-        print(f"{'spec vs oracle':<18}{name:<10}{a:>12.3e}{rel:>12.3e}  {'PASS' if ok else 'FAIL'}")
-    return 1 if fail else 0
+        dtype=sdt, **kw)
+    results = {"spec": dict(logprob=s_lp, entropy=s_h, grad=s_g)}
+    _progress(2, total, "oracle", t)
+
+    with tempfile.TemporaryDirectory(prefix="dualvp-verify-") as tmp:
+        path = os.path.join(tmp, "problem.npz")
+        keep = prob.keep_mask if prob.keep_mask is not None else np.zeros((0,), bool)
+        np.savez(path, logits=prob.logits, target=prob.target, keep=keep, has_keep=prob.keep_mask is not None,
+                 grad_logprob=prob.grad_logprob, grad_entropy=prob.grad_entropy)
+        step = 3
+        for b in backends:
+            where = f"{args.tp} gloo rank(s)" if b == "torch" else f"{args.tp} host device(s)"
+            t = _progress(step, total, f"{b} on {where}")
+            try:
+                results[b] = _run_torch(path, args) if b == "torch" else _run_jax(path, args)
+            except Exception as exc:  # report, and fail the run, instead of a traceback
+                print(f"dualvp verify: {b} backend failed: {exc}", file=sys.stderr)
+                results[b] = None
+            _progress(step, total, b, t)
+            step += 1
+
+    t = _progress(total, total, "comparing")
+    failed_backends = [b for b, r in results.items() if r is None]
+    rows = compare({b: r for b, r in results.items() if r is not None}, oracle, args.dtype)
+    _print_table(rows, args)
+    bad = [r for r in rows if not r.ok]
+    if failed_backends or bad:
+        what = ", ".join([f"{b} did not run" for b in failed_backends] + [f"{r.check} {r.quantity}" for r in bad])
+        print(f"FAIL: {what}")
+        return 1
+    print(f"PASS: {len(rows)} checks within tolerance")
+    return 0
