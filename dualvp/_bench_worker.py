@@ -9,8 +9,11 @@ repetitions. For each mode the worker:
 1. calls forward and backward once and times it (the *first call*: compile /
    trace / warm-up, reported apart);
 2. runs ``warmup`` untimed calls, then ``reps`` timed calls, forward and
-   backward timed separately (wall clock, ``time.perf_counter``);
-3. measures the peak extra resident memory of one forward+backward: inputs
+   backward timed separately (wall clock, ``time.perf_counter``; the process
+   CPU time of forward+backward is recorded too, as it is less sensitive to
+   other work on a shared machine);
+3. measures, on each timed call, the peak extra resident memory of the
+   forward+backward (the maximum over the calls is reported): inputs
    allocated and touched, previous gradients freed, ``gc.collect()`` and
    ``malloc_trim(0)``, then the kernel's peak-RSS counter is reset
    (``echo 5 > /proc/self/clear_refs``); the peak is ``VmHWM`` read from
@@ -491,21 +494,28 @@ def _measure(spec, mode, fwd, bwd, clear, counter, B) -> dict:
         del out
         clear()
         coll = {"fwd": cf, "bwd": cb}
-    tf, tb, tfb = [], [], []
-    for _ in range(spec["reps"]):
-        t0 = time.perf_counter()
-        out = fwd()
-        t1 = time.perf_counter()
-        bwd(out)
-        t2 = time.perf_counter()
-        del out
-        clear()
+    # Timed calls; each one is also a memory measurement (the peak-RSS reset
+    # and the malloc_trim happen outside the timed region). The outputs of the
+    # last call are returned for the error check.
+    tf, tb, tfb, cpu, peaks = [], [], [], [], []
+    out = None
+    for i in range(max(1, spec["reps"])):
+        if out is not None:
+            del out
+            clear()
+        with PeakRSS() as pk:
+            c0 = time.process_time()
+            t0 = time.perf_counter()
+            out = fwd()
+            t1 = time.perf_counter()
+            bwd(out)
+            t2 = time.perf_counter()
+            c1 = time.process_time()
         tf.append(t1 - t0)
         tb.append(t2 - t1)
         tfb.append(t2 - t0)
-    with PeakRSS() as pk:
-        out = fwd()
-        bwd(out)
+        cpu.append(c1 - c0)
+        peaks.append(pk.extra)
     rec = {
         "impl": spec["impl"],
         "mode": mode,
@@ -519,10 +529,11 @@ def _measure(spec, mode, fwd, bwd, clear, counter, B) -> dict:
         "bwd_s": statistics.median(tb) if tb else None,
         "fwdbwd_s": statistics.median(tfb) if tfb else None,
         "times_fwdbwd_s": tfb,
-        "reps": spec["reps"],
+        "cpu_fwdbwd_s": statistics.median(cpu),
+        "reps": len(tfb),
         "B": B,
-        "peak_extra_bytes": pk.extra,
-        "peak_extra_B": pk.extra / B,
+        "peak_extra_bytes": max(peaks),
+        "peak_extra_B": max(peaks) / B,
         "memory_method": PeakRSS.method,
     }
     if coll is not None:

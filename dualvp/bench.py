@@ -77,8 +77,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtypes", default=None, help="comma list of float32,bfloat16 (default both)")
     p.add_argument("--impls", default=None, help=f"comma list of {','.join(IMPLS)} (default all available)")
     p.add_argument("--modes", default=None, help=f"comma list of {','.join(MODES)} (default all)")
-    p.add_argument("--reps", type=int, default=None, help="timed calls per mode (default 5, 2 for >1e8 elements)")
-    p.add_argument("--warmup", type=int, default=None, help="untimed calls after the first (default 1, 0 for >1e8)")
+    p.add_argument("--reps", type=int, default=None, help="timed calls per mode (default 3; 2 for >1e8 elements)")
+    p.add_argument("--warmup", type=int, default=None, help="untimed calls after the first, untimed one (default 0)")
     p.add_argument("--worlds", default=None, help="comma list of gloo world sizes W>1 for the collectives run "
                    "(default 2,4; 'none' to skip)")
     p.add_argument("--gloo-size", default=None, help="TxV_local of the gloo run (default 256x4096)")
@@ -325,9 +325,15 @@ def run_workers(specs: list[dict], work: str, timeout: float, on_record) -> list
 # --------------------------------------------------------------------------- table
 
 
+def _progress(msg: str) -> None:
+    if sys.stdout.isatty():
+        sys.stdout.write("\r" + msg[:110].ljust(110) + ("\r" if not msg else ""))
+        sys.stdout.flush()
+
+
 _COLS = (
     ("size", 14), ("dtype", 9), ("mode", 17), ("impl", 19), ("first", 8), ("fwd", 8), ("bwd", 8),
-    ("f+b", 8), ("mem/B", 6), ("err lp", 9), ("err H", 9), ("err grad", 9),
+    ("f+b", 8), ("cpu", 8), ("mem/B", 6), ("err lp", 9), ("err H", 9), ("err grad", 9),
 )
 
 
@@ -350,7 +356,7 @@ def row(r: dict) -> str:
         f"{r['T']}x{r['V_local']}" + (f"/W{r['world']}" if r.get("world", 1) > 1 else ""),
         r["dtype"], r["mode"], r["impl"],
         _fmt_s(first["fwd"] + first["bwd"]) if first else "-",
-        _fmt_s(r.get("fwd_s")), _fmt_s(r.get("bwd_s")), _fmt_s(r.get("fwdbwd_s")),
+        _fmt_s(r.get("fwd_s")), _fmt_s(r.get("bwd_s")), _fmt_s(r.get("fwdbwd_s")), _fmt_s(r.get("cpu_fwdbwd_s")),
         "-" if r.get("peak_extra_B") is None else f"{r['peak_extra_B']:.2f}",
         _fmt_e(e.get("logprob")), _fmt_e(e.get("entropy")), _fmt_e(e.get("grad")),
     )
@@ -377,12 +383,16 @@ def summarize(results: list[dict]) -> dict:
         for b in BASELINES:
             if b in d:
                 s[f"speedup_vs_{b}"] = d[b]["fwdbwd_s"] / t["fwdbwd_s"]
+                if d[b].get("cpu_fwdbwd_s") and t.get("cpu_fwdbwd_s"):
+                    s[f"cpu_speedup_vs_{b}"] = d[b]["cpu_fwdbwd_s"] / t["cpu_fwdbwd_s"]
                 for q in ("entropy", "grad"):
                     te, be = (t.get("errors") or {}).get(q), (d[b].get("errors") or {}).get(q)
                     if te is not None and be is not None:
                         s[f"{q}_err_ratio_{b}"] = be / te if te > 0 else float("inf")
         if "dualvp-jax" in d:
             s["jax_over_torch"] = d["dualvp-jax"]["fwdbwd_s"] / t["fwdbwd_s"]
+        if "dualvp-torch-eager" in d:
+            s["eager_over_compiled"] = d["dualvp-torch-eager"]["fwdbwd_s"] / t["fwdbwd_s"]
         rows.append(s)
 
     def check(name, vals, ok):
@@ -501,7 +511,8 @@ def run(args) -> int:
         "impls": run_impls,
         "skipped": skipped,
         "memory_method": MEMORY_METHOD,
-        "timing_method": "wall clock, median of reps after the first call and warm-up; first_call_s includes compile",
+        "timing_method": ("wall clock (perf_counter), median of reps after the first call and warm-up; first_call_s "
+                          "includes compile; cpu_fwdbwd_s = process CPU time of fwd+bwd (all threads), median"),
         "error_method": (f"max abs error vs float64 dualvp.reference on the dtype-rounded inputs; log-prob and entropy "
                          f"over all rows, gradient over the first --err-rows rows (default 256)"),
         "inputs": f"confident-LM logits N(10,3) + three +25 spikes per row; target sampled from softmax; "
@@ -520,8 +531,8 @@ def run(args) -> int:
         job = 0
         for T, V in sizes:
             big = T * V > 1e8
-            reps = args.reps if args.reps is not None else (2 if big else (2 if quick else 5))
-            warmup = args.warmup if args.warmup is not None else (0 if big or quick else 1)
+            reps = args.reps if args.reps is not None else (2 if big or quick else 3)
+            warmup = args.warmup if args.warmup is not None else 0
             inp = make_inputs(T, V, args.seed)
             z32 = inp.pop("logits")
             for dtype in dtypes:
@@ -532,6 +543,12 @@ def run(args) -> int:
                 for k, v in inp.items():
                     np.save(os.path.join(ddir, k + ".npy"), v)
                 oracle = Oracle(inp, z, args.err_rows)
+                # the oracle first, so that it never competes with a worker for the CPU
+                t_or = time.monotonic()
+                for m in modes:
+                    oracle.forward(MODES[m][2])
+                    oracle.grad(MODES[m][2], MODES[m][1])
+                print(f"  (float64 oracle for {T}x{V} {dtype}: {time.monotonic() - t_or:.0f}s)", flush=True)
                 for impl in run_impls:
                     job += 1
                     outd = os.path.join(work, f"out_{impl}_{T}x{V}_{dtype}")
@@ -540,16 +557,21 @@ def run(args) -> int:
                                 data_dir=ddir, out_dir=outd, err_rows=args.err_rows,
                                 port=_free_port() if impl == "megatron" else None)
 
-                    def on_record(rec, spec, outd=outd, oracle=oracle):
-                        i = spec["modes"].index(rec["mode"])
-                        f = os.path.join(outd, f"out_{i}_r0.npz")
-                        with np.load(f) as o:
-                            rec["errors"] = errors(oracle, rec["mode"], o["lp"], o["h"], o["g"])
-                        os.remove(f)
-                        doc["results"].append(rec)
-                        print(row(rec), flush=True)
+                    got = []
+
+                    def on_record(rec, spec, got=got):
+                        got.append(rec)
+                        _progress(f"  {impl} {T}x{V} {dtype} {rec['mode']}: f+b {rec['fwdbwd_s']:.3f}s")
 
                     errs = run_workers([spec], work, args.worker_timeout, on_record)
+                    _progress("")
+                    # errors after the worker has exited (no CPU competition while it times)
+                    for rec in got:
+                        f = os.path.join(outd, f"out_{modes.index(rec['mode'])}_r0.npz")
+                        with np.load(f) as o:
+                            rec["errors"] = errors(oracle, rec["mode"], o["lp"], o["h"], o["g"])
+                        doc["results"].append(rec)
+                        print(row(rec), flush=True)
                     for e in errs:
                         doc["failures"].append({"impl": impl, "T": T, "V_local": V, "dtype": dtype, "error": e})
                         print(f"  ! {impl} {T}x{V} {dtype}: {e}", flush=True)

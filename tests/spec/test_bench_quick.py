@@ -1,0 +1,68 @@
+"""``dualvp bench --quick`` runs end to end at a tiny size and writes the
+expected JSON structure. No timing assertions: machines are noisy."""
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from dualvp._bench_worker import MODES
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def _have(mod):
+    try:
+        return importlib.util.find_spec(mod) is not None
+    except (ImportError, ValueError):
+        return False
+
+
+@pytest.mark.slow
+def test_bench_quick_writes_json_and_png(tmp_path):
+    # Eager implementations only (no compile), two modes, W=2 gloo run: fast.
+    impls = [i for i, m in (("torch-eager", "torch"), ("jax-naive", "jax"), ("dualvp-torch-eager", "dualvp_torch"),
+                            ("dualvp-jax", "dualvp_jax")) if _have(m)]
+    if not impls:
+        pytest.skip("neither torch nor jax installed")
+    out = tmp_path / "bench.json"
+    modes = ["lp", "lp+ent+grad.keep"]
+    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    proc = subprocess.run(
+        [sys.executable, "-m", "dualvp", "bench", "--quick", "--sizes", "16x256", "--impls", ",".join(impls),
+         "--modes", ",".join(modes), "--gloo-size", "8x128", "--out", str(out)],
+        capture_output=True, text=True, timeout=540, env=env, cwd=ROOT,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "goals:" in proc.stdout
+    doc = json.loads(out.read_text())
+    assert set(doc) >= {"meta", "results", "collectives", "summary", "failures"}
+    assert doc["failures"] == []
+    meta = doc["meta"]
+    assert meta["memory_method"] and meta["machine"]["cpus"]
+    assert meta["sizes"] == [{"T": 16, "V_local": 256}]
+    got = {(r["impl"], r["mode"]) for r in doc["results"]}
+    assert got == {(i, m) for i in impls for m in modes}
+    for r in doc["results"]:
+        assert r["dtype"] == "float32" and r["T"] == 16 and r["V_local"] == 256
+        for k in ("fwd_s", "bwd_s", "fwdbwd_s", "peak_extra_B", "B"):
+            assert isinstance(r[k], (int, float)) and r[k] >= 0, (k, r)
+        assert set(r["first_call_s"]) == {"fwd", "bwd"}
+        assert r["B"] == 16 * 256 * 4
+        e = r["errors"]
+        # float32 against the float64 oracle: small, and the entropy is
+        # reported exactly when the mode computes it
+        assert e["logprob"] < 1e-3 and e["grad"] < 1e-3
+        assert (e["entropy"] is None) == (not MODES[r["mode"]][0])
+    if "dualvp-torch-eager" in impls:
+        coll = [c for c in doc["collectives"] if c["impl"] == "dualvp-torch-eager"]
+        assert {(c["world"], c["mode"]) for c in coll} == {(2, m) for m in modes}
+        for c in coll:
+            assert c["ranks_agree"]
+            assert c["per_call"]["fwd"]["count"] >= 1 and c["per_call"]["fwd"]["bytes"] > 0
+            assert c["errors"]["grad"] < 1e-3
+    assert os.path.exists(tmp_path / "bench.png") or not _have("matplotlib")
+    assert [g["goal"] for g in doc["summary"]["goals"]]
