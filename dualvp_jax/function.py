@@ -249,7 +249,8 @@ def logprob_entropy(
     tau = _validate(logits, target, keep_mask, temperature, ignore_index, with_entropy, entropy_grad)
     if axis_name is None:
         check_target_range(target, int(np.shape(logits)[-1]), ignore_index)
-    return _apply(logits, target, keep_mask, _Config(axis_name, tau, ignore_index, with_entropy, entropy_grad))
+    cfg = _Config(axis_name, tau, ignore_index, with_entropy, entropy_grad)
+    return _apply_jit(logits, target, keep_mask, cfg=cfg)
 
 
 def _apply(logits, target, keep_mask, cfg: _Config):
@@ -263,3 +264,8 @@ def _apply(logits, target, keep_mask, cfg: _Config):
     if not cfg.entropy_grad:
         entropy = lax.stop_gradient(entropy)
     return logprob, entropy
+
+
+# Eager calls run as one compiled program instead of op-by-op dispatch; under an
+# outer jit (or inside shard_map) this is simply inlined.
+_apply_jit = jax.jit(_apply, static_argnames=("cfg",))

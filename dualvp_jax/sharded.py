@@ -3,13 +3,18 @@
 ``logits [..., V]`` is split on its last dimension over the mesh axis
 ``vocab_axis``; its leading dimensions keep whatever sharding they already
 have over the other mesh axes (for example tokens split over a data-parallel
-axis), read from the array's type (explicit axes) or its committed
-``NamedSharding`` (auto axes); otherwise they are replicated. ``target`` and
+axis). On a mesh with explicit axes (``jax.make_mesh``'s default) that
+sharding is read from the array's type and the whole mesh is manual inside
+the op; on a mesh with auto axes only ``vocab_axis`` is manual
+(``shard_map(axis_names={vocab_axis})``) and the compiler partitions the
+leading dims over the other axes. ``target`` and
 ``keep_mask`` follow the logits. Outputs are sharded like the leading
 dimensions of the logits and replicated over ``vocab_axis``.
 """
 
 from __future__ import annotations
+
+from functools import partial
 
 import numpy as np
 
@@ -121,24 +126,41 @@ def sharded_logprob_entropy(
     check_target_range(target, shape[-1], ignore_index)
 
     ndim = len(shape)
-    lead = _lead_spec(logits, mesh, vocab_axis, ndim)
-    z_spec, t_spec = P(*lead, vocab_axis), P(*lead)
     explicit = _is_explicit(mesh, mesh.axis_names)
-    logits = _place(logits, mesh, z_spec, explicit)
-    target = _place(target, mesh, t_spec, explicit)
-    keep_mask = _place(keep_mask, mesh, z_spec, explicit)
-
+    if explicit:
+        # Explicit axes: the leading dims' sharding is part of the type, even under
+        # jit; the whole mesh goes manual and the inputs are resharded to the spec.
+        lead = _lead_spec(logits, mesh, vocab_axis, ndim)
+        logits = _place(logits, mesh, P(*lead, vocab_axis), True)
+        target = _place(target, mesh, P(*lead), True)
+        keep_mask = _place(keep_mask, mesh, P(*lead, vocab_axis), True)
+    else:
+        # Auto axes: only the vocab axis goes manual; the compiler keeps the
+        # leading dims sharded as they come over the other axes.
+        lead = (None,) * (ndim - 1)
+        logits, target = jnp.asarray(logits), jnp.asarray(target)
+        keep_mask = None if keep_mask is None else jnp.asarray(keep_mask)
     cfg = _Config(vocab_axis, tau, ignore_index, with_entropy, entropy_grad)
+    lp, h = _run(logits, target, keep_mask, mesh=mesh, cfg=cfg, lead=lead, all_manual=explicit)
+    return lp, (h if with_entropy else None)
+
+
+@partial(jax.jit, static_argnames=("mesh", "cfg", "lead", "all_manual"))
+def _run(logits, target, keep_mask, *, mesh, cfg, lead, all_manual):
+    # jit here so that eager calls are one compiled program, not op-by-op
+    # dispatch; under an outer jit it is inlined.
     has_mask = keep_mask is not None
+    z_spec, t_spec = P(*lead, cfg.axis_name), P(*lead)
 
     def body(z, y, *k):
         lp, h = _apply(z, y, k[0] if has_mask else None, cfg)
-        return (lp, h) if with_entropy else (lp,)
+        return (lp, h) if cfg.with_entropy else (lp,)
 
     in_specs = (z_spec, t_spec) + ((z_spec,) if has_mask else ())
-    out_specs = (t_spec, t_spec) if with_entropy else (t_spec,)
+    out_specs = (t_spec, t_spec) if cfg.with_entropy else (t_spec,)
     args = (logits, target) + ((keep_mask,) if has_mask else ())
-    out = jax.shard_map(body, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=True)(*args)
-    if with_entropy:
-        return out[0], out[1]
-    return out[0], None
+    axis_names = frozenset(mesh.axis_names) if all_manual else frozenset({cfg.axis_name})
+    out = jax.shard_map(
+        body, mesh=mesh, in_specs=in_specs, out_specs=out_specs, axis_names=axis_names, check_vma=True
+    )(*args)
+    return out[0], (out[1] if cfg.with_entropy else None)

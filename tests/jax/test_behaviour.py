@@ -1,0 +1,195 @@
+"""Transformations, meshes, options and the non-finite / validation policy of dualvp_jax."""
+
+import numpy as np
+import pytest
+
+jax = pytest.importorskip("jax")
+import jax.numpy as jnp  # noqa: E402
+from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
+
+import dualvp_jax  # noqa: E402
+from dualvp import cases, reference  # noqa: E402
+from _dualvp_jax_testutil import (  # noqa: E402
+    check_close, inputs, mesh_1d, mesh_2d, reference_of, sharded_runner,
+)
+
+
+def test_jit_and_eager_agree():
+    prob = cases.make(cases.case("random_mask_temp"))
+    z, y, k, gl, ge = inputs(prob)
+    args = (z, y, k, gl, ge)
+    eager = sharded_runner(4, "explicit", 0.7, -100, True, jit=False)(*args)
+    jitted = sharded_runner(4, "explicit", 0.7, -100, True, jit=True)(*args)
+    for a, b in zip(eager, jitted):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("kind", ["explicit", "auto"])
+def test_vmap_over_batch(kind):
+    """vmap of value and gradient over a leading batch dim == per-example calls."""
+    probs = [cases.make(cases.case("nucleus", seed=s)) for s in (1, 2, 3)]
+    z = jnp.stack([inputs(p)[0] for p in probs])
+    y = jnp.stack([inputs(p)[1] for p in probs])
+    k = jnp.stack([inputs(p)[2] for p in probs])
+    mesh = mesh_1d(4, kind)
+
+    def loss(z, y, k):
+        lp, h = dualvp_jax.sharded_logprob_entropy(z, y, mesh, "tp", keep_mask=k, temperature=0.9)
+        return jnp.sum(lp) + 0.5 * jnp.sum(h), (lp, h)
+
+    (_, (lp, h)), g = jax.jit(jax.vmap(jax.value_and_grad(loss, has_aux=True)))(z, y, k)
+    for i, p in enumerate(probs):
+        kw = dict(keep_mask=p.keep_mask, temperature=0.9)
+        r_lp, r_h = reference.logprob_entropy(p.logits, p.target, **kw)
+        r_g = reference.logprob_entropy_grad(p.logits, p.target, np.ones(6), 0.5 * np.ones(6), **kw)
+        check_close("vmap", lp[i], r_lp, "float32", "logprob")
+        check_close("vmap", h[i], r_h, "float32", "entropy")
+        check_close("vmap", g[i], r_g, "float32", "grad")
+    # the unsharded API under vmap too
+    lp1, h1 = jax.vmap(lambda z, y, k: dualvp_jax.logprob_entropy(z, y, keep_mask=k, temperature=0.9))(z, y, k)
+    np.testing.assert_allclose(np.asarray(lp1), np.asarray(lp), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("kind", ["explicit", "auto"])
+def test_2d_mesh_data_parallel(kind):
+    """Tokens split over "dp", vocab over "tp": outputs sharded over dp, exact values and gradients."""
+    case = cases.case("confident_lm_bf16", lead=(8,))
+    prob = cases.make(case)
+    ref_lp, ref_h, ref_g = reference_of(prob)
+    mesh = mesh_2d(2, 4, kind)
+    z, y, k, gl, ge = inputs(prob)
+    z = jax.device_put(z, NamedSharding(mesh, P("dp", "tp")))
+    y = jax.device_put(y, NamedSharding(mesh, P("dp")))
+    k = jax.device_put(k, NamedSharding(mesh, P("dp", "tp")))
+
+    @jax.jit
+    def run(z, y, k, gl, ge):
+        f = lambda z: dualvp_jax.sharded_logprob_entropy(z, y, mesh, "tp", keep_mask=k)  # noqa: E731
+        (lp, h), vjp = jax.vjp(f, z)
+        return lp, h, vjp((gl, ge))[0]
+
+    lp, h, g = run(z, y, k, gl, ge)
+    assert lp.sharding.spec[0] == "dp" and g.sharding.spec == P("dp", "tp")
+    assert g.dtype == jnp.bfloat16
+    check_close("2d", lp, ref_lp, "bfloat16", "logprob")
+    check_close("2d", h, ref_h, "bfloat16", "entropy")
+    check_close("2d", g, ref_g, "bfloat16", "grad")
+
+
+def test_entropy_grad_false_stops_gradient_and_with_entropy_false():
+    prob = cases.make(cases.case("basic"))
+    z, y, _, _, _ = inputs(prob)
+    mesh = mesh_1d(2, "explicit")
+    # eager (un-jitted) grad of explicitly sharded values needs the mesh as context, as for any JAX op
+    with jax.set_mesh(mesh):
+        _check_entropy_options(mesh, z, y)
+
+
+def _check_entropy_options(mesh, z, y):
+    f = lambda z, **kw: dualvp_jax.sharded_logprob_entropy(z, y, mesh, "tp", **kw)  # noqa: E731
+    g_h = jax.grad(lambda z: jnp.sum(f(z, entropy_grad=False)[1]))(z)
+    assert np.all(np.asarray(g_h) == 0)
+    g_both = jax.grad(lambda z: jnp.sum(sum(f(z, entropy_grad=False))))(z)
+    g_lp = jax.grad(lambda z: jnp.sum(f(z)[0]))(z)
+    np.testing.assert_allclose(np.asarray(g_both), np.asarray(g_lp), rtol=1e-6, atol=1e-7)
+    lp, h = f(z, with_entropy=False)
+    assert h is None and lp.shape == y.shape
+    lp, h = dualvp_jax.logprob_entropy(z, y, with_entropy=False)
+    assert h is None
+    # entropy_grad=False: the entropy value is unchanged
+    np.testing.assert_array_equal(np.asarray(f(z, entropy_grad=False)[1]), np.asarray(f(z)[1]))
+
+
+# --- non-finite values ---------------------------------------------------------------------
+
+
+def _nonfinite_problem():
+    rng = np.random.default_rng(0)
+    z = rng.normal(0, 2, size=(6, 16)).astype(np.float32)
+    y = np.array([1, 2, 3, 4, 5, 6])
+    z[1, 7] = np.nan           # NaN row
+    z[2, 3] = np.inf           # +inf row
+    z[3, :8] = -np.inf         # a whole shard of -inf (W=2): legal
+    z[4, 5] = -np.inf          # target at -inf: log-prob -inf, finite gradient
+    z[5, :] = -np.inf          # no finite logit: no distribution, NaN
+    return z, y
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_nonfinite_policy_row_by_row(world):
+    z, y = _nonfinite_problem()
+    y = y.copy()
+    y[3] = 9  # keep the target of the -inf-shard row finite
+    mesh = mesh_1d(world, "auto")
+
+    def loss(z):
+        lp, h = dualvp_jax.sharded_logprob_entropy(z, jnp.asarray(y), mesh, "tp")
+        return jnp.sum(jnp.where(jnp.isfinite(lp), lp, 0.0)) + jnp.sum(jnp.where(jnp.isfinite(h), h, 0.0)), (lp, h)
+
+    (_, (lp, h)), g = jax.jit(jax.value_and_grad(loss, has_aux=True))(jnp.asarray(z))
+    lp, h, g = np.asarray(lp), np.asarray(h), np.asarray(g)
+    ref_lp, ref_h = reference.logprob_entropy(z, y)
+    assert np.isfinite(lp[[0, 3]]).all() and np.isfinite(h[[0, 3, 4]]).all()
+    np.testing.assert_allclose(lp[[0, 3]], ref_lp[[0, 3]], rtol=2e-5, atol=2e-5)
+    np.testing.assert_allclose(h[[0, 3, 4]], ref_h[[0, 3, 4]], rtol=2e-5, atol=2e-5)
+    assert np.isnan(lp[1]) and np.isnan(h[1]) and np.isnan(g[1]).all()
+    assert np.isnan(lp[2]) and np.isnan(h[2]) and np.isnan(g[2]).all()
+    assert lp[4] == -np.inf and np.isfinite(g[4]).all()
+    assert np.isnan(lp[5])
+    assert np.isfinite(g[[0, 3, 4]]).all()
+
+
+def test_out_of_range_target_traced_gives_nan_rows_concrete_raises():
+    z = jnp.asarray(np.random.default_rng(1).normal(size=(4, 8)).astype(np.float32))
+    y = jnp.asarray([0, 8, -1, -100])
+    mesh = mesh_1d(2, "auto")
+    lp, h = jax.jit(lambda z, y: dualvp_jax.sharded_logprob_entropy(z, y, mesh, "tp"))(z, y)
+    assert np.isfinite(np.asarray(lp)[[0, 3]]).all() and np.isnan(np.asarray(lp)[[1, 2]]).all()
+    # y is an argument of the jitted function (traced); a closed-over y would be concrete and raise
+    g = jax.jit(jax.grad(lambda z, y: jnp.sum(dualvp_jax.logprob_entropy(z, y)[0])))(z, y)
+    assert np.isnan(np.asarray(g)[[1, 2]]).all() and np.isfinite(np.asarray(g)[[0, 3]]).all()
+    with pytest.raises(ValueError, match="target:"):
+        dualvp_jax.sharded_logprob_entropy(z, y, mesh, "tp")
+    with pytest.raises(ValueError, match="target:"):
+        dualvp_jax.logprob_entropy(z, y)
+
+
+# --- validation through the global-array API -------------------------------------------------
+
+_TABLE = [b for b in cases.BAD_INPUTS if "jax" in b.backends]
+
+
+@pytest.mark.parametrize("bad", _TABLE, ids=lambda b: b.name)
+def test_bad_input_sharded_api(bad):
+    kw = cases.bad_input_base()
+    kw.update(bad.changes)
+    kw = {k: jnp.asarray(v) if isinstance(v, (np.ndarray, np.generic)) else v for k, v in kw.items()}
+    with pytest.raises(bad.error) as info:
+        dualvp_jax.sharded_logprob_entropy(kw.pop("logits"), kw.pop("target"), mesh_1d(2, "auto"), "tp", **kw)
+    assert f"{bad.arg}:" in str(info.value) and "expected" in str(info.value)
+
+
+def test_bad_mesh_arguments():
+    z = jnp.zeros((4, 6), jnp.float32)
+    y = jnp.zeros((4,), jnp.int32)
+    with pytest.raises(ValueError, match="logits:.*divisible"):
+        dualvp_jax.sharded_logprob_entropy(z, y, mesh_1d(4, "auto"), "tp")
+    with pytest.raises(ValueError, match="vocab_axis:"):
+        dualvp_jax.sharded_logprob_entropy(z, y, mesh_1d(2, "auto"), "model")
+    with pytest.raises(TypeError, match="mesh:"):
+        dualvp_jax.sharded_logprob_entropy(z, y, "tp")
+    with pytest.raises(TypeError, match="temperature:"):
+        jax.jit(lambda t: dualvp_jax.logprob_entropy(z, y, temperature=t))(1.0)
+
+
+def test_validation_happens_at_trace_time():
+    """A bad shape raises while tracing, inside jit and inside shard_map."""
+    mesh = mesh_1d(2, "auto")
+
+    def body(z, y):
+        return dualvp_jax.logprob_entropy(z, y[:, None], axis_name="tp")
+
+    z = jnp.zeros((4, 8), jnp.float32)
+    y = jnp.zeros((4,), jnp.int32)
+    with pytest.raises(ValueError, match="target:"):
+        jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P(None, "tp"), P(None)), out_specs=(P(None), P(None))))(z, y)
