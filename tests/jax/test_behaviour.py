@@ -193,3 +193,26 @@ def test_validation_happens_at_trace_time():
     y = jnp.zeros((4,), jnp.int32)
     with pytest.raises(ValueError, match="target:"):
         jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P(None, "tp"), P(None)), out_specs=(P(None), P(None))))(z, y)
+
+
+@pytest.mark.parametrize("kind", ["explicit", "auto"])
+def test_one_collective_forward_none_backward(kind):
+    """Forward: one all-gather of O(T) statistics; backward: no collective; no pmax/psum anywhere."""
+    mesh = mesh_1d(4, kind)
+    z = jax.device_put(jnp.zeros((6, 64), jnp.float32), NamedSharding(mesh, P(None, "tp")))
+    y = jnp.zeros((6,), jnp.int32)
+    k = jnp.ones((6, 64), bool)
+
+    def loss(z, y, k):
+        lp, h = dualvp_jax.sharded_logprob_entropy(z, y, mesh, "tp", keep_mask=k, temperature=0.5)
+        return jnp.sum(lp) + jnp.sum(h)
+
+    import re
+
+    fwd = str(jax.make_jaxpr(loss)(z, y, k))
+    both = str(jax.make_jaxpr(jax.grad(loss))(z, y, k))
+    gathers = re.findall(r"(\w+\[\d+,6,6\]) = (all_gather\w*)\[", both)
+    assert gathers == [("f32[4,6,6]", "all_gather_invariant")], both  # the [W, T, 6] statistics table
+    assert len(re.findall(r"= all_gather\w*\[", fwd)) == 1, fwd
+    for name in ("psum", "pmax", "pmin", "ppermute", "all_to_all", "reduce_scatter"):
+        assert f"= {name}" not in both, both

@@ -32,9 +32,8 @@ def naive(z, y, keep, tau, ignore_index):
     return lp, h
 
 
-_NAIVE_CASES = ("basic", "batch_dims", "temp_0.3", "nucleus", "drop_target", "all_but_target",
-                "random_mask_temp", "ignored_masked", "extreme_temp", "neg_inf", "neg_inf_masked",
-                "dominant", "everything")
+_NAIVE_CASES = ("basic", "temp_0.3", "drop_target", "all_but_target", "random_mask_temp",
+                "ignored_masked", "extreme_temp", "neg_inf", "everything")
 
 
 @pytest.mark.parametrize("name", _NAIVE_CASES)

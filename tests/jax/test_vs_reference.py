@@ -30,8 +30,11 @@ def test_sharded_api_vs_reference(case, world):
         check_close(case.name, g, ref_g, case.dtype, "grad")
 
 
-# The user-level shard_map path on jax.sharding.Mesh (auto axes), at the largest W of each case.
-_SM_PARAMS = [pytest.param(c, max(c.worlds), id=f"{c.name}-W{max(c.worlds)}") for c in cases.CASES]
+# The user-level shard_map path on jax.sharding.Mesh (auto axes), at the largest W of a
+# representative subset (every dtype, mask kind, extreme row kind and the empty problem).
+_SM_NAMES = ("empty", "batch_dims", "float64", "bfloat16", "float16", "drop_target", "all_but_target",
+             "extreme_temp", "neg_inf_masked", "ties", "confident_lm_bf16", "everything")
+_SM_PARAMS = [pytest.param(c, max(c.worlds), id=f"{c.name}-W{max(c.worlds)}") for c in cases.CASES if c.name in _SM_NAMES]
 
 
 @pytest.mark.parametrize("case,world", _SM_PARAMS)
@@ -46,7 +49,7 @@ def test_shard_map_auto_mesh_vs_reference(case, world):
         check_close(case.name, g, ref_g, case.dtype, "grad")
 
 
-_OPTION_CASES = ("nucleus", "drop_target", "bfloat16", "ignored_masked", "neg_inf", "everything")
+_OPTION_CASES = ("nucleus", "bfloat16", "neg_inf", "everything")
 
 
 @pytest.mark.parametrize("world", [1, 4])
