@@ -125,6 +125,18 @@ def _version(mod: str) -> Optional[str]:
         return None
 
 
+def _git() -> Optional[str]:
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    try:
+        rev = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True, text=True,
+                             timeout=10).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no", "--", "dualvp", "dualvp_torch",
+                                "dualvp_jax"], cwd=root, capture_output=True, text=True, timeout=10).stdout.strip()
+        return (rev + ("+dirty" if dirty else "")) or None
+    except Exception:
+        return None
+
+
 def _machine() -> dict:
     cpu = platform.processor() or ""
     try:
@@ -313,6 +325,10 @@ def run_workers(specs: list[dict], work: str, timeout: float, on_record) -> list
             p.kill()
             p.wait()
             errs.append(f"timeout after {timeout:.0f}s")
+        except BaseException:  # interrupted: take the workers down with us
+            for q, _, _ in procs:
+                q.kill()
+            raise
         t.join(timeout=10)
         log.close()
         if p.returncode not in (0, None) and not errs:
@@ -478,6 +494,18 @@ def chart(doc: dict, path: str) -> Optional[str]:
 # --------------------------------------------------------------------------- main
 
 
+def _write(doc: dict, path: str, t_start: float, complete: bool) -> None:
+    """Write the JSON (also after every worker, so an interrupted run keeps its results)."""
+    doc["summary"] = summarize(doc["results"])
+    doc["meta"]["elapsed_s"] = time.monotonic() - t_start
+    doc["meta"]["complete"] = complete
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        json.dump(doc, f, indent=1)
+    os.replace(tmp, path)
+
+
 def run(args) -> int:
     quick = args.quick
     sizes = [_size(s) for s in _split(args.sizes, ["64x2048"] if quick else ["2048x32000", "2048x152064"])]
@@ -504,6 +532,7 @@ def run(args) -> int:
     meta = {
         "command": "python -m dualvp bench " + " ".join(sys.argv[2:] if sys.argv[1:2] == ["bench"] else sys.argv[1:]),
         "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
+        "git": _git(),
         "machine": _machine(),
         "sizes": [{"T": t, "V_local": v} for t, v in sizes],
         "dtypes": dtypes,
@@ -523,6 +552,16 @@ def run(args) -> int:
     for impl, why in skipped.items():
         print(f"skipping {impl}: {why}")
     work = tempfile.mkdtemp(prefix="dualvp-bench-")
+
+    def _term(signum, frame):  # so that the finally below removes the inputs
+        raise KeyboardInterrupt(f"signal {signum}")
+
+    import signal
+
+    try:
+        signal.signal(signal.SIGTERM, _term)
+    except ValueError:  # not the main thread
+        pass
     t_start = time.monotonic()
     try:
         print(f"dualvp bench: sizes {sizes}, dtypes {dtypes}, impls {run_impls}, modes {modes}")
@@ -576,6 +615,7 @@ def run(args) -> int:
                         doc["failures"].append({"impl": impl, "T": T, "V_local": V, "dtype": dtype, "error": e})
                         print(f"  ! {impl} {T}x{V} {dtype}: {e}", flush=True)
                     print(f"  [{job}/{n_jobs} done, {time.monotonic() - t_start:.0f}s]", flush=True)
+                    _write(doc, out_json, t_start, complete=False)
                     shutil.rmtree(outd, ignore_errors=True)
                 del oracle, z
                 shutil.rmtree(ddir, ignore_errors=True)
@@ -635,11 +675,7 @@ def run(args) -> int:
     finally:
         shutil.rmtree(work, ignore_errors=True)
 
-    doc["summary"] = summarize(doc["results"])
-    doc["meta"]["elapsed_s"] = time.monotonic() - t_start
-    os.makedirs(os.path.dirname(os.path.abspath(out_json)), exist_ok=True)
-    with open(out_json, "w") as f:
-        json.dump(doc, f, indent=1)
+    _write(doc, out_json, t_start, complete=True)
     note = chart(doc, out_png)
     print("\ngoals:")
     for g in doc["summary"]["goals"]:
