@@ -132,6 +132,27 @@ def check_target_range(target, vocab_size: int, ignore_index: int) -> None:
         )
 
 
+def _check_varying(logits, axis_name) -> None:
+    """Inside shard_map the logits shard must vary over ``axis_name`` (check_vma on).
+
+    With ``check_vma=False`` JAX cannot tell a replicated output from a
+    per-device one and hands each shard 1/W of the cotangent of a replicated
+    output, so the gradient would silently come out W times too small.
+    """
+    mat = getattr(jax.typeof(logits), "manual_axis_type", None)
+    varying = getattr(mat, "varying", None)
+    if varying is None:  # no such type information in this JAX version
+        return
+    names = axis_name if isinstance(axis_name, tuple) else (axis_name,)
+    missing = [a for a in names if a not in varying]
+    if missing:
+        raise ValueError(
+            f"axis_name: expected logits that vary over mesh axis {axis_name!r} (this shard's vocab columns, "
+            f"inside jax.shard_map with check_vma=True), got logits varying over {sorted(varying)}; "
+            "with check_vma=False the gradients of the replicated outputs would be scaled by 1/W"
+        )
+
+
 # --- the op -------------------------------------------------------------------
 
 
@@ -249,6 +270,8 @@ def logprob_entropy(
     tau = _validate(logits, target, keep_mask, temperature, ignore_index, with_entropy, entropy_grad)
     if axis_name is None:
         check_target_range(target, int(np.shape(logits)[-1]), ignore_index)
+    if axis_name is not None:
+        _check_varying(logits, axis_name)
     cfg = _Config(axis_name, tau, ignore_index, with_entropy, entropy_grad)
     return _apply_jit(logits, target, keep_mask, cfg=cfg)
 

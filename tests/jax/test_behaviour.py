@@ -216,3 +216,14 @@ def test_one_collective_forward_none_backward(kind):
     assert len(re.findall(r"= all_gather\w*\[", fwd)) == 1, fwd
     for name in ("psum", "pmax", "pmin", "ppermute", "all_to_all", "reduce_scatter"):
         assert f"= {name}" not in both, both
+
+
+def test_check_vma_off_is_refused():
+    """With check_vma=False the replicated outputs' gradients would be 1/W too small: raise instead."""
+    mesh = mesh_1d(4, "auto")
+    z = jnp.zeros((3, 16), jnp.float32)
+    y = jnp.zeros((3,), jnp.int32)
+    body = lambda z, y: dualvp_jax.logprob_entropy(z, y, axis_name="tp")  # noqa: E731
+    sm = jax.shard_map(body, mesh=mesh, in_specs=(P(None, "tp"), P()), out_specs=(P(), P()), check_vma=False)
+    with pytest.raises(ValueError, match="axis_name:.*check_vma"):
+        jax.jit(sm)(z, y)
