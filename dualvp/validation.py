@@ -53,18 +53,26 @@ def _shape(s) -> tuple:
 
 
 def check_temperature(temperature) -> float:
-    """Return ``temperature`` as a float; raise if not a finite number > 0."""
-    if isinstance(temperature, bool) or not isinstance(temperature, (int, float)):
-        # numpy / 0-d framework scalars are accepted through float(); anything
-        # else (strings, arrays with more than one element) is a TypeError.
-        try:
-            value = float(temperature)
-        except (TypeError, ValueError):
-            raise TypeError(
-                f"temperature: expected a finite float > 0, got {type(temperature).__name__} {temperature!r}"
-            ) from None
-    else:
+    """Return ``temperature`` as a float; raise if not a finite number > 0.
+
+    Python numbers, NumPy scalars and 0-d arrays/tensors are accepted; bools
+    and strings are rejected even though ``float()`` would take them.
+    """
+    def _type_error():
+        return TypeError(
+            f"temperature: expected a finite float > 0, got {type(temperature).__name__} {temperature!r}"[:300]
+        )
+
+    if isinstance(temperature, (bool, str, bytes)) or type(temperature).__name__ in ("bool_", "bool"):
+        raise _type_error()
+    if getattr(temperature, "dtype", None) is not None and "bool" in str(temperature.dtype):
+        raise _type_error()
+    if getattr(temperature, "shape", ()) not in ((), None) and tuple(temperature.shape) != ():
+        raise _type_error()
+    try:
         value = float(temperature)
+    except (TypeError, ValueError):
+        raise _type_error() from None
     if not math.isfinite(value) or value <= 0:
         raise ValueError(f"temperature: expected a finite float > 0, got {value!r}")
     return value
