@@ -17,17 +17,20 @@ from dualvp_torch.function import LogProbEntropyFunction  # noqa: E402
 from _torch_sweep import sweep  # noqa: E402
 
 
-@pytest.fixture
+@pytest.fixture(autouse=True)
 def eager(monkeypatch):
+    """Eager path by default here (compilation per variant is the slow part of a
+    CPU test run); the tests marked below switch the compiled path on."""
     monkeypatch.setenv("DUALVP_COMPILE", "0")
 
 
-def test_table_compiled():
+def test_table_compiled(monkeypatch):
+    monkeypatch.setenv("DUALVP_COMPILE", "1")
     failures = sweep(0, 1)
     assert not failures, "\n".join(failures[:30])
 
 
-def test_table_eager(eager):
+def test_table_eager():
     failures = sweep(0, 1)
     assert not failures, "\n".join(failures[:30])
 

@@ -1,0 +1,132 @@
+"""Peak extra memory of forward + backward (profiler allocation trace), and the compat layer at W = 1."""
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from torch.profiler import ProfilerActivity, profile  # noqa: E402
+
+from dualvp import cases, reference  # noqa: E402
+from dualvp_torch import compat, logprob_entropy  # noqa: E402
+
+T, V = 512, 4096  # B = 8 MiB in float32, 4 MiB in bfloat16
+
+
+def _allocations(fn):
+    """Sizes of every CPU allocation (+) and free (-) while ``fn`` runs, in order."""
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        fn()
+    events = [e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"]
+    events.sort(key=lambda e: e.start_ns())
+    return [e.nbytes() for e in events]
+
+
+def _peak(sizes):
+    cur = peak = 0
+    for s in sizes:
+        cur += s
+        peak = max(peak, cur)
+    return peak
+
+
+MODES = {
+    "logprob_only": dict(with_entropy=False),
+    "entropy_grad": dict(),
+    "mask": dict(mask=True),
+    "mask_temperature_no_entropy_grad": dict(mask=True, temperature=0.7, entropy_grad=False),
+}
+
+
+def _measure(dtype, mode, inplace=False):
+    opt = dict(MODES[mode])
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(T, V, generator=g).to(dtype)
+    y = torch.randint(0, V, (T,), generator=g)
+    keep = (torch.rand(T, V, generator=g) < 0.5) if opt.pop("mask", False) else None
+    B = x.numel() * x.element_size()
+    leaf = x.clone().requires_grad_(True)
+
+    def fwd():
+        z = leaf * 1 if inplace else leaf
+        lp, h = logprob_entropy(z, y, keep_mask=keep, inplace_grad=inplace, **opt)
+        return z, lp, h
+
+    def step():
+        z, lp, h = fwd()
+        loss = lp.sum() if h is None or not h.requires_grad else lp.sum() + h.sum()
+        if inplace:
+            # the op's own backward only: its gradient flows into z's storage
+            torch.autograd.grad(loss, z)
+        else:
+            leaf.grad = None
+            loss.backward()
+
+    step()  # warm-up (compilation)
+    if inplace:
+        z0 = leaf * 1  # the caller's non-leaf logits exist before the op runs
+        lp, h = logprob_entropy(z0, y, keep_mask=keep, inplace_grad=True, **opt)
+        fwd_sizes = None
+
+        def run():
+            loss = lp.sum() if h is None or not h.requires_grad else lp.sum() + h.sum()
+            torch.autograd.grad(loss, z0)
+
+        sizes = _allocations(run)
+        return B, fwd_sizes, sizes
+    fwd_sizes = _allocations(fwd)
+    leaf.grad = None
+    sizes = _allocations(step)
+    return B, fwd_sizes, sizes
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("mode", list(MODES))
+def test_peak_memory(dtype, mode):
+    B, fwd_sizes, sizes = _measure(dtype, mode)
+    # forward: nothing of [T, V_local] size (row scratch / O(T) only)
+    assert max(fwd_sizes, default=0) < 0.05 * B, [s for s in fwd_sizes if s > 0.01 * B]
+    assert _peak(fwd_sizes) < 0.05 * B
+    # forward + backward: about one gradient buffer (in the input dtype) at the peak
+    big = [s for s in sizes if s >= 0.5 * B]
+    assert big == [B], big
+    assert _peak(sizes) <= 1.1 * B, _peak(sizes) / B
+
+
+@pytest.mark.parametrize("dtype", [torch.float32])
+def test_inplace_grad_memory(dtype, monkeypatch):
+    monkeypatch.setenv("DUALVP_COMPILE", "0")  # chunked either way; eager keeps the test fast
+    B, _, sizes = _measure(dtype, "mask", inplace=True)
+    assert _peak(sizes) < 0.1 * B, _peak(sizes) / B
+
+
+def test_compat_single_process(monkeypatch):
+    monkeypatch.setenv("DUALVP_COMPILE", "0")
+    g = torch.Generator().manual_seed(0)
+    z = torch.randn(6, 16, generator=g, dtype=torch.float64)
+    y = torch.randint(0, 16, (6,), generator=g)
+    keep = torch.rand(6, 16, generator=g) < 0.5
+    rl, rh = reference.logprob_entropy(z.numpy(), y.numpy())
+    lp, h = compat.calculate_log_probs_and_entropy(z, y, None)
+    assert lp.shape == (6, 1) and h is None
+    np.testing.assert_allclose(lp[:, 0].numpy(), rl, rtol=1e-10, atol=1e-10)
+    for chunk in (-1, 1, 4, 100):
+        lp2, h2 = compat.calculate_log_probs_and_entropy(
+            z, y, None, with_entropy=True, chunk_size=chunk, log_prob_keep_mask=keep, with_entropy_grad=False
+        )
+        rlk, _ = reference.logprob_entropy(z.numpy(), y.numpy(), keep_mask=keep.numpy())
+        np.testing.assert_allclose(lp2[:, 0].numpy(), rlk, rtol=1e-10, atol=1e-10)
+        np.testing.assert_allclose(h2.numpy(), rh, rtol=1e-10, atol=1e-10)
+        assert not h2.requires_grad
+    zz = z.clone().requires_grad_(True)
+    loss = compat.vocab_parallel_cross_entropy(zz.view(2, 3, 16), y.view(2, 3))
+    assert loss.shape == (2, 3)
+    np.testing.assert_allclose(-loss.detach().numpy().reshape(-1), rl, rtol=1e-10, atol=1e-10)
+    loss.sum().backward()
+    assert torch.equal(z, zz.detach())  # never modifies the input
+    ref_g = reference.logprob_entropy_grad(z.numpy(), y.numpy(), -np.ones(6))
+    np.testing.assert_allclose(zz.grad.numpy(), ref_g, rtol=1e-9, atol=1e-12)
+    with pytest.raises(ValueError, match="label_smoothing"):
+        compat.vocab_parallel_cross_entropy(z, y, label_smoothing=0.1)
+    with pytest.raises(TypeError, match="chunk_size"):
+        compat.calculate_log_probs_and_entropy(z, y, None, chunk_size=2.5)
