@@ -29,7 +29,7 @@ import numpy as np
 
 from . import cases, reference, simulate
 
-__all__ = ["run", "compare", "Row", "problem_for"]
+__all__ = ["run", "compare", "Row", "problem_for", "torch_outputs", "merge_ranks", "jax_outputs"]
 
 
 class Row:
@@ -98,84 +98,127 @@ def _progress(step: int, total: int, text: str, t0: Optional[float] = None) -> f
     return now
 
 
-def _torch_rank(rank, world, path, dtype, temperature, compile_):
-    """One gloo rank: forward + backward on this rank's shard; returns NumPy arrays."""
+def _item(prob: cases.Problem) -> dict:
+    """A picklable description of one problem for a backend run."""
+    c = prob.case
+    return dict(name=c.name, logits=prob.logits, target=prob.target, keep=prob.keep_mask, dtype=c.dtype,
+                temperature=c.temperature, ignore_index=c.ignore_index,
+                grad_logprob=prob.grad_logprob, grad_entropy=prob.grad_entropy)
+
+
+def torch_outputs(rank: int, world: int, items: list) -> list:
+    """On one gloo rank: forward + backward of every item on this rank's shard.
+
+    Returns, per item, ``{"logprob", "entropy", "grad"}`` as float64 NumPy
+    arrays (``grad`` is this rank's ``[..., V/W]`` columns).
+    """
     import torch
 
     from dualvp_torch import logprob_entropy
 
-    data = np.load(path)
-    v = data["logits"].shape[-1] // world
-    sl = slice(rank * v, (rank + 1) * v)
-    tdt = getattr(torch, dtype)
-    z = torch.from_numpy(np.ascontiguousarray(data["logits"][..., sl])).to(tdt).requires_grad_(True)
-    y = torch.from_numpy(data["target"])
-    keep = torch.from_numpy(np.ascontiguousarray(data["keep"][..., sl])) if data["has_keep"] else None
-    lp, h = logprob_entropy(z, y, group=torch.distributed.group.WORLD if world > 1 else None,
-                            keep_mask=keep, temperature=temperature)
-    gl = torch.from_numpy(data["grad_logprob"]).to(lp.dtype)
-    ge = torch.from_numpy(data["grad_entropy"]).to(h.dtype)
-    torch.autograd.backward([lp, h], [gl, ge])
-    return dict(
-        logprob=lp.detach().double().numpy(),
-        entropy=h.detach().double().numpy(),
-        grad=z.grad.double().numpy(),
-    )
+    group = torch.distributed.group.WORLD if world > 1 else None
+    outs = []
+    for it in items:
+        v = it["logits"].shape[-1] // world
+        sl = slice(rank * v, (rank + 1) * v)
+        z = torch.from_numpy(np.ascontiguousarray(it["logits"][..., sl])).to(getattr(torch, it["dtype"]))
+        z.requires_grad_(True)
+        keep = None if it["keep"] is None else torch.from_numpy(np.ascontiguousarray(it["keep"][..., sl]))
+        lp, h = logprob_entropy(z, torch.from_numpy(it["target"]), group=group, keep_mask=keep,
+                                temperature=it["temperature"], ignore_index=it["ignore_index"])
+        gl = torch.from_numpy(it["grad_logprob"]).to(lp.dtype)
+        ge = torch.from_numpy(it["grad_entropy"]).to(h.dtype)
+        torch.autograd.backward([lp, h], [gl, ge])
+        outs.append(dict(logprob=lp.detach().double().numpy(), entropy=h.detach().double().numpy(),
+                         grad=z.grad.double().numpy()))
+    return outs
 
 
-def _run_torch(path: str, args) -> dict:
+def merge_ranks(per_rank: list) -> list:
+    """Join per-rank :func:`torch_outputs` into full-vocabulary results.
+
+    Every rank holds the same combined statistics, so log-prob and entropy
+    must agree bitwise across ranks; a difference raises.
+    """
+    merged = []
+    for i, first in enumerate(per_rank[0]):
+        for r, outs in enumerate(per_rank[1:], start=1):
+            for q in ("logprob", "entropy"):
+                if not np.array_equal(outs[i][q], first[q], equal_nan=True):
+                    raise RuntimeError(f"torch rank {r} {q} differs from rank 0")
+        merged.append(dict(logprob=first["logprob"], entropy=first["entropy"],
+                           grad=np.concatenate([outs[i]["grad"] for outs in per_rank], axis=-1)))
+    return merged
+
+
+def jax_outputs(item: dict, world: int) -> dict:
+    """``dualvp_jax`` on a mesh of the first ``world`` devices (in this process).
+
+    Float64 items need ``jax_enable_x64``; they run under ``jax.enable_x64``.
+    """
+    import contextlib
+
+    import jax
+    import jax.numpy as jnp
+
+    import dualvp_jax
+
+    x64 = jax.enable_x64(True) if item["dtype"] == "float64" else contextlib.nullcontext()
+    with x64:
+        mesh = jax.make_mesh((world,), ("tp",), devices=jax.devices()[:world])
+        z = jnp.asarray(item["logits"]).astype(getattr(jnp, item["dtype"]))
+        y = jnp.asarray(item["target"])
+        keep = None if item["keep"] is None else jnp.asarray(item["keep"])
+
+        def f(z):
+            return dualvp_jax.sharded_logprob_entropy(z, y, mesh, "tp", keep_mask=keep,
+                                                      temperature=item["temperature"],
+                                                      ignore_index=item["ignore_index"])
+
+        (lp, h), vjp = jax.vjp(f, z)
+        (g,) = vjp((jnp.asarray(item["grad_logprob"]).astype(lp.dtype),
+                    jnp.asarray(item["grad_entropy"]).astype(h.dtype)))
+        return dict(logprob=np.asarray(lp, np.float64), entropy=np.asarray(h, np.float64),
+                    grad=np.asarray(g.astype(jnp.float64 if item["dtype"] == "float64" else jnp.float32),
+                                    np.float64))
+
+
+def _jax_child() -> None:
+    # `python -c "from dualvp.verify import _jax_child; _jax_child()" IN OUT WORLD`
+    import pickle
+
+    src, dst, world = sys.argv[1], sys.argv[2], int(sys.argv[3])
+    with open(src, "rb") as f:
+        item = pickle.load(f)
+    with open(dst, "wb") as f:
+        pickle.dump(jax_outputs(item, world), f)
+
+
+def _run_torch(item: dict, args) -> dict:
     from dualvp_torch.testing import run_ranks
 
     env = {} if args.compile else {"DUALVP_COMPILE": "0"}
-    outs = run_ranks(_torch_rank, args.tp, path, args.dtype, args.temperature, args.compile,
-                     timeout=args.timeout, env=env)
-    for r, o in enumerate(outs[1:], start=1):
-        # every rank holds the same combined statistics, hence the same outputs
-        for q in ("logprob", "entropy"):
-            if not np.array_equal(o[q], outs[0][q], equal_nan=True):
-                raise RuntimeError(f"torch rank {r} {q} differs from rank 0")
-    return dict(
-        logprob=outs[0]["logprob"],
-        entropy=outs[0]["entropy"],
-        grad=np.concatenate([o["grad"] for o in outs], axis=-1),
-    )
+    per_rank = run_ranks(torch_outputs, args.tp, [item], timeout=args.timeout, env=env)
+    return merge_ranks(per_rank)[0]
 
 
-_JAX_CHILD = r"""
-import sys, numpy as np
-import jax
-if sys.argv[3] == "float64":
-    jax.config.update("jax_enable_x64", True)
-import jax.numpy as jnp
-import dualvp_jax
-path, out, dtype, tau, world = sys.argv[1], sys.argv[2], sys.argv[3], float(sys.argv[4]), int(sys.argv[5])
-data = np.load(path)
-mesh = jax.make_mesh((world,), ("tp",), devices=jax.devices()[:world])
-z = jnp.asarray(data["logits"]).astype(getattr(jnp, dtype))
-y = jnp.asarray(data["target"])
-keep = jnp.asarray(data["keep"]) if data["has_keep"] else None
-def f(z):
-    return dualvp_jax.sharded_logprob_entropy(z, y, mesh, "tp", keep_mask=keep, temperature=tau)
-(lp, h), vjp = jax.vjp(f, z)
-(g,) = vjp((jnp.asarray(data["grad_logprob"]).astype(lp.dtype), jnp.asarray(data["grad_entropy"]).astype(h.dtype)))
-np.savez(out, logprob=np.asarray(lp, np.float64), entropy=np.asarray(h, np.float64),
-         grad=np.asarray(g.astype(jnp.float32 if dtype != "float64" else jnp.float64), np.float64))
-"""
+def _run_jax(item: dict, args, tmp: str) -> dict:
+    import pickle
 
-
-def _run_jax(path: str, args) -> dict:
-    out = path.replace(".npz", "_jax.npz")
+    src, dst = os.path.join(tmp, "item.pkl"), os.path.join(tmp, "jax.pkl")
+    with open(src, "wb") as f:
+        pickle.dump(item, f)
     env = dict(os.environ)
+    # JAX reads XLA_FLAGS once, at import: the child asks for W host devices.
     env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count={args.tp}").strip()
     env.setdefault("JAX_PLATFORMS", "cpu")
-    proc = subprocess.run(
-        [sys.executable, "-c", _JAX_CHILD, path, out, args.dtype, repr(args.temperature), str(args.tp)],
-        env=env, capture_output=True, text=True, timeout=args.timeout,
-    )
+    code = "from dualvp.verify import _jax_child; _jax_child()"
+    proc = subprocess.run([sys.executable, "-c", code, src, dst, str(args.tp)],
+                          env=env, capture_output=True, text=True, timeout=args.timeout)
     if proc.returncode:
         raise RuntimeError(f"JAX backend failed:\n{proc.stderr[-4000:]}")
-    data = np.load(out)
-    return {k: data[k] for k in ("logprob", "entropy", "grad")}
+    with open(dst, "rb") as f:
+        return pickle.load(f)
 
 
 def _print_table(rows: list, args) -> None:
@@ -214,17 +257,14 @@ def run(args) -> int:
     results = {"spec": dict(logprob=s_lp, entropy=s_h, grad=s_g)}
     _progress(2, total, "oracle", t)
 
+    item = _item(prob)
     with tempfile.TemporaryDirectory(prefix="dualvp-verify-") as tmp:
-        path = os.path.join(tmp, "problem.npz")
-        keep = prob.keep_mask if prob.keep_mask is not None else np.zeros((0,), bool)
-        np.savez(path, logits=prob.logits, target=prob.target, keep=keep, has_keep=prob.keep_mask is not None,
-                 grad_logprob=prob.grad_logprob, grad_entropy=prob.grad_entropy)
         step = 3
         for b in backends:
             where = f"{args.tp} gloo rank(s)" if b == "torch" else f"{args.tp} host device(s)"
             t = _progress(step, total, f"{b} on {where}")
             try:
-                results[b] = _run_torch(path, args) if b == "torch" else _run_jax(path, args)
+                results[b] = _run_torch(item, args) if b == "torch" else _run_jax(item, args, tmp)
             except Exception as exc:  # report, and fail the run, instead of a traceback
                 print(f"dualvp verify: {b} backend failed: {exc}", file=sys.stderr)
                 results[b] = None

@@ -34,6 +34,7 @@ and raise ``ValueError``.
 
 from __future__ import annotations
 
+import os
 from functools import partial
 from typing import NamedTuple, Optional
 
@@ -155,6 +156,12 @@ def _check_varying(logits, axis_name) -> None:
 
 # --- the op -------------------------------------------------------------------
 
+# Test-only hook, read once at import: DUALVP_TEST_FAULT=grad_tau makes the
+# backward forget to divide by the temperature (a plausible bug). The
+# cross-framework tests set it in a child process to prove that they and
+# `dualvp verify` report FAIL. Never set it otherwise.
+_TEST_FAULT = os.environ.get("DUALVP_TEST_FAULT", "")
+
 
 def _compute_dtype(dtype):
     # bf16 / f16 / f32 -> f32; f64 -> f64 (only reachable under jax_enable_x64).
@@ -215,6 +222,8 @@ def _op_bwd(cfg: _Config, res, cotangents):
     g_entropy = jnp.asarray(g_entropy, cdt) if (cfg.with_entropy and cfg.entropy_grad) else None
     g = spec.grad_logits(jnp, z, local, owns, keep, comb, valid, g_logprob, g_entropy, cfg.temperature)
     g = jnp.where(bad[..., None], jnp.full_like(g, jnp.nan), g)
+    if _TEST_FAULT == "grad_tau":
+        g = g * cfg.temperature
     return g.astype(logits.dtype), None, None
 
 
