@@ -48,11 +48,15 @@ SCENARIOS = {
     "dtype": (lambda kw: kw.update(logits=kw["logits"].double()), "disagree on logits dtype"),
     "one_rank_invalid": (lambda kw: kw.update(temperature=-1.0), "rank 1 (temperature)"),
     "one_rank_bad_shape": (lambda kw: kw.update(target=kw["target"][:3]), "rank 1 (target)"),
+    "one_rank_bad_dtype": (lambda kw: kw.update(target=kw["target"].float()), "rank 1 (target)"),
+    "one_rank_not_a_tensor": (lambda kw: kw.update(logits=kw["logits"].tolist()), "rank 1 (logits)"),
 }
 
 
 def _call(kw, group):
-    z = kw.pop("logits").requires_grad_(True)
+    z = kw.pop("logits")
+    if isinstance(z, torch.Tensor):
+        z.requires_grad_(True)
     lp, h = logprob_entropy(z, kw.pop("target"), group=group, **kw)
     (lp.sum() + (h.sum() if h is not None else 0)).backward()
 
@@ -97,3 +101,9 @@ def all_invalid(rank: int, world: int) -> list:
         return ["ok", ""]
     except Exception as exc:  # noqa: BLE001
         return [type(exc).__name__, str(exc)]
+
+
+def rank_checks(rank: int, world: int) -> dict:
+    """Everything above, in one rank process, in a fixed order."""
+    return dict(table=run_all(rank, world, list(SCENARIOS)), out_of_range=out_of_range(rank, world),
+                all_invalid=all_invalid(rank, world))

@@ -16,6 +16,8 @@ import torch
 from dualvp import cases, reference
 from dualvp_torch import logprob_entropy
 
+import _disagree
+
 # (name, with_entropy, entropy_grad, loss terms, inplace_grad)
 MODES = (
     ("both", True, True, "LH", False),
@@ -137,33 +139,6 @@ def _raises(fn):
     return None
 
 
-def agreement_checks(rank: int, world: int) -> dict:
-    """Ranks that disagree or fail validation: what each rank raised."""
-    import torch.distributed as dist
-
-    g = dist.group.WORLD
-    torch.manual_seed(0)
-    z = torch.randn(4, 8)
-    y = torch.tensor([0, 3, 7, -100])
-    out = {}
-    out["temperature"] = _raises(lambda: logprob_entropy(z, y, group=g, temperature=1.0 + rank))
-    out["with_entropy"] = _raises(lambda: logprob_entropy(z, y, group=g, with_entropy=rank == 0))
-    out["mask_present"] = _raises(
-        lambda: logprob_entropy(z, y, group=g, keep_mask=torch.ones(4, 8, dtype=torch.bool) if rank else None)
-    )
-    out["rows"] = _raises(lambda: logprob_entropy(z[: 4 - rank], y[: 4 - rank], group=g))
-    bad_y = y.clone()
-    if rank == world - 1:
-        bad_y[1] = world * 8  # out of range, on one rank only
-    out["bad_target_one_rank"] = _raises(lambda: logprob_entropy(z, bad_y, group=g))
-    out["one_rank_invalid"] = _raises(
-        lambda: logprob_entropy(z, y.float() if rank == 0 else y, group=g)
-    )
-    out["all_ranks_invalid"] = _raises(lambda: logprob_entropy(z, y, group=g, temperature=-1.0))
-    out["ok_after"] = _raises(lambda: logprob_entropy(z, y, group=g))
-    return out
-
-
 def compat_checks(rank: int, world: int) -> dict:
     """slime / Megatron compat functions with tp_group=None -> world group."""
     from dualvp_torch import compat
@@ -195,6 +170,20 @@ def rank_suite(rank: int, world: int, compiled: bool = False) -> dict:
         out["sweep_compiled"] = sweep(
             rank, world, modes=(MODES[0], MODES[3]), case_names={"nucleus"}, compiled_dtypes={"float32"}
         )
-    out["agreement"] = agreement_checks(rank, world)
+    out["agreement"] = _disagree.rank_checks(rank, world)
     out["compat"] = compat_checks(rank, world)
     return out
+
+
+_SUITES: dict = {}
+
+
+def suite(world: int) -> list:
+    """:func:`rank_suite` on ``world`` gloo ranks, spawned once per test session."""
+    from dualvp_torch.testing import run_ranks
+
+    if world not in _SUITES:
+        # The compiled path joins the collectives at W = 2 only: every rank
+        # compiles on its own and 4 ranks on 2 CI cores would take a minute.
+        _SUITES[world] = run_ranks(rank_suite, world, world == 2, timeout=300)
+    return _SUITES[world]
