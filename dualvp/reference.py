@@ -48,7 +48,8 @@ def _prepare(logits, target, keep_mask, temperature, ignore_index):
 def _entropy(logp: np.ndarray) -> np.ndarray:
     p = np.exp(logp)
     with np.errstate(invalid="ignore"):
-        return -np.sum(np.where(p > 0, p * logp, 0.0), axis=-1)
+        # p == 0 (a banned column) contributes 0, not 0 * -inf; NaN propagates.
+        return -np.sum(np.where(p == 0, 0.0, p * logp), axis=-1)
 
 
 def logprob_entropy(
@@ -107,5 +108,5 @@ def logprob_entropy_grad(
         h = _entropy(logp)[..., None]
         gh = np.asarray(grad_entropy, dtype=np.float64)[..., None]
         with np.errstate(invalid="ignore"):
-            g = g + gh * np.where(p > 0, -p * (logp + h), 0.0)
+            g = g + gh * np.where(p == 0, 0.0, -p * (logp + h))
     return g / float(temperature)

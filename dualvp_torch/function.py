@@ -151,11 +151,9 @@ class LogProbEntropyFunction(torch.autograd.Function):
         cdt = kernels.compute_dtype(logits.dtype)
         gl = grad_logprob.reshape(-1).to(cdt)
         gl = torch.where(valid, gl, torch.zeros_like(gl))
-        if opt.need_entropy_grad:
-            ge = grad_entropy.reshape(-1).to(cdt)
-        else:
-            ge = torch.zeros_like(gl)
-            c = torch.zeros_like(gl)
+        # Contiguous O(T) vectors: upstream gradients often arrive expanded
+        # (stride 0), and a stride change would recompile the kernel.
+        ge = grad_entropy.reshape(-1).to(cdt).contiguous() if opt.need_entropy_grad else None
         tau_t = torch.full((), opt.tau, dtype=cdt, device=z.device)
         g = kernels.shard_grad(z, local, owns, keep, M, log_s, c, mk, log_sk, gl, ge, tau_t, inplace=opt.inplace_grad)
         return g.view(ctx.logits_shape), None, None, None
