@@ -43,7 +43,7 @@ import statistics
 import sys
 import time
 import traceback
-from typing import Any, Callable, Optional
+from typing import Any, Optional
 
 import numpy as np
 

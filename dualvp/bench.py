@@ -542,8 +542,8 @@ def run(args) -> int:
         "memory_method": MEMORY_METHOD,
         "timing_method": ("wall clock (perf_counter), median of reps after the first call and warm-up; first_call_s "
                           "includes compile; cpu_fwdbwd_s = process CPU time of fwd+bwd (all threads), median"),
-        "error_method": (f"max abs error vs float64 dualvp.reference on the dtype-rounded inputs; log-prob and entropy "
-                         f"over all rows, gradient over the first --err-rows rows (default 256)"),
+        "error_method": ("max abs error vs float64 dualvp.reference on the dtype-rounded inputs; log-prob and entropy "
+                         "over all rows, gradient over the first --err-rows rows (default 256)"),
         "inputs": f"confident-LM logits N(10,3) + three +25 spikes per row; target sampled from softmax; "
                   f"keep mask = top-{TOPK} (+ target); upstream grads N(0,1); seed {args.seed}",
         "notes": "CPU only; the machine may be shared, so timings are noisy.",

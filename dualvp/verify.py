@@ -12,8 +12,9 @@ and prints the max abs / rel error of log-prob, entropy and the logits
 gradient for each backend against the oracle and for torch against JAX, with
 PASS/FAIL against :data:`dualvp.cases.TOLERANCES`. Exit status 1 on any FAIL.
 
-The backends run in child processes: the gloo ranks, and one JAX process whose
-``XLA_FLAGS`` asks for ``W`` host devices before JAX is imported.
+The backends run in child processes, at the same time: the gloo ranks, and one
+JAX process whose ``XLA_FLAGS`` asks for ``W`` host devices before JAX is
+imported.
 """
 
 from __future__ import annotations
@@ -202,7 +203,8 @@ def _run_torch(item: dict, args) -> dict:
     return merge_ranks(per_rank)[0]
 
 
-def _run_jax(item: dict, args, tmp: str) -> dict:
+def _start_jax(item: dict, args, tmp: str) -> tuple:
+    """Start the JAX child process; :func:`_finish_jax` collects its result."""
     import pickle
 
     src, dst = os.path.join(tmp, "item.pkl"), os.path.join(tmp, "jax.pkl")
@@ -213,10 +215,22 @@ def _run_jax(item: dict, args, tmp: str) -> dict:
     env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count={args.tp}").strip()
     env.setdefault("JAX_PLATFORMS", "cpu")
     code = "from dualvp.verify import _jax_child; _jax_child()"
-    proc = subprocess.run([sys.executable, "-c", code, src, dst, str(args.tp)],
-                          env=env, capture_output=True, text=True, timeout=args.timeout)
+    proc = subprocess.Popen([sys.executable, "-c", code, src, dst, str(args.tp)], env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    return proc, dst
+
+
+def _finish_jax(started: tuple, timeout: float) -> dict:
+    import pickle
+
+    proc, dst = started
+    try:
+        _, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        raise RuntimeError(f"JAX backend did not finish within {timeout:.0f} s") from None
     if proc.returncode:
-        raise RuntimeError(f"JAX backend failed:\n{proc.stderr[-4000:]}")
+        raise RuntimeError(f"JAX backend failed:\n{err[-4000:]}")
     with open(dst, "rb") as f:
         return pickle.load(f)
 
@@ -259,12 +273,20 @@ def run(args) -> int:
 
     item = _item(prob)
     with tempfile.TemporaryDirectory(prefix="dualvp-verify-") as tmp:
+        # JAX runs in its own process while the torch ranks run: the two
+        # start-ups (imports, compilation) overlap.
+        jax_started = None
+        if "jax" in backends:
+            jax_started = _start_jax(item, args, tmp)
         step = 3
         for b in backends:
             where = f"{args.tp} gloo rank(s)" if b == "torch" else f"{args.tp} host device(s)"
             t = _progress(step, total, f"{b} on {where}")
             try:
-                results[b] = _run_torch(item, args) if b == "torch" else _run_jax(item, args, tmp)
+                if b == "torch":
+                    results[b] = _run_torch(item, args)
+                else:
+                    results[b] = _finish_jax(jax_started, args.timeout)
             except Exception as exc:  # report, and fail the run, instead of a traceback
                 print(f"dualvp verify: {b} backend failed: {exc}", file=sys.stderr)
                 results[b] = None

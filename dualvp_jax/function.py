@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import os
 from functools import partial
-from typing import NamedTuple, Optional
+from typing import NamedTuple
 
 import numpy as np
 

@@ -13,7 +13,6 @@ Unlike Megatron's fused cross-entropy, neither ever modifies the input logits.
 
 from __future__ import annotations
 
-import torch
 import torch.distributed as dist
 
 from .function import logprob_entropy

@@ -8,7 +8,6 @@ so the suite pays the process start-up once per W.
 
 import functools
 
-import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st

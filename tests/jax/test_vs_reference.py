@@ -1,6 +1,5 @@
 """dualvp_jax against the float64 NumPy oracle (dualvp.reference) over the shared case table."""
 
-import numpy as np
 import pytest
 
 jax = pytest.importorskip("jax")

@@ -7,7 +7,7 @@ torch = pytest.importorskip("torch")
 
 from torch.profiler import ProfilerActivity, profile  # noqa: E402
 
-from dualvp import cases, reference  # noqa: E402
+from dualvp import reference  # noqa: E402
 from dualvp_torch import compat, logprob_entropy  # noqa: E402
 
 T, V = 512, 4096  # B = 8 MiB in float32, 4 MiB in bfloat16
