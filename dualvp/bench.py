@@ -86,6 +86,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", default="bench-results/bench.json", help="JSON path; the PNG goes next to it")
     p.add_argument("--png", default=None, help="chart path (default: --out with .png)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--report", default=None, metavar="JSON",
+                   help="print the Markdown tables of an existing result file (no run)")
     p.add_argument("--worker-timeout", type=float, default=1800.0, help="seconds per worker process")
 
 
@@ -506,7 +508,62 @@ def _write(doc: dict, path: str, t_start: float, complete: bool) -> None:
     os.replace(tmp, path)
 
 
+def _fmt(x, spec: str) -> str:
+    return "-" if x is None else format(x, spec)
+
+
+def markdown_report(doc: dict) -> str:
+    """Markdown tables of a result file: speed, memory and precision side by side."""
+    impls = ["dualvp-torch", "torch-eager", "megatron", "dualvp-jax", "jax-naive", "dualvp-torch-eager"]
+    by: dict = {}
+    for r in doc["results"]:
+        if r.get("world", 1) == 1:
+            by.setdefault((r["T"], r["V_local"], r["dtype"]), {}).setdefault(r["mode"], {})[r["impl"]] = r
+    present = [i for i in impls if any(i in m for d in by.values() for m in d.values())]
+    m = doc["meta"]
+    out = [f"Command: `{m['command']}`  ", f"Machine: {m['machine'].get('cpu')}, {m['machine'].get('cpus')} CPUs, "
+           f"no GPU; torch {m['machine'].get('torch')}, jax {m['machine'].get('jax')}; git {m.get('git')}; "
+           f"{m.get('date')}.", ""]
+    for (T, V, dt), modes in sorted(by.items(), key=lambda kv: (kv[0][0], kv[0][1], kv[0][2] != "float32")):
+        out.append(f"**T={T}, V_local={V}, {dt}**: forward+backward seconds (median), speed-up of dualvp-torch, "
+                   "peak extra memory / B, max abs error vs float64 (entropy, gradient)")
+        out.append("")
+        head = ["mode"] + [f"{i} s" for i in present] + ["x eager", "x megatron", "mem/B dualvp/eager/megatron",
+                                                          "err H dualvp/eager/megatron", "err grad dualvp/eager/megatron"]
+        out.append("| " + " | ".join(head) + " |")
+        out.append("|" + "---|" * len(head))
+        for mode in [x for x in MODES if x in modes]:
+            d = modes[mode]
+            t = d.get("dualvp-torch", {})
+
+            def get(i, k):
+                return d.get(i, {}).get(k)
+
+            def err(i, q):
+                return (d.get(i, {}).get("errors") or {}).get(q)
+
+            row = [mode] + [_fmt(get(i, "fwdbwd_s"), ".3f") for i in present]
+            for b in ("torch-eager", "megatron"):
+                tb, tt = get(b, "fwdbwd_s"), t.get("fwdbwd_s")
+                row.append(_fmt(tb / tt if tb and tt else None, ".1f"))
+            trio = ("dualvp-torch", "torch-eager", "megatron")
+            row.append(" / ".join(_fmt(get(i, "peak_extra_B"), ".2f") for i in trio))
+            row.append(" / ".join(_fmt(err(i, "entropy"), ".1e") for i in trio))
+            row.append(" / ".join(_fmt(err(i, "grad"), ".1e") for i in trio))
+            out.append("| " + " | ".join(row) + " |")
+        out.append("")
+    goals = (doc.get("summary") or {}).get("goals", [])
+    if goals:
+        out.append("Goals: " + "; ".join(f"{g['goal']}: **{g['status']}**"
+                                          + (f" (worst {g['worst']:.3g})" if "worst" in g else "") for g in goals))
+    return "\n".join(out)
+
+
 def run(args) -> int:
+    if args.report:
+        with open(args.report) as f:
+            print(markdown_report(json.load(f)))
+        return 0
     quick = args.quick
     sizes = [_size(s) for s in _split(args.sizes, ["64x2048"] if quick else ["2048x32000", "2048x152064"])]
     dtypes = _split(args.dtypes, ["float32"] if quick else ["float32", "bfloat16"])
