@@ -9,7 +9,11 @@ __all__ = ["main"]
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="dualvp", description=__doc__)
+    p = argparse.ArgumentParser(
+        prog="dualvp",
+        description="Log-probabilities and entropies from vocab-sharded logits: cross-framework check "
+        "(verify) and benchmark (bench).",
+    )
     sub = p.add_subparsers(dest="command", required=True)
     v = sub.add_parser("verify", help="check every backend against the float64 oracle and each other")
     v.add_argument("--tp", type=int, default=2, help="tensor-parallel size W (vocab shards)")

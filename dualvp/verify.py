@@ -24,7 +24,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import numpy as np
 
@@ -33,15 +33,14 @@ from . import cases, reference, simulate
 __all__ = ["run", "compare", "Row", "problem_for", "torch_outputs", "merge_ranks", "jax_outputs"]
 
 
-class Row:
+class Row(NamedTuple):
     """One line of the report."""
 
-    def __init__(self, check: str, quantity: str, abs_err: float, rel_err: float, ok: bool, note: str = ""):
-        self.check, self.quantity, self.abs_err, self.rel_err, self.ok, self.note = (
-            check, quantity, abs_err, rel_err, ok, note)
-
-    def as_dict(self) -> dict:
-        return dict(check=self.check, quantity=self.quantity, abs=self.abs_err, rel=self.rel_err, ok=self.ok)
+    check: str
+    quantity: str
+    abs_err: float
+    rel_err: float
+    ok: bool
 
 
 def problem_for(args) -> cases.Problem:
@@ -245,7 +244,7 @@ def _print_table(rows: list, args) -> None:
         t = (_tol_pair(args.dtype, r.quantity) if r.check == "torch vs jax"
              else cases.tolerance(args.dtype, r.quantity))
         print(f"{r.check:<18} {r.quantity:<9} {r.abs_err:>12.3e} {r.rel_err:>12.3e}  "
-              f"{f'{t.atol:.0e} + {t.rtol:.0e}':<28} {'PASS' if r.ok else 'FAIL'}{r.note}")
+              f"{f'{t.atol:.0e} + {t.rtol:.0e}':<28} {'PASS' if r.ok else 'FAIL'}")
 
 
 def run(args) -> int:
