@@ -10,6 +10,11 @@ from _dualvp_jax_testutil import (  # noqa: E402
     check_close, inputs, reference_of, shard_map_runner, sharded_runner, x64_for,
 )
 
+def _check_outputs(case, outs, refs):
+    for name, x, ref in zip(("logprob", "entropy", "grad"), outs, refs):
+        check_close(case.name, x, ref, case.dtype, name)
+
+
 _PARAMS = [pytest.param(c, w, id=f"{c.name}-W{w}") for c in cases.CASES for w in c.worlds]
 
 
@@ -24,9 +29,7 @@ def test_sharded_api_vs_reference(case, world):
         lp, h, g = run(z, y, k, gl, ge)
         assert lp.dtype == h.dtype == (jnp.float64 if case.dtype == "float64" else jnp.float32)
         assert g.dtype == z.dtype and g.shape == z.shape
-        check_close(case.name, lp, ref_lp, case.dtype, "logprob")
-        check_close(case.name, h, ref_h, case.dtype, "entropy")
-        check_close(case.name, g, ref_g, case.dtype, "grad")
+        _check_outputs(case, (lp, h, g), (ref_lp, ref_h, ref_g))
 
 
 # The user-level shard_map path on jax.sharding.Mesh (auto axes), at the largest W of a
@@ -42,10 +45,8 @@ def test_shard_map_auto_mesh_vs_reference(case, world):
     ref_lp, ref_h, ref_g = reference_of(prob)
     with x64_for(case.dtype):
         z, y, k, gl, ge = inputs(prob)
-        lp, h, g = shard_map_runner(world, "auto", case.temperature, case.ignore_index, k is not None)(z, y, k, gl, ge)
-        check_close(case.name, lp, ref_lp, case.dtype, "logprob")
-        check_close(case.name, h, ref_h, case.dtype, "entropy")
-        check_close(case.name, g, ref_g, case.dtype, "grad")
+        out = shard_map_runner(world, "auto", case.temperature, case.ignore_index, k is not None)(z, y, k, gl, ge)
+        _check_outputs(case, out, (ref_lp, ref_h, ref_g))
 
 
 _OPTION_CASES = ("nucleus", "bfloat16", "neg_inf", "everything")
