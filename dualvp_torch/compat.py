@@ -1,40 +1,139 @@
 """Drop-in replacements for the call sites of existing training code.
 
-* :func:`calculate_log_probs_and_entropy`: the signature and return shapes of
-  ``slime.utils.ppo_utils.calculate_log_probs_and_entropy`` (log-prob
-  ``[T, 1]``, entropy ``[T]`` or ``None``).
-* :func:`vocab_parallel_cross_entropy`: Megatron-style per-token loss
-  ``-logprob`` from vocab-parallel logits.
+* :func:`vocab_parallel_cross_entropy`: megatron-core's
+  ``megatron.core.tensor_parallel.vocab_parallel_cross_entropy(
+  vocab_parallel_logits, target, label_smoothing=0.0, tp_group=None)``, same
+  positional order, same per-token loss (label smoothing included).
+* :func:`calculate_log_probs_and_entropy`: slime's
+  ``slime.utils.ppo_utils.calculate_log_probs_and_entropy``, same signature
+  and the same return shapes in every case (``T = 0`` included).
 
-Both resolve ``group=None`` (``tp_group=None``) to the default (world) process
-group when ``torch.distributed`` is initialised, and to "unsharded" otherwise.
-Unlike Megatron's fused cross-entropy, neither ever modifies the input logits.
+The two originals resolve a missing group differently, and so do these:
+
+* Megatron (``tp_group=None``): megatron-core's tensor-parallel group when
+  its parallel state is initialised (``megatron.core.parallel_state``; looked
+  up only if that module is already imported, so megatron-core stays
+  optional); otherwise a ``ValueError`` when ``torch.distributed`` has more
+  than one rank (the world group is never assumed: with pipeline or data
+  parallelism it is the wrong group and the loss would be silently wrong);
+  otherwise (no ``torch.distributed``, or a 1-rank world) unsharded.
+* slime (``tp_group=None``): the world group when ``torch.distributed`` is
+  initialised, else unsharded, exactly as slime's own collectives resolve
+  ``group=None``.
+
+Known, deliberate differences from the originals: the input logits are never
+modified (Megatron's function overwrites float32 logits in place); float64
+logits give float64 results (both originals compute in float32); a target
+equal to ``-100`` gives log-prob 0, loss 0 and no gradient (both originals
+treat it like any id outside the shard: loss ``logsumexp``), and every other
+id outside ``[0, V)`` raises ``ValueError`` on every rank instead of giving
+a meaningless number.
 """
 
 from __future__ import annotations
 
-import torch.distributed as dist
+import contextlib
+import numbers
+import sys
 
-from .function import logprob_entropy
+import array_api_compat.torch as xp
+import torch
+import torch.distributed as dist
+from torch.autograd.function import once_differentiable
+
+from dualvp import spec
+
+from . import collectives, kernels
+from .function import _kind, logprob_entropy
 
 __all__ = ["calculate_log_probs_and_entropy", "vocab_parallel_cross_entropy"]
 
+_IGNORE_INDEX = -100
 
-def _resolve_group(group):
-    if group is None and dist.is_available() and dist.is_initialized():
+
+def _check_tp_group(tp_group) -> None:
+    if tp_group is not None and not collectives.is_process_group(tp_group):
+        raise TypeError(f"tp_group: expected a torch.distributed.ProcessGroup or None, got {_kind(tp_group)}")
+
+
+def _megatron_tp_group():
+    """megatron-core's tensor-parallel group, or ``None`` if its parallel state is not initialised.
+
+    Only an already imported ``megatron.core.parallel_state`` can hold an
+    initialised state, so megatron-core is never imported here.
+    """
+    ps = sys.modules.get("megatron.core.parallel_state")
+    if ps is None:
+        return None
+    try:
+        return ps.get_tensor_model_parallel_group(check_initialized=False)
+    except TypeError:  # an old megatron-core without check_initialized
+        return getattr(ps, "_TENSOR_MODEL_PARALLEL_GROUP", None)
+
+
+def _resolve_megatron_group(tp_group):
+    _check_tp_group(tp_group)
+    if tp_group is not None:
+        return tp_group
+    group = _megatron_tp_group()
+    if group is not None:
+        return group
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        raise ValueError(
+            f"tp_group: expected the tensor-parallel process group; got None while torch.distributed has "
+            f"{dist.get_world_size()} ranks and megatron-core's parallel state is not initialised. The world group "
+            "is not assumed (with pipeline or data parallelism it is the wrong group and the loss would be "
+            "silently wrong): pass tp_group=<the group that shards the vocabulary>, or call "
+            "megatron.core.parallel_state.initialize_model_parallel(...) first"
+        )
+    return None
+
+
+def _resolve_slime_group(tp_group):
+    _check_tp_group(tp_group)
+    if tp_group is None and dist.is_available() and dist.is_initialized():
         return dist.group.WORLD
-    return group
+    return tp_group
+
+
+def _check_label_smoothing(label_smoothing) -> float:
+    if isinstance(label_smoothing, bool) or not isinstance(label_smoothing, numbers.Real):
+        raise TypeError(
+            "label_smoothing: expected a float in [0, 1) (megatron-core's 3rd positional argument; "
+            f"the group goes in tp_group=), got {_kind(label_smoothing)}"
+        )
+    value = float(label_smoothing)
+    if not (0.0 <= value < 1.0):  # also rejects NaN
+        raise ValueError(f"label_smoothing: expected a float in [0, 1), got {value!r}")
+    return value
+
+
+@contextlib.contextmanager
+def _argument_names(**names: str):
+    """Re-word errors of :func:`logprob_entropy` with the caller's argument names (``inner=outer``).
+
+    The errors are raised alike on every rank (agreement step), so the
+    re-worded ones are too.
+    """
+    try:
+        yield
+    except (TypeError, ValueError) as exc:
+        msg = str(exc)
+        for inner, outer in names.items():
+            if msg.startswith(inner + ":"):
+                raise type(exc)(outer + msg[len(inner) :]) from exc
+        raise
 
 
 def calculate_log_probs_and_entropy(
-    logits,
-    tokens,
+    logits: torch.Tensor,
+    tokens: torch.Tensor,
     tp_group,
     with_entropy: bool = False,
     chunk_size: int = -1,
-    log_prob_keep_mask=None,
+    log_prob_keep_mask: torch.Tensor | None = None,
     with_entropy_grad: bool = True,
-):
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """slime's ``calculate_log_probs_and_entropy`` on :func:`logprob_entropy`.
 
     Args:
@@ -42,7 +141,7 @@ def calculate_log_probs_and_entropy(
         applied by the caller, as in slime).
       tokens: ``[T]`` global token ids.
       tp_group: the tensor-parallel group; ``None`` means the world group when
-        ``torch.distributed`` is initialised, else unsharded.
+        ``torch.distributed`` is initialised, else unsharded (as in slime).
       with_entropy: also return the entropy.
       chunk_size: accepted for compatibility. Rows are independent and the op
         already needs no ``[T, V_local]`` scratch, so the rows are not split;
@@ -52,36 +151,159 @@ def calculate_log_probs_and_entropy(
       with_entropy_grad: ``False`` returns an entropy without gradient.
 
     Returns:
-      ``(log_prob [T, 1], entropy [T] or None)``.
+      As slime: ``(log_prob [T, 1], entropy [T] or None)`` for ``T > 0``, and
+      ``(log_prob [0], entropy [0] or None)`` for ``T = 0``. float32 (float64
+      for float64 logits), also for ``T = 0`` (where slime returns the
+      logits' dtype); the ``T = 0`` results stay connected to ``logits``.
     """
     if isinstance(chunk_size, bool) or not isinstance(chunk_size, int):
         raise TypeError(f"chunk_size: expected an int, got {type(chunk_size).__name__} {chunk_size!r}")
-    log_prob, entropy = logprob_entropy(
-        logits,
-        tokens,
-        group=_resolve_group(tp_group),
-        keep_mask=log_prob_keep_mask,
-        with_entropy=with_entropy,
-        entropy_grad=with_entropy_grad,
-    )
+    with _argument_names(
+        target="tokens", keep_mask="log_prob_keep_mask", entropy_grad="with_entropy_grad"
+    ):
+        log_prob, entropy = logprob_entropy(
+            logits,
+            tokens,
+            group=_resolve_slime_group(tp_group),
+            keep_mask=log_prob_keep_mask,
+            with_entropy=with_entropy,
+            entropy_grad=with_entropy_grad,
+            ignore_index=_IGNORE_INDEX,
+        )
+    if logits.shape[0] == 0:  # slime's own empty-batch branch: flat (0,) results
+        return log_prob.reshape(0), None if entropy is None else entropy.reshape(0)
     return log_prob.unsqueeze(-1), entropy
 
 
-def vocab_parallel_cross_entropy(vocab_parallel_logits, target, group=None, *, label_smoothing: float = 0.0):
-    """Megatron-style ``vocab_parallel_cross_entropy``: per-token loss ``-logprob``.
+def vocab_parallel_cross_entropy(
+    vocab_parallel_logits: torch.Tensor,
+    target: torch.Tensor,
+    label_smoothing: float = 0.0,
+    tp_group=None,
+) -> torch.Tensor:
+    """megatron-core's ``vocab_parallel_cross_entropy``: the per-token loss.
+
+    Without smoothing the loss is ``-log p_y`` (``p = softmax`` over the whole
+    vocabulary ``V = W * V_local``). With ``label_smoothing = a > 0`` it is
+    the cross-entropy against the smoothed target distribution
+    ``(1 - a)`` on ``y`` and ``a / (V - 1)`` on every other id, which
+    megatron-core writes as ``(1 - s) * (-log p_y) - s * mean_v log p_v`` with
+    ``s = a * V / (V - 1)``; here as ``-log p_y + s * (z_y - mean_v z_v)``
+    (equal, since ``log p_v = z_v - logsumexp z``), whose extra O(T)
+    statistic is summed over the group with one all-reduce. The gradient is
+    ``p_v - (1 - s) [v = y] - s / V``, as in megatron-core's backward.
+
+    Under tensor parallelism ``V`` and the mean are over the *whole*
+    vocabulary. megatron-core (through at least 0.16) uses the local shard
+    for both when ``label_smoothing > 0`` and ``TP > 1`` (NVIDIA/Megatron-LM
+    issues #737 and #7464), giving a different loss on every rank; at
+    ``TP = 1`` the two agree.
 
     Args:
-      vocab_parallel_logits: ``[..., V_local]`` (Megatron: ``[s, b, V/W]``).
-      target: ``[...]`` global token ids.
-      group: the tensor-parallel group; ``None`` means the world group when
-        ``torch.distributed`` is initialised, else unsharded.
-      label_smoothing: only ``0.0`` is supported.
+      vocab_parallel_logits: ``[..., V_local]`` (Megatron: ``[s, b, V/W]``);
+        rank ``r`` of the group holds ids ``[r * V_local, (r+1) * V_local)``.
+      target: ``[...]`` global token ids; ``-100`` gives loss 0 and no gradient.
+      label_smoothing: a float in ``[0, 1)``; must be equal on every rank.
+      tp_group: the tensor-parallel group. ``None``: megatron-core's
+        tensor-parallel group if its parallel state is initialised, else
+        unsharded when ``torch.distributed`` is absent or has one rank, else
+        ``ValueError`` (never the world group; see the module docstring).
 
     Returns:
       ``[...]`` float32 loss (float64 for float64 logits); the input is never
       modified.
+
+    Raises:
+      TypeError / ValueError naming the argument (``tp_group``,
+      ``label_smoothing``, ``logits``, ``target``, ...), on every rank.
     """
-    if label_smoothing != 0.0:
-        raise ValueError(f"label_smoothing: expected 0.0 (label smoothing is not supported), got {label_smoothing!r}")
-    log_prob, _ = logprob_entropy(vocab_parallel_logits, target, group=_resolve_group(group), with_entropy=False)
-    return -log_prob
+    smoothing = _check_label_smoothing(label_smoothing)
+    group = _resolve_megatron_group(tp_group)
+    with _argument_names(logits="vocab_parallel_logits"):
+        if smoothing == 0.0 or not isinstance(vocab_parallel_logits, torch.Tensor):
+            # (anything but a tensor raises here, on every rank)
+            log_prob, _ = logprob_entropy(
+                vocab_parallel_logits, target, group=group, with_entropy=False, ignore_index=_IGNORE_INDEX
+            )
+            return -log_prob
+        needs_grad = torch.is_grad_enabled() and vocab_parallel_logits.requires_grad
+        return _SmoothedCrossEntropy.apply(vocab_parallel_logits, target, group, smoothing, needs_grad)
+
+
+#: Elements per row chunk of :func:`_row_sums` on CPU (a float32 chunk is 4 MiB).
+_SUM_CHUNK_ELEMENTS = 1 << 20
+
+
+def _row_sums(z: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``[T]`` sums of ``z [T, V_local]`` over the vocabulary, accumulated in ``dtype``.
+
+    On CPU, ``sum(dtype=float32)`` of 16-bit input first copies the whole
+    input to float32 (twice the shard's bytes), so it runs over row chunks;
+    CUDA's reduction casts on load and needs no chunking.
+    """
+    if z.dtype == dtype or z.device.type != "cpu":
+        return z.sum(dim=-1, dtype=dtype)
+    step = max(1, _SUM_CHUNK_ELEMENTS // max(1, z.shape[-1]))
+    out = torch.empty(z.shape[0], dtype=dtype, device=z.device)
+    for i in range(0, z.shape[0], step):
+        torch.sum(z[i : i + step], dim=-1, dtype=dtype, out=out[i : i + step])
+    return out
+
+
+class _SmoothedCrossEntropy(torch.autograd.Function):
+    """``-log p_y + s * (z_y - mean_v z_v)`` with ``s = a V / (V - 1)``; see :func:`vocab_parallel_cross_entropy`.
+
+    The log-prob and its gradient come from :func:`logprob_entropy` (an inner
+    graph on a detached alias of the logits, so validation, agreement and
+    kernels are the op's own); the smoothing term is linear in the logits, so
+    its gradient ``s * g * ([v = y] - 1/V)`` is added in place to the inner
+    gradient: the backward's peak stays one gradient buffer, as without
+    smoothing.
+    """
+
+    @staticmethod
+    def forward(ctx, logits, target, group, smoothing, needs_grad):
+        alias = logits.detach().requires_grad_(needs_grad)
+        with torch.set_grad_enabled(needs_grad):
+            log_prob, _ = logprob_entropy(alias, target, group=group, with_entropy=False, ignore_index=_IGNORE_INDEX)
+        # validated (and agreed across ranks) from here on
+        rank, world = collectives.group_rank_world(group)
+        v_local = logits.shape[-1]
+        vocab = world * v_local
+        if vocab < 2:
+            raise ValueError(
+                f"label_smoothing: needs a vocabulary of at least 2 ids, got V = {vocab} "
+                f"(logits of shape {tuple(logits.shape)} on {world} rank(s))"
+            )
+        z = logits.detach().reshape(-1, v_local)
+        cdt = kernels.compute_dtype(logits.dtype)
+        valid, owns, local = spec.target_to_local(xp, target.reshape(-1).to(torch.int64), rank, v_local, _IGNORE_INDEX)
+        z_y = torch.gather(z, 1, local[:, None])[:, 0].to(cdt)
+        # this shard's part of z_y - mean_v z_v (z_y lives on one shard only)
+        part = torch.where(owns, z_y, torch.zeros_like(z_y)) - _row_sums(z, cdt) / vocab
+        if group is not None:
+            dist.all_reduce(part, op=dist.ReduceOp.SUM, group=group)
+        s = smoothing * vocab / (vocab - 1)
+        extra = torch.where(valid, part, torch.zeros_like(part)).reshape(log_prob.shape)
+        loss = -log_prob.detach() + s * extra
+        ctx.s, ctx.vocab = s, vocab
+        ctx.inner = (alias, log_prob) if needs_grad else None
+        ctx.save_for_backward(valid, owns, local)
+        return loss
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad_loss):
+        if ctx.inner is None:
+            return None, None, None, None, None
+        alias, log_prob = ctx.inner
+        ctx.inner = None  # frees the inner graph
+        valid, owns, local = ctx.saved_tensors
+        (grad,) = torch.autograd.grad(log_prob, alias, grad_outputs=-grad_loss)
+        g = grad_loss.reshape(-1).to(kernels.compute_dtype(grad.dtype))
+        g = torch.where(valid, g, torch.zeros_like(g))
+        g2 = grad.view(-1, grad.shape[-1])
+        # + s * g * [v = y] on the shard that owns y, then - s * g / V everywhere (in place: no 2nd buffer)
+        g2.scatter_add_(1, local[:, None], (ctx.s * torch.where(owns, g, torch.zeros_like(g)))[:, None].to(g2.dtype))
+        g2.sub_(((ctx.s / ctx.vocab) * g).to(g2.dtype)[:, None])  # same dtype: no full-size temporary
+        return grad, None, None, None, None

@@ -140,7 +140,7 @@ def _raises(fn):
 
 
 def compat_checks(rank: int, world: int) -> dict:
-    """slime / Megatron compat functions with tp_group=None -> world group."""
+    """slime with tp_group=None (-> world group, as slime) and Megatron with the world group passed explicitly."""
     from dualvp_torch import compat
 
     torch.manual_seed(1)
@@ -148,7 +148,7 @@ def compat_checks(rank: int, world: int) -> dict:
     y = torch.randint(0, 8 * world, (5,))
     shard = full[:, rank * 8 : (rank + 1) * 8]
     lp, h = compat.calculate_log_probs_and_entropy(shard, y, None, with_entropy=True, chunk_size=2)
-    loss = compat.vocab_parallel_cross_entropy(shard, y)
+    loss = compat.vocab_parallel_cross_entropy(shard, y, tp_group=torch.distributed.group.WORLD)
     rl, rh = reference.logprob_entropy(full.numpy(), y.numpy())
     return {
         "lp_shape": tuple(lp.shape),

@@ -1,14 +1,12 @@
-"""Peak extra memory of forward + backward (profiler allocation trace), and the compat layer at W = 1."""
+"""Peak extra memory of forward + backward (profiler allocation trace). (The compat tests are in test_compat.py.)"""
 
-import numpy as np
 import pytest
 
 torch = pytest.importorskip("torch")
 
 from torch.profiler import ProfilerActivity, profile  # noqa: E402
 
-from dualvp import reference  # noqa: E402
-from dualvp_torch import compat, logprob_entropy  # noqa: E402
+from dualvp_torch import logprob_entropy  # noqa: E402
 
 T, V = 512, 4096  # B = 8 MiB in float32, 4 MiB in bfloat16
 
@@ -99,34 +97,3 @@ def test_inplace_grad_memory(dtype, monkeypatch):
     B, _, sizes = _measure(dtype, "mask", inplace=True)
     assert _peak(sizes) < 0.1 * B, _peak(sizes) / B
 
-
-def test_compat_single_process(monkeypatch):
-    monkeypatch.setenv("DUALVP_COMPILE", "0")
-    g = torch.Generator().manual_seed(0)
-    z = torch.randn(6, 16, generator=g, dtype=torch.float64)
-    y = torch.randint(0, 16, (6,), generator=g)
-    keep = torch.rand(6, 16, generator=g) < 0.5
-    rl, rh = reference.logprob_entropy(z.numpy(), y.numpy())
-    lp, h = compat.calculate_log_probs_and_entropy(z, y, None)
-    assert lp.shape == (6, 1) and h is None
-    np.testing.assert_allclose(lp[:, 0].numpy(), rl, rtol=1e-10, atol=1e-10)
-    for chunk in (-1, 1, 4, 100):
-        lp2, h2 = compat.calculate_log_probs_and_entropy(
-            z, y, None, with_entropy=True, chunk_size=chunk, log_prob_keep_mask=keep, with_entropy_grad=False
-        )
-        rlk, _ = reference.logprob_entropy(z.numpy(), y.numpy(), keep_mask=keep.numpy())
-        np.testing.assert_allclose(lp2[:, 0].numpy(), rlk, rtol=1e-10, atol=1e-10)
-        np.testing.assert_allclose(h2.numpy(), rh, rtol=1e-10, atol=1e-10)
-        assert not h2.requires_grad
-    zz = z.clone().requires_grad_(True)
-    loss = compat.vocab_parallel_cross_entropy(zz.view(2, 3, 16), y.view(2, 3))
-    assert loss.shape == (2, 3)
-    np.testing.assert_allclose(-loss.detach().numpy().reshape(-1), rl, rtol=1e-10, atol=1e-10)
-    loss.sum().backward()
-    assert torch.equal(z, zz.detach())  # never modifies the input
-    ref_g = reference.logprob_entropy_grad(z.numpy(), y.numpy(), -np.ones(6))
-    np.testing.assert_allclose(zz.grad.numpy(), ref_g, rtol=1e-9, atol=1e-12)
-    with pytest.raises(ValueError, match="label_smoothing"):
-        compat.vocab_parallel_cross_entropy(z, y, label_smoothing=0.1)
-    with pytest.raises(TypeError, match="chunk_size"):
-        compat.calculate_log_probs_and_entropy(z, y, None, chunk_size=2.5)
