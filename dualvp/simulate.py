@@ -1,8 +1,10 @@
 """Run :mod:`dualvp.spec` over ``W`` simulated vocab shards with NumPy.
 
 This is the specification executed exactly as a sharded backend executes it
-(per-shard statistics, an "all-gather" that is a stack, the combine, the local
-gradient), in one process. The tests hold it against :mod:`dualvp.reference`,
+(per-shard statistics, an "all-gather" that is a stack, the reduce and
+finalize, the local gradient), in one process; optionally each shard is
+further split into column blocks whose statistics merge with the same
+:func:`dualvp.spec.reduce_stats` (as the fused LM-head op's vocab chunks do). The tests hold it against :mod:`dualvp.reference`,
 and ``dualvp verify`` reports it as the ``spec`` row.
 """
 
@@ -21,11 +23,12 @@ def logprob_entropy_sharded(
     world_size: int,
     *,
     keep_mask=None,
-    temperature: float = 1.0,
+    temperature=1.0,
     ignore_index: int = -100,
     grad_logprob=None,
     grad_entropy=None,
     dtype=np.float64,
+    block=None,
 ):
     """Spec forward (and backward) over ``world_size`` equal shards.
 
@@ -35,6 +38,9 @@ def logprob_entropy_sharded(
       grad_logprob, grad_entropy: ``[...]`` upstream gradients; the gradient is
         computed when ``grad_logprob`` is given.
       dtype: the NumPy dtype the spec runs in.
+      block: ``None`` (one block per shard) or the column-block width: each
+        shard's statistics are then made per block, reduced within the shard,
+        and its gradient is assembled block by block.
 
     Returns:
       ``(logprob, entropy, grad)`` with ``grad`` ``[..., V]`` or ``None``.
@@ -48,11 +54,22 @@ def logprob_entropy_sharded(
     shards = [z[..., r * vr : (r + 1) * vr] for r in range(world_size)]
     keeps = [None if keep_mask is None else np.asarray(keep_mask)[..., r * vr : (r + 1) * vr] for r in range(world_size)]
     locs = [spec.target_to_local(np, y, r, vr, ignore_index) for r in range(world_size)]
+    width = vr if block is None else max(1, int(block))
+    starts = list(range(0, vr, width)) or [0]
+
+    def cols(a, s0):
+        return None if a is None else a[..., s0 : s0 + width]
+
+    def stats_of(r):
+        blocks = [
+            spec.block_stats(np, cols(shards[r], s0), locs[r][2], locs[r][1], cols(keeps[r], s0), temperature, start=s0)
+            for s0 in starts
+        ]
+        return spec.reduce_stats(np, np.stack(blocks), axis=0, temperature=temperature)
+
     with np.errstate(invalid="ignore", over="ignore", divide="ignore"):
-        stats = np.stack(
-            [spec.shard_stats(np, shards[r], locs[r][2], locs[r][1], keeps[r], temperature) for r in range(world_size)]
-        )
-        comb = spec.combine_stats(np, stats, axis=0, temperature=temperature)
+        stats = np.stack([stats_of(r) for r in range(world_size)])
+        comb = spec.finalize(np, spec.reduce_stats(np, stats, axis=0, temperature=temperature), temperature)
         valid = locs[0][0]
         logprob, entropy = spec.outputs(np, comb, valid, temperature)
         grad = None
@@ -61,8 +78,12 @@ def logprob_entropy_sharded(
             ge = None if grad_entropy is None else np.asarray(grad_entropy).astype(dtype)
             grad = np.concatenate(
                 [
-                    spec.grad_logits(np, shards[r], locs[r][2], locs[r][1], keeps[r], comb, valid, gl, ge, temperature)
+                    spec.block_grad(
+                        np, cols(shards[r], s0), locs[r][2], locs[r][1], cols(keeps[r], s0), comb, valid, gl, ge,
+                        temperature, start=s0,
+                    )
                     for r in range(world_size)
+                    for s0 in starts
                 ],
                 axis=-1,
             )

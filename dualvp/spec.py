@@ -2,8 +2,17 @@
 
 Every function here is a pure function of arrays. ``xp`` is an array-API
 namespace: ``numpy`` (2.x), ``jax.numpy``, or ``array_api_compat.torch``. The
-backends either call these functions directly or run optimised equivalents that
-the tests hold against them.
+backends run these functions themselves (the torch kernels compile them with
+``torch.compile`` or run them eagerly over row chunks; JAX traces them under
+``jit``): no backend restates a formula.
+
+Structure: statistics of any column block ``[start, stop)`` of the vocabulary
+(:func:`block_stats`), one associative merge (:func:`reduce_stats`: blocks of a
+shard, shards of a group, vocab chunks of a fused LM-head op), then
+:func:`finalize` into :class:`Combined`; the outputs (:func:`outputs`) and the
+gradient of any column block (:func:`block_grad`) are functions of the
+finalized statistics. The compute and accumulation dtypes are arguments, and
+the temperature may be a 0-d array.
 
 Notation (one row = one token position; shard ``r`` of ``W`` holds the columns
 ``[r*V_r, (r+1)*V_r)`` of the full vocabulary ``V = W*V_r``)::
@@ -14,7 +23,7 @@ Notation (one row = one token position; shard ``r`` of ``W`` holds the columns
     L   = log q_y                       log-prob of the target
     H   = -sum_v p_v log p_v            entropy (unmasked)
 
-Shard-local statistics (``STATS``, last axis of a ``[..., N_STATS]`` array).
+Block statistics (``STATS``, last axis of a ``[..., N_STATS]`` array).
 Maxima are taken on the raw logits ``z`` and the temperature is applied after
 the shift, ``d = (z - m) / tau``, which keeps full precision for large ``|z|``
 and small ``tau``::
@@ -46,26 +55,31 @@ for that row only.
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, Optional
 
 __all__ = [
     "STATS",
     "N_STATS",
     "Combined",
     "target_to_local",
-    "shard_stats",
+    "block_stats",
+    "reduce_stats",
+    "merge_stats",
+    "finalize",
     "combine_stats",
     "outputs",
+    "block_grad",
+    "shard_stats",
     "grad_logits",
 ]
 
-#: Names of the per-shard statistics, in the order of the last axis.
+#: Names of the block statistics, in the order of the last axis.
 STATS = ("m", "s", "t", "mk", "sk", "zy")
 N_STATS = len(STATS)
 
 
 class Combined(NamedTuple):
-    """Row statistics after the cross-shard combine, each of shape ``[...]``.
+    """Row statistics after the reduce, finalized; each of shape ``[...]``.
 
     ``M``: global max of the logits ``z``; ``log_s``: ``log S``; ``c``:
     ``E_p[u] - M / tau``; ``mk``, ``log_sk``: the same max / log-sum over the
@@ -81,12 +95,54 @@ class Combined(NamedTuple):
     zy: Any
 
 
+# --- small helpers (no math of the op) -------------------------------------------
+
+
 def _finite_or_zero(xp, m):
-    # A shard (or row) whose columns are all -inf has max -inf; shifting by it
+    # A block (or row) whose columns are all -inf has max -inf; shifting by it
     # would give (-inf) - (-inf) = NaN. Shift by 0 instead: exp(-inf) = 0, so the
-    # shard contributes nothing. NaN and +inf stay as they are, so they poison
+    # block contributes nothing. NaN and +inf stay as they are, so they poison
     # their own row, as documented.
     return xp.where(m == -xp.inf, xp.zeros_like(m), m)
+
+
+def _tau(xp, temperature, dtype):
+    # A Python number stays a (weakly typed) scalar; an array (0-d) is cast to
+    # the compute dtype so that it never promotes float32 work to float64
+    # (NumPy 2 treats 0-d arrays as strongly typed). Passing the temperature
+    # as a 0-d array lets a compiled kernel take it as an input: changing it
+    # never recompiles.
+    if isinstance(temperature, (int, float)):
+        return temperature
+    return xp.astype(temperature, dtype)
+
+
+def _sum(xp, x, acc_dtype, dtype):
+    # Row sum, accumulated in ``acc_dtype`` (None: in x's dtype), returned in ``dtype``.
+    if acc_dtype is None:
+        return xp.sum(x, axis=-1)
+    return xp.astype(xp.sum(x, axis=-1, dtype=acc_dtype), dtype)
+
+
+def _cast(xp, z, dtype):
+    return z if dtype is None or z.dtype == dtype else xp.astype(z, dtype)
+
+
+def _target_columns(xp, z, local, owns, start):
+    # [..., n] bool: the column of this block that holds this row's target.
+    # ``getattr(..., "device")`` is None for traced JAX arrays (device-free).
+    dev = getattr(z, "device", None)
+    kw = {} if dev is None else {"device": dev}
+    cols = xp.arange(start, start + z.shape[-1], dtype=local.dtype, **kw)
+    return (cols == local[..., None]) & owns[..., None]
+
+
+def _kept_logits(xp, z, keep, is_y):
+    # z on the kept columns (the target is always kept), -inf elsewhere.
+    return xp.where(keep | is_y, z, xp.full_like(z, -xp.inf))
+
+
+# --- the op ------------------------------------------------------------------------
 
 
 def target_to_local(xp, target, shard_index: int, v_local: int, ignore_index: int):
@@ -111,14 +167,23 @@ def target_to_local(xp, target, shard_index: int, v_local: int, ignore_index: in
     return valid, owns, local
 
 
-def _target_columns(xp, u, local, owns):
-    # [..., V_r] bool: the column that holds this row's target, if on this shard.
-    cols = xp.arange(u.shape[-1], dtype=local.dtype)
-    return (cols == local[..., None]) & owns[..., None]
+def block_stats(
+    xp,
+    z,
+    local,
+    owns,
+    keep=None,
+    temperature=1.0,
+    *,
+    start: int = 0,
+    dtype=None,
+    acc_dtype=None,
+):
+    """Statistics of one column block ``[start, start + n)`` of a vocab shard.
 
-
-def shard_stats(xp, z, local, owns, keep=None, temperature: float = 1.0):
-    """Shard-local statistics of one vocab shard.
+    A whole shard is the block ``start=0``; the blocks of a shard, the shards
+    of a group and the vocab chunks of a fused LM-head op all merge with the
+    one :func:`reduce_stats`.
 
     Maxima and the target logit are kept in *logits* units and the temperature
     is applied after the shift (``d = (z - m) / tau``): ``z - m`` is exact for
@@ -126,77 +191,110 @@ def shard_stats(xp, z, local, owns, keep=None, temperature: float = 1.0):
     of absolute precision the way ``z / tau - m / tau`` would.
 
     Args:
-      z: ``[..., V_r]`` logits of this shard (floating).
-      local, owns: ``[...]`` from :func:`target_to_local`.
-      keep: ``[..., V_r]`` bool keep mask or ``None`` (all kept). The target
-        column is always treated as kept.
-      temperature: ``tau > 0``; the distribution is ``softmax(z / tau)``.
+      z: ``[..., n]`` logits of the block (floating).
+      local, owns: ``[...]`` from :func:`target_to_local` (``local`` is the
+        target's column within the *shard*, not the block).
+      keep: ``[..., n]`` bool keep mask of the block or ``None`` (all kept).
+        The target column is always treated as kept.
+      temperature: ``tau > 0``, a number or a 0-d array; the distribution is
+        ``softmax(z / tau)``.
+      start: the block's first column within the shard.
+      dtype: compute dtype (``z`` is cast to it first); ``None``: ``z.dtype``.
+      acc_dtype: dtype the row sums accumulate in; ``None``: the compute dtype.
 
     Returns:
-      ``[..., N_STATS]`` array of ``(m, s, t, mk, sk, zy)`` in ``z``'s dtype:
-      ``m = max z``, ``s = sum e^d``, ``t = sum e^d d`` with
-      ``d = (z - m) / tau``; ``mk, sk`` the same over kept columns; ``zy`` the
-      target's logit on the owning shard, else 0.
+      ``[..., N_STATS]`` array of ``(m, s, t, mk, sk, zy)`` in the compute
+      dtype: ``m = max z``, ``s = sum e^d``, ``t = sum e^d d`` with
+      ``d = (z - m) / tau``; ``mk, sk`` the same max and sum over kept
+      columns; ``zy`` the target's logit if this block holds it, else 0.
     """
+    z = _cast(xp, z, dtype)
+    tau = _tau(xp, temperature, z.dtype)
     m = xp.max(z, axis=-1)
-    d = (z - _finite_or_zero(xp, m)[..., None]) / temperature
+    d = (z - _finite_or_zero(xp, m)[..., None]) / tau
     e = xp.exp(d)
-    s = xp.sum(e, axis=-1)
-    t = xp.sum(xp.where(e > 0, e * d, xp.zeros_like(d)), axis=-1)
-    is_y = _target_columns(xp, z, local, owns)
+    s = _sum(xp, e, acc_dtype, z.dtype)
+    t = _sum(xp, xp.where(e > 0, e * d, xp.zeros_like(d)), acc_dtype, z.dtype)
+    is_y = _target_columns(xp, z, local, owns, start)
     zy = xp.sum(xp.where(is_y, z, xp.zeros_like(z)), axis=-1)
     if keep is None:
         mk, sk = m, s
     else:
-        zk = xp.where(keep | is_y, z, xp.full_like(z, -xp.inf))
+        zk = _kept_logits(xp, z, keep, is_y)
         mk = xp.max(zk, axis=-1)
-        sk = xp.sum(xp.exp((zk - _finite_or_zero(xp, mk)[..., None]) / temperature), axis=-1)
+        sk = _sum(xp, xp.exp((zk - _finite_or_zero(xp, mk)[..., None]) / tau), acc_dtype, z.dtype)
     return xp.stack([m, s, t, mk, sk, zy], axis=-1)
 
 
-def combine_stats(xp, stats, axis: int = 0, temperature: float = 1.0) -> Combined:
-    """Exact cross-shard combine.
+def reduce_stats(xp, stats, axis: int = 0, temperature=1.0):
+    """Merge block statistics along ``axis``: associative, exact up to rounding.
+
+    With ``dm_r = (m_r - M) / tau``::
+
+        M  = max_r m_r              S  = sum_r s_r e^dm_r
+        T  = sum_r e^dm_r (t_r + s_r dm_r)
+        Mk = max_r mk_r             Sk = sum_r sk_r e^((mk_r - Mk) / tau)
+        zy = sum_r zy_r
+
+    The result has the layout of one block's statistics (relative to the
+    merged maxima), so merges nest: blocks into shards into groups, in any
+    order and grouping.
 
     Args:
-      stats: per-shard statistics stacked along ``axis`` (the shard axis), e.g.
-        ``[W, ..., N_STATS]`` for ``axis=0``.
+      stats: ``[..., N_STATS]`` statistics with the blocks along ``axis``
+        (e.g. ``[W, T, N_STATS]`` for ``axis=0``).
       temperature: the ``tau`` the statistics were made with.
 
     Returns:
-      :class:`Combined`, each field ``[...]``.
+      ``[..., N_STATS]`` with ``axis`` removed.
+    """
+    tau = _tau(xp, temperature, stats.dtype)
+    m, s, t, mk, sk, zy = (stats[..., i] for i in range(N_STATS))
+    ax = axis if axis >= 0 else axis + 1  # the stats axis is gone from the fields
+    M = xp.max(m, axis=ax, keepdims=True)
+    dm = (m - _finite_or_zero(xp, M)) / tau
+    w = xp.exp(dm)
+    S = xp.sum(w * s, axis=ax)
+    # w == 0 exactly when the block is all -inf; then s == 0 and dm = -inf.
+    shift = xp.where(w > 0, s * dm, xp.zeros_like(s))
+    Tm = xp.sum(w * (t + shift), axis=ax)
+    MK = xp.max(mk, axis=ax, keepdims=True)
+    SK = xp.sum(xp.exp((mk - _finite_or_zero(xp, MK)) / tau) * sk, axis=ax)
+    return xp.stack([xp.squeeze(M, axis=ax), S, Tm, xp.squeeze(MK, axis=ax), SK, xp.sum(zy, axis=ax)], axis=-1)
+
+
+def merge_stats(xp, a, b, temperature=1.0):
+    """:func:`reduce_stats` of two blocks' ``[..., N_STATS]`` statistics."""
+    return reduce_stats(xp, xp.stack([a, b], axis=0), axis=0, temperature=temperature)
+
+
+def finalize(xp, stats, temperature=1.0) -> Combined:
+    """:class:`Combined` from fully reduced ``[..., N_STATS]`` statistics.
+
+    ``log_s = log S``, ``c = T / S`` (``= E_p[u] - M / tau``), ``log_sk = log Sk``.
     """
     m, s, t, mk, sk, zy = (stats[..., i] for i in range(N_STATS))
-    M = xp.max(m, axis=axis, keepdims=True)
-    dm = (m - _finite_or_zero(xp, M)) / temperature
-    w = xp.exp(dm)
-    S = xp.sum(w * s, axis=axis)
-    # w == 0 exactly when the shard is all -inf; then s == 0 and dm = -inf.
-    shift = xp.where(w > 0, s * dm, xp.zeros_like(s))
-    Tm = xp.sum(w * (t + shift), axis=axis)
-    MK = xp.max(mk, axis=axis, keepdims=True)
-    SK = xp.sum(xp.exp((mk - _finite_or_zero(xp, MK)) / temperature) * sk, axis=axis)
-    return Combined(
-        M=xp.squeeze(M, axis=axis),
-        log_s=xp.log(S),
-        c=Tm / S,
-        mk=xp.squeeze(MK, axis=axis),
-        log_sk=xp.log(SK),
-        zy=xp.sum(zy, axis=axis),
-    )
+    return Combined(M=m, log_s=xp.log(s), c=t / s, mk=mk, log_sk=xp.log(sk), zy=zy)
 
 
-def outputs(xp, comb: Combined, valid, temperature: float = 1.0):
+def combine_stats(xp, stats, axis: int = 0, temperature=1.0) -> Combined:
+    """``finalize(reduce_stats(stats, axis))``: the cross-shard combine."""
+    return finalize(xp, reduce_stats(xp, stats, axis=axis, temperature=temperature), temperature)
+
+
+def outputs(xp, comb: Combined, valid, temperature=1.0):
     """Log-prob and entropy from combined statistics.
 
     ``L = (z_y - Mk) / tau - log Sk`` (0 on rows that are not ``valid``) and
     ``H = log S - c``; both ``[...]``.
     """
-    logprob = xp.where(valid, (comb.zy - comb.mk) / temperature - comb.log_sk, xp.zeros_like(comb.zy))
+    tau = _tau(xp, temperature, comb.zy.dtype)
+    logprob = xp.where(valid, (comb.zy - comb.mk) / tau - comb.log_sk, xp.zeros_like(comb.zy))
     entropy = comb.log_s - comb.c
     return logprob, entropy
 
 
-def grad_logits(
+def block_grad(
     xp,
     z,
     local,
@@ -206,35 +304,55 @@ def grad_logits(
     valid,
     g_logprob,
     g_entropy,
-    temperature: float = 1.0,
+    temperature=1.0,
+    *,
+    start: int = 0,
+    dtype=None,
 ):
-    """Gradient of ``sum(gL * L + gH * H)`` with respect to this shard's logits.
+    """Gradient of ``sum(gL * L + gH * H)`` w.r.t. one column block of logits.
 
     Args:
-      z: ``[..., V_r]`` logits of this shard.
+      z: ``[..., n]`` logits of the block ``[start, start + n)`` of the shard.
       local, owns, valid: ``[...]`` from :func:`target_to_local`.
-      keep: ``[..., V_r]`` bool or ``None``.
-      comb: :class:`Combined` for these rows.
+      keep: ``[..., n]`` bool or ``None``.
+      comb: :class:`Combined` for these rows (over the whole vocabulary).
       g_logprob, g_entropy: ``[...]`` upstream gradients; ``g_entropy`` may be
         ``None`` (no entropy gradient). Rows that are not ``valid`` get no
         log-prob gradient.
+      temperature: a number or a 0-d array.
+      start: the block's first column within the shard.
+      dtype: compute dtype (``z`` is cast to it first); ``None``: ``z.dtype``.
 
     Returns:
-      ``[..., V_r]``: ``(gL (1[v=y] - q_v) + gH p_v (c - d_v)) / tau`` with
-      ``d_v = (z_v - M) / tau``.
+      ``[..., n]`` in the compute dtype:
+      ``(gL (1[v=y] - q_v) + gH p_v (c - d_v)) / tau`` with
+      ``d_v = (z_v - M) / tau``, ``p_v = e^(d_v - log S)`` and ``q_v`` the
+      kept distribution (``q = p`` without a mask, 0 on dropped columns).
     """
+    z = _cast(xp, z, dtype)
+    tau = _tau(xp, temperature, z.dtype)
     zero = xp.zeros_like(z)
-    d = (z - _finite_or_zero(xp, comb.M)[..., None]) / temperature
+    d = (z - _finite_or_zero(xp, comb.M)[..., None]) / tau
     p = xp.exp(d - comb.log_s[..., None])
-    is_y = _target_columns(xp, z, local, owns)
+    is_y = _target_columns(xp, z, local, owns, start)
     if keep is None:
         q = p
     else:
-        zk = xp.where(keep | is_y, z, xp.full_like(z, -xp.inf))
-        q = xp.exp((zk - _finite_or_zero(xp, comb.mk)[..., None]) / temperature - comb.log_sk[..., None])
+        zk = _kept_logits(xp, z, keep, is_y)
+        q = xp.exp((zk - _finite_or_zero(xp, comb.mk)[..., None]) / tau - comb.log_sk[..., None])
     gl = xp.where(valid, g_logprob, xp.zeros_like(g_logprob))[..., None]
     g = gl * (xp.where(is_y, xp.ones_like(z), zero) - q)
     if g_entropy is not None:
         dh = xp.where(p > 0, p * (comb.c[..., None] - d), zero)
         g = g + g_entropy[..., None] * dh
-    return g / temperature
+    return g / tau
+
+
+def shard_stats(xp, z, local, owns, keep=None, temperature=1.0, **kw):
+    """:func:`block_stats` of a whole shard (the block ``start=0``)."""
+    return block_stats(xp, z, local, owns, keep, temperature, **kw)
+
+
+def grad_logits(xp, z, local, owns, keep, comb: Combined, valid, g_logprob, g_entropy, temperature=1.0, **kw):
+    """:func:`block_grad` of a whole shard (the block ``start=0``)."""
+    return block_grad(xp, z, local, owns, keep, comb, valid, g_logprob, g_entropy, temperature, **kw)

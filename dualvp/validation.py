@@ -3,10 +3,13 @@
 Backends describe their arguments with plain Python values (shapes as tuples,
 dtypes as names such as ``"float32"``), call :func:`check_args`, and only then
 enter any collective. Every error names the argument, what was expected and
-what was given.
+what was given. :func:`check_args` returns one frozen, hashable
+:class:`Options`: the torch op carries it, the JAX backend uses it as its
+static (``jit``) configuration, and the cross-rank agreement record is made
+from it.
 
 For process groups, :func:`agreement_record` packs what must agree across
-ranks (options, shapes, the local validation outcome) into a short list of
+ranks (the options, shapes, the local validation outcome) into a short list of
 int64. A backend all-gathers it (O(1) bytes, one collective) and calls
 :func:`check_agreement`, which raises the *same* error on every rank when the
 ranks differ or one of them failed validation.
@@ -14,11 +17,13 @@ ranks differ or one of them failed validation.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import struct
 from typing import Optional, Sequence
 
 __all__ = [
+    "Options",
     "FLOAT_DTYPES",
     "INT_DTYPES",
     "ARGUMENTS",
@@ -78,6 +83,32 @@ def check_temperature(temperature) -> float:
     return value
 
 
+@dataclasses.dataclass(frozen=True)
+class Options:
+    """The validated options of one call (frozen and hashable).
+
+    Attributes:
+      temperature: ``tau`` as a finite Python float ``> 0``.
+      ignore_index: rows whose target equals it are ignored.
+      with_entropy: the entropy is returned.
+      entropy_grad: the entropy is differentiable (when returned).
+      has_mask: a keep mask was given.
+      inplace_grad: the gradient may overwrite the logits (torch only).
+    """
+
+    temperature: float = 1.0
+    ignore_index: int = -100
+    with_entropy: bool = True
+    entropy_grad: bool = True
+    has_mask: bool = False
+    inplace_grad: bool = False
+
+    @property
+    def need_entropy_grad(self) -> bool:
+        """The backward needs the entropy term (``with_entropy and entropy_grad``)."""
+        return self.with_entropy and self.entropy_grad
+
+
 def _check_flag(name: str, value) -> None:
     if not isinstance(value, bool):
         raise TypeError(f"{name}: expected a bool, got {type(value).__name__} {value!r}")
@@ -95,8 +126,9 @@ def check_args(
     ignore_index=-100,
     with_entropy=True,
     entropy_grad=True,
-) -> float:
-    """Check shapes, dtypes and options; return the temperature as a float.
+    inplace_grad=False,
+) -> Options:
+    """Check shapes, dtypes and options; return them as :class:`Options`.
 
     Expected: ``logits [..., V_local]`` floating (one of :data:`FLOAT_DTYPES`)
     with ``V_local >= 1``; ``target [...]`` integer with the same leading
@@ -130,7 +162,15 @@ def check_args(
         raise TypeError(f"ignore_index: expected an int, got {type(ignore_index).__name__} {ignore_index!r}")
     _check_flag("with_entropy", with_entropy)
     _check_flag("entropy_grad", entropy_grad)
-    return tau
+    _check_flag("inplace_grad", inplace_grad)
+    return Options(
+        temperature=tau,
+        ignore_index=int(ignore_index),
+        with_entropy=with_entropy,
+        entropy_grad=entropy_grad,
+        has_mask=keep_shape is not None or keep_dtype is not None,
+        inplace_grad=inplace_grad,
+    )
 
 
 # --- cross-rank agreement -------------------------------------------------
@@ -172,22 +212,22 @@ def agreement_record(
     n_rows: int = -1,
     v_local: int = -1,
     logits_dtype: str = "",
-    has_mask: bool = False,
-    with_entropy: bool = False,
-    entropy_grad: bool = False,
-    temperature: float = 0.0,
-    ignore_index: int = 0,
+    options: Optional[Options] = None,
 ) -> list[int]:
     """The int64 record one rank contributes to the agreement all-gather.
 
-    The last field (``bad_targets``) is left 0 here; a backend fills it with a
-    device-side count so that the range check needs no extra synchronisation.
+    ``options`` is what :func:`check_args` returned (required unless
+    ``error`` is given). The last field (``bad_targets``) is left 0 here; a
+    backend fills it with a device-side count so that the range check needs
+    no extra synchronisation.
     """
+    if error is None and options is None:
+        raise TypeError("options: expected the Options returned by check_args when error is None, got None")
     dtype_code = FLOAT_DTYPES.index(logits_dtype) if logits_dtype in FLOAT_DTYPES else -1
     if error is not None:
         return [_error_code(error)] + [-1] * (len(RECORD_FIELDS) - 1)
     try:
-        tau_bits = _float_bits(temperature)
+        tau_bits = _float_bits(options.temperature)
     except (TypeError, ValueError, struct.error):
         tau_bits = -1
     return [
@@ -195,11 +235,11 @@ def agreement_record(
         int(n_rows),
         int(v_local),
         dtype_code,
-        int(bool(has_mask)),
-        int(bool(with_entropy)),
-        int(bool(entropy_grad)),
+        int(options.has_mask),
+        int(options.with_entropy),
+        int(options.entropy_grad),
         tau_bits,
-        int(ignore_index),
+        int(options.ignore_index),
         0,
     ]
 

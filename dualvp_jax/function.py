@@ -36,8 +36,6 @@ from __future__ import annotations
 
 import os
 from functools import partial
-from typing import NamedTuple
-
 import numpy as np
 
 import jax
@@ -45,19 +43,9 @@ import jax.numpy as jnp
 from jax import lax
 
 from dualvp import spec
-from dualvp.validation import check_args
+from dualvp.validation import Options, check_args
 
 __all__ = ["logprob_entropy"]
-
-
-class _Config(NamedTuple):
-    """Static (hashable) options of one call."""
-
-    axis_name: object  # None, a mesh axis name, or a tuple of names
-    temperature: float
-    ignore_index: int
-    with_entropy: bool
-    entropy_grad: bool
 
 
 # --- argument handling --------------------------------------------------------
@@ -89,7 +77,11 @@ def _check_temperature_type(temperature) -> None:
 
 
 def _validate(logits, target, keep_mask, temperature, ignore_index, with_entropy, entropy_grad):
-    """Static checks (shapes, dtypes, options); returns the temperature as a float."""
+    """Static checks (shapes, dtypes, options); returns the :class:`~dualvp.validation.Options`.
+
+    The frozen options object is the static (``jit``) configuration of the op,
+    next to ``axis_name``.
+    """
     _check_temperature_type(temperature)
     ls, ld = _describe("logits", logits, "a floating jax.Array or numpy array [..., V_local]")
     ts, td = _describe("target", target, "an integer jax.Array or numpy array [...]")
@@ -168,62 +160,61 @@ def _compute_dtype(dtype):
     return jnp.promote_types(dtype, jnp.float32)
 
 
-def _shard_position(cfg: _Config, target, v_local: int):
+def _shard_position(axis_name, opt: Options, target, v_local: int):
     """``(valid, owns, local, bad)`` for this shard, and the shard count."""
-    if cfg.axis_name is None:
+    if axis_name is None:
         r, w = 0, 1
     else:
-        r = lax.axis_index(cfg.axis_name)
-        w = lax.axis_size(cfg.axis_name)
-    valid, owns, local = spec.target_to_local(jnp, target, r, v_local, cfg.ignore_index)
+        r = lax.axis_index(axis_name)
+        w = lax.axis_size(axis_name)
+    valid, owns, local = spec.target_to_local(jnp, target, r, v_local, opt.ignore_index)
     bad = valid & ((target < 0) | (target >= w * v_local))
     return valid, owns, local, bad
 
 
-def _gather(cfg: _Config, stats):
-    if cfg.axis_name is None:
+def _gather(axis_name, stats):
+    if axis_name is None:
         return stats[None]
     # The one collective of the op. ``to="invarying"``: the table is the same
     # on every shard, and its type says so (check_vma).
-    return lax.all_gather(stats, cfg.axis_name, axis=0, to="invarying")
+    return lax.all_gather(stats, axis_name, axis=0, to="invarying")
 
 
-def _forward(logits, target, keep, cfg: _Config):
+def _forward(logits, target, keep, axis_name, opt: Options):
     cdt = _compute_dtype(logits.dtype)
-    z = logits.astype(cdt)
-    valid, owns, local, bad = _shard_position(cfg, target, logits.shape[-1])
-    stats = spec.shard_stats(jnp, z, local, owns, keep, cfg.temperature)
-    comb = spec.combine_stats(jnp, _gather(cfg, stats), axis=0, temperature=cfg.temperature)
-    logprob, entropy = spec.outputs(jnp, comb, valid, cfg.temperature)
+    tau = opt.temperature
+    valid, owns, local, bad = _shard_position(axis_name, opt, target, logits.shape[-1])
+    stats = spec.block_stats(jnp, logits, local, owns, keep, tau, dtype=cdt)
+    comb = spec.finalize(jnp, spec.reduce_stats(jnp, _gather(axis_name, stats), axis=0, temperature=tau), tau)
+    logprob, entropy = spec.outputs(jnp, comb, valid, tau)
     nan = jnp.full_like(logprob, jnp.nan)
     logprob = jnp.where(bad, nan, logprob)
     entropy = jnp.where(bad, nan, entropy)
     return (logprob, entropy), comb
 
 
-@partial(jax.custom_vjp, nondiff_argnums=(3,))
-def _op(logits, target, keep, cfg: _Config):
-    return _forward(logits, target, keep, cfg)[0]
+@partial(jax.custom_vjp, nondiff_argnums=(3, 4))
+def _op(logits, target, keep, axis_name, opt: Options):
+    return _forward(logits, target, keep, axis_name, opt)[0]
 
 
-def _op_fwd(logits, target, keep, cfg: _Config):
-    out, comb = _forward(logits, target, keep, cfg)
+def _op_fwd(logits, target, keep, axis_name, opt: Options):
+    out, comb = _forward(logits, target, keep, axis_name, opt)
     # Residuals: references to the inputs plus O(T) statistics.
     return out, (logits, target, keep, comb)
 
 
-def _op_bwd(cfg: _Config, res, cotangents):
+def _op_bwd(axis_name, opt: Options, res, cotangents):
     logits, target, keep, comb = res
     g_logprob, g_entropy = cotangents
     cdt = _compute_dtype(logits.dtype)
-    z = logits.astype(cdt)
-    valid, owns, local, bad = _shard_position(cfg, target, logits.shape[-1])
+    valid, owns, local, bad = _shard_position(axis_name, opt, target, logits.shape[-1])
     g_logprob = jnp.asarray(g_logprob, cdt)
-    g_entropy = jnp.asarray(g_entropy, cdt) if (cfg.with_entropy and cfg.entropy_grad) else None
-    g = spec.grad_logits(jnp, z, local, owns, keep, comb, valid, g_logprob, g_entropy, cfg.temperature)
+    g_entropy = jnp.asarray(g_entropy, cdt) if opt.need_entropy_grad else None
+    g = spec.block_grad(jnp, logits, local, owns, keep, comb, valid, g_logprob, g_entropy, opt.temperature, dtype=cdt)
     g = jnp.where(bad[..., None], jnp.full_like(g, jnp.nan), g)
     if _TEST_FAULT == "grad_tau":
-        g = g * cfg.temperature
+        g = g * opt.temperature
     return g.astype(logits.dtype), None, None
 
 
@@ -276,28 +267,27 @@ def logprob_entropy(
       when ``target`` is concrete and ``axis_name`` is ``None``. Traced
       out-of-range targets give NaN rows.
     """
-    tau = _validate(logits, target, keep_mask, temperature, ignore_index, with_entropy, entropy_grad)
+    opt = _validate(logits, target, keep_mask, temperature, ignore_index, with_entropy, entropy_grad)
     if axis_name is None:
         check_target_range(target, int(np.shape(logits)[-1]), ignore_index)
     if axis_name is not None:
         _check_varying(logits, axis_name)
-    cfg = _Config(axis_name, tau, ignore_index, with_entropy, entropy_grad)
-    return _apply_jit(logits, target, keep_mask, cfg=cfg)
+    return _apply_jit(logits, target, keep_mask, axis_name=axis_name, opt=opt)
 
 
-def _apply(logits, target, keep_mask, cfg: _Config):
+def _apply(logits, target, keep_mask, axis_name, opt: Options):
     """The op on validated arguments (called per shard)."""
     logits = jnp.asarray(logits)
     target = jnp.asarray(target).astype(_int_dtype())
     keep = None if keep_mask is None else jnp.asarray(keep_mask)
-    logprob, entropy = _op(logits, target, keep, cfg)
-    if not cfg.with_entropy:
+    logprob, entropy = _op(logits, target, keep, axis_name, opt)
+    if not opt.with_entropy:
         return logprob, None
-    if not cfg.entropy_grad:
+    if not opt.entropy_grad:
         entropy = lax.stop_gradient(entropy)
     return logprob, entropy
 
 
 # Eager calls run as one compiled program instead of op-by-op dispatch; under an
 # outer jit (or inside shard_map) this is simply inlined.
-_apply_jit = jax.jit(_apply, static_argnames=("cfg",))
+_apply_jit = jax.jit(_apply, static_argnames=("axis_name", "opt"))

@@ -22,7 +22,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 
-from .function import _Config, _apply, _validate, check_target_range
+from .function import _apply, _validate, check_target_range
 
 __all__ = ["sharded_logprob_entropy"]
 
@@ -111,7 +111,7 @@ def sharded_logprob_entropy(
       TypeError / ValueError naming the argument; ``ValueError`` for
       out-of-range targets when ``target`` is concrete (not traced).
     """
-    tau = _validate(logits, target, keep_mask, temperature, ignore_index, with_entropy, entropy_grad)
+    opt = _validate(logits, target, keep_mask, temperature, ignore_index, with_entropy, entropy_grad)
     if not isinstance(mesh, Mesh):
         raise TypeError(f"mesh: expected a jax.sharding.Mesh, got {type(mesh).__name__}")
     if vocab_axis not in mesh.axis_names:
@@ -140,27 +140,26 @@ def sharded_logprob_entropy(
         lead = (None,) * (ndim - 1)
         logits, target = jnp.asarray(logits), jnp.asarray(target)
         keep_mask = None if keep_mask is None else jnp.asarray(keep_mask)
-    cfg = _Config(vocab_axis, tau, ignore_index, with_entropy, entropy_grad)
-    lp, h = _run(logits, target, keep_mask, mesh=mesh, cfg=cfg, lead=lead, all_manual=explicit)
+    lp, h = _run(logits, target, keep_mask, mesh=mesh, axis_name=vocab_axis, opt=opt, lead=lead, all_manual=explicit)
     return lp, (h if with_entropy else None)
 
 
-@partial(jax.jit, static_argnames=("mesh", "cfg", "lead", "all_manual"))
-def _run(logits, target, keep_mask, *, mesh, cfg, lead, all_manual):
+@partial(jax.jit, static_argnames=("mesh", "axis_name", "opt", "lead", "all_manual"))
+def _run(logits, target, keep_mask, *, mesh, axis_name, opt, lead, all_manual):
     # jit here so that eager calls are one compiled program, not op-by-op
     # dispatch; under an outer jit it is inlined.
     has_mask = keep_mask is not None
-    z_spec, t_spec = P(*lead, cfg.axis_name), P(*lead)
+    z_spec, t_spec = P(*lead, axis_name), P(*lead)
 
     def body(z, y, *k):
-        lp, h = _apply(z, y, k[0] if has_mask else None, cfg)
-        return (lp, h) if cfg.with_entropy else (lp,)
+        lp, h = _apply(z, y, k[0] if has_mask else None, axis_name, opt)
+        return (lp, h) if opt.with_entropy else (lp,)
 
     in_specs = (z_spec, t_spec) + ((z_spec,) if has_mask else ())
-    out_specs = (t_spec, t_spec) if cfg.with_entropy else (t_spec,)
+    out_specs = (t_spec, t_spec) if opt.with_entropy else (t_spec,)
     args = (logits, target) + ((keep_mask,) if has_mask else ())
-    axis_names = frozenset(mesh.axis_names) if all_manual else frozenset({cfg.axis_name})
+    axis_names = frozenset(mesh.axis_names) if all_manual else frozenset({axis_name})
     out = jax.shard_map(
         body, mesh=mesh, in_specs=in_specs, out_specs=out_specs, axis_names=axis_names, check_vma=True
     )(*args)
-    return out[0], (out[1] if cfg.with_entropy else None)
+    return out[0], (out[1] if opt.with_entropy else None)

@@ -3,10 +3,13 @@
 Data flow of one call (``group`` with ``W`` ranks; ``T`` rows; shard ``V_local``)::
 
     validate=True:  local checks -> agreement all-gather ([W, 10] int64) -> 1 host sync
-    forward:        kernels.shard_stats      [T, V_local] -> [T, 6]   (fused, compiled)
+    forward:        kernels.shard_stats      [T, V_local] -> [T, 6]   (spec.block_stats, compiled)
                     collectives.gather_stats [T, 6] -> [W, T, 6]      (1 all-gather)
-                    spec.combine_stats, spec.outputs                  (O(T), identical on all ranks)
-    backward:       kernels.shard_grad       [T, V_local] -> gradient (fused; no collective)
+                    spec.reduce_stats, spec.finalize, spec.outputs    (O(T), identical on all ranks)
+    backward:       kernels.shard_grad       [T, V_local] -> gradient (spec.block_grad, compiled; no collective)
+
+The options of a call are the frozen :class:`dualvp.validation.Options` that
+``validation.check_args`` returns; the same object makes the agreement record.
 
 Memory (``B`` = bytes of the logits shard): the forward allocates only O(T)
 tensors (plus bounded row-chunk scratch on the eager path); the op saves the
@@ -39,20 +42,15 @@ def _kind(x) -> str:
     return f"{type(x).__name__} {x!r}"[:200]
 
 
-def _check_flag(name: str, value) -> None:
-    if not isinstance(value, bool):
-        raise TypeError(f"{name}: expected a bool, got {type(value).__name__} {value!r}")
-
-
 def _local_checks(logits, target, keep_mask, temperature, ignore_index, with_entropy, entropy_grad, inplace_grad):
-    """Every local (rank-private, host-only) check; returns the temperature as a float."""
+    """Every local (rank-private, host-only) check; returns the :class:`~dualvp.validation.Options`."""
     if not isinstance(logits, torch.Tensor):
         raise TypeError(f"logits: expected a torch.Tensor [..., V_local] of a floating dtype, got {_kind(logits)}")
     if not isinstance(target, torch.Tensor):
         raise TypeError(f"target: expected an integer torch.Tensor [...], got {_kind(target)}")
     if keep_mask is not None and not isinstance(keep_mask, torch.Tensor):
         raise TypeError(f"keep_mask: expected None or a bool torch.Tensor [..., V_local], got {_kind(keep_mask)}")
-    tau = validation.check_args(
+    opt = validation.check_args(
         logits_shape=tuple(logits.shape),
         logits_dtype=_dtype_name(logits.dtype),
         target_shape=tuple(target.shape),
@@ -63,8 +61,8 @@ def _local_checks(logits, target, keep_mask, temperature, ignore_index, with_ent
         ignore_index=ignore_index,
         with_entropy=with_entropy,
         entropy_grad=entropy_grad,
+        inplace_grad=inplace_grad,
     )
-    _check_flag("inplace_grad", inplace_grad)
     if target.device != logits.device:
         raise ValueError(f"target: expected a tensor on the logits' device {logits.device}, got device {target.device}")
     if keep_mask is not None and keep_mask.device != logits.device:
@@ -82,15 +80,7 @@ def _local_checks(logits, target, keep_mask, temperature, ignore_index, with_ent
                 f"inplace_grad: expected contiguous logits (the gradient is written into their storage), "
                 f"got strides {tuple(logits.stride())} for shape {tuple(logits.shape)}"
             )
-    return tau
-
-
-class _Options:
-    __slots__ = ("rank", "world", "group", "tau", "ignore_index", "need_entropy_grad", "inplace_grad")
-
-    def __init__(self, **kw):
-        for k, v in kw.items():
-            setattr(self, k, v)
+    return opt
 
 
 def _target_to_local(y, rank, v_local, ignore_index):
@@ -107,26 +97,28 @@ _UNMATERIALISED = (
 
 
 class LogProbEntropyFunction(torch.autograd.Function):
-    """``(logits, target, keep_mask, options) -> (logprob, entropy)``; see :func:`logprob_entropy`."""
+    """``(logits, target, keep_mask, options, group, impl) -> (logprob, entropy)``; see :func:`logprob_entropy`."""
 
     @staticmethod
-    def forward(ctx, logits, target, keep_mask, opt: _Options):
+    def forward(ctx, logits, target, keep_mask, opt: validation.Options, group=None, impl=None):
         shape = tuple(target.shape)
         v = logits.shape[-1]
         z = logits.reshape(-1, v)
         keep = None if keep_mask is None else keep_mask.reshape(-1, v)
         cdt = kernels.compute_dtype(logits.dtype)
-        valid, owns, local = _target_to_local(target.reshape(-1), opt.rank, v, opt.ignore_index)
-        tau_t = torch.full((), opt.tau, dtype=cdt, device=z.device)
-        stats = kernels.shard_stats(z, local, owns, keep, tau_t)
-        if opt.group is not None:
-            all_stats = collectives.gather_stats(stats, opt.group)
+        rank, _ = collectives.group_rank_world(group)
+        valid, owns, local = _target_to_local(target.reshape(-1), rank, v, opt.ignore_index)
+        tau_t = torch.full((), opt.temperature, dtype=cdt, device=z.device)
+        stats = kernels.shard_stats(z, local, owns, keep, tau_t, impl=impl)
+        if group is not None:
+            all_stats = collectives.gather_stats(stats, group)
         else:
             all_stats = stats[None]
-        comb = spec.combine_stats(xp, all_stats, axis=0, temperature=opt.tau)
-        logprob, entropy = spec.outputs(xp, comb, valid, opt.tau)
+        comb = spec.finalize(xp, spec.reduce_stats(xp, all_stats, axis=0, temperature=tau_t), tau_t)
+        logprob, entropy = spec.outputs(xp, comb, valid, tau_t)
         logprob, entropy = logprob.reshape(shape), entropy.reshape(shape)
         ctx.opt = opt
+        ctx.impl = impl
         ctx.logits_shape = tuple(logits.shape)
         c = comb.c if opt.need_entropy_grad else None
         ctx.save_for_backward(logits, keep_mask, local, owns, valid, comb.M, comb.log_s, c, comb.mk, comb.log_sk)
@@ -143,20 +135,21 @@ class LogProbEntropyFunction(torch.autograd.Function):
         if opt.need_entropy_grad and grad_entropy is None:
             raise RuntimeError(_UNMATERIALISED.format("entropy"))
         if not ctx.needs_input_grad[0]:
-            return None, None, None, None
+            return None, None, None, None, None, None
         logits, keep_mask, local, owns, valid, M, log_s, c, mk, log_sk = ctx.saved_tensors
         v = logits.shape[-1]
         z = logits.reshape(-1, v)
         keep = None if keep_mask is None else keep_mask.reshape(-1, v)
         cdt = kernels.compute_dtype(logits.dtype)
-        gl = grad_logprob.reshape(-1).to(cdt)
-        gl = torch.where(valid, gl, torch.zeros_like(gl))
         # Contiguous O(T) vectors: upstream gradients often arrive expanded
         # (stride 0), and a stride change would recompile the kernel.
+        gl = grad_logprob.reshape(-1).to(cdt).contiguous()
         ge = grad_entropy.reshape(-1).to(cdt).contiguous() if opt.need_entropy_grad else None
-        tau_t = torch.full((), opt.tau, dtype=cdt, device=z.device)
-        g = kernels.shard_grad(z, local, owns, keep, M, log_s, c, mk, log_sk, gl, ge, tau_t, inplace=opt.inplace_grad)
-        return g.view(ctx.logits_shape), None, None, None
+        tau_t = torch.full((), opt.temperature, dtype=cdt, device=z.device)
+        g = kernels.shard_grad(
+            z, local, owns, keep, M, log_s, c, mk, log_sk, valid, gl, ge, tau_t, inplace=opt.inplace_grad, impl=ctx.impl
+        )
+        return g.view(ctx.logits_shape), None, None, None, None, None
 
 
 def logprob_entropy(
@@ -171,6 +164,7 @@ def logprob_entropy(
     ignore_index=-100,
     validate=True,
     inplace_grad=False,
+    impl=None,
 ):
     """Log-prob of the target and entropy from vocab-sharded logits.
 
@@ -207,6 +201,9 @@ def logprob_entropy(
         with torch's "modified by an inplace operation" error instead of
         using overwritten values; modifying the logits between forward and
         backward fails the same way.
+      impl: ``None`` (the default selection: ``DUALVP_COMPILE``), or one of
+        :data:`dualvp_torch.kernels.IMPLEMENTATIONS` (``"compiled"``,
+        ``"eager"``) to choose how the shard-local stages run.
 
     Returns:
       ``(logprob [...], entropy [...] or None)``, float32 (float64 for
@@ -221,12 +218,13 @@ def logprob_entropy(
         raise TypeError(f"group: expected a torch.distributed.ProcessGroup or None, got {_kind(group)}")
     if not isinstance(validate, bool):
         raise TypeError(f"validate: expected a bool, got {type(validate).__name__} {validate!r}")
+    kernels.select(impl)  # raises ValueError naming impl (the same on every rank)
     rank, world = collectives.group_rank_world(group)
 
     error = None
-    tau = None
+    opt = None
     try:
-        tau = _local_checks(
+        opt = _local_checks(
             logits, target, keep_mask, temperature, ignore_index, with_entropy, entropy_grad, inplace_grad
         )
     except (TypeError, ValueError) as exc:
@@ -239,11 +237,7 @@ def logprob_entropy(
                 n_rows=target.numel(),
                 v_local=logits.shape[-1],
                 logits_dtype=_dtype_name(logits.dtype),
-                has_mask=keep_mask is not None,
-                with_entropy=with_entropy,
-                entropy_grad=entropy_grad,
-                temperature=tau,
-                ignore_index=ignore_index,
+                options=opt,
             )
             bad = _count_bad_targets(target, ignore_index, world * logits.shape[-1])
             device = collectives.comm_device(group, logits)
@@ -261,16 +255,7 @@ def logprob_entropy(
             record[-1] = int(_count_bad_targets(target, ignore_index, world * logits.shape[-1]))  # the one sync
             validation.check_agreement([record], rank=0, vocab_size=world * logits.shape[-1])
 
-    opt = _Options(
-        rank=rank,
-        world=world,
-        group=group,
-        tau=tau,
-        ignore_index=ignore_index,
-        need_entropy_grad=bool(with_entropy and entropy_grad),
-        inplace_grad=inplace_grad,
-    )
-    logprob, entropy = LogProbEntropyFunction.apply(logits, target, keep_mask, opt)
+    logprob, entropy = LogProbEntropyFunction.apply(logits, target, keep_mask, opt, group, impl)
     return logprob, (entropy if with_entropy else None)
 
 

@@ -87,7 +87,7 @@ def test_kernels_match_spec(monkeypatch, compiled, mask):
     comb = spec.combine_stats(xp, want[None], temperature=tau)
     gl, ge = torch.randn(64, dtype=torch.float64), torch.randn(64, dtype=torch.float64)
     gl0 = torch.where(valid, gl, torch.zeros_like(gl))
-    g = kernels.shard_grad(z, local, owns, keep, comb.M, comb.log_s, comb.c, comb.mk, comb.log_sk, gl0, ge, tau_t)
+    g = kernels.shard_grad(z, local, owns, keep, comb.M, comb.log_s, comb.c, comb.mk, comb.log_sk, valid, gl, ge, tau_t)
     gw = spec.grad_logits(xp, z, local, owns, keep, comb, valid, gl, ge, tau)
     torch.testing.assert_close(g, gw, rtol=1e-12, atol=1e-12)
 
@@ -156,12 +156,12 @@ def test_unmaterialised_grad_raises():
     class Ctx:
         pass
 
-    from dualvp_torch.function import _Options
+    from dualvp.validation import Options
 
     ctx = Ctx()
-    ctx.opt = _Options(rank=0, world=1, group=None, tau=1.0, ignore_index=-100, need_entropy_grad=True,
-                       inplace_grad=False)
-    ctx.needs_input_grad = (True, False, False, False)
+    ctx.opt = Options()
+    ctx.impl = None
+    ctx.needs_input_grad = (True, False, False, False, False, False)
     with pytest.raises(RuntimeError, match="arrived as None"):
         LogProbEntropyFunction.backward(ctx, None, torch.zeros(3))
     with pytest.raises(RuntimeError, match="entropy arrived as None"):
@@ -258,7 +258,12 @@ def test_local_validation_errors_name_the_argument():
 def test_compile_failure_falls_back_once(monkeypatch):
     monkeypatch.setenv("DUALVP_COMPILE", "1")
     state = dict(kernels._state)
-    monkeypatch.setattr(kernels, "_compiled", lambda *a: (_ for _ in ()).throw(RuntimeError("no compiler")))
+    import torch._inductor.exc
+
+    def fail(*a):
+        raise torch._inductor.exc.CppCompileError(["c++"], "c++: command not found")
+
+    monkeypatch.setattr(kernels, "_compiled", fail)
     z, y, _ = _problem(T=6, V=16)
     try:
         with warnings.catch_warnings(record=True) as w:
@@ -271,3 +276,44 @@ def test_compile_failure_falls_back_once(monkeypatch):
     finally:
         kernels._state.clear()
         kernels._state.update(state)
+
+
+@pytest.mark.parametrize("error", ["oom", "runtime", "oom_during_compile"])
+def test_only_compile_failures_fall_back(monkeypatch, error):
+    """A runtime error (out-of-memory included) propagates and never switches
+    the process to the eager path."""
+    import torch._inductor.exc
+
+    monkeypatch.setenv("DUALVP_COMPILE", "1")
+    state = dict(kernels._state)
+
+    def fail(*a):
+        if error == "oom":
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 1 GiB")
+        if error == "runtime":
+            raise RuntimeError("a kernel failed")
+        try:
+            raise torch.OutOfMemoryError("out of memory while autotuning")
+        except torch.OutOfMemoryError as oom:
+            raise torch._inductor.exc.InductorError(oom, None) from oom
+
+    monkeypatch.setattr(kernels, "_compiled", fail)
+    z, y, _ = _problem(T=6, V=16)
+    try:
+        with pytest.raises((torch.OutOfMemoryError, RuntimeError)):
+            logprob_entropy(z, y)
+        assert not kernels._state["failed"]
+        assert kernels.select() == "compiled"
+    finally:
+        kernels._state.clear()
+        kernels._state.update(state)
+
+
+def test_impl_argument_selects_and_is_checked(monkeypatch):
+    monkeypatch.setenv("DUALVP_COMPILE", "1")
+    assert kernels.select("eager") == "eager"
+    monkeypatch.setenv("DUALVP_COMPILE", "0")
+    assert kernels.select() == "eager" and kernels.select("compiled") in ("compiled", "eager")
+    z, y, _ = _problem(T=6, V=16)
+    with pytest.raises(ValueError, match="^impl: expected"):
+        logprob_entropy(z, y, impl="fast")

@@ -1,0 +1,123 @@
+"""The spec over column blocks: any split merges (reduce_stats) to the oracle;
+the same spec runs on numpy, jax.numpy and torch; a 0-d temperature keeps the
+compute dtype; the accumulation dtype is honoured."""
+
+import numpy as np
+import pytest
+
+from dualvp import cases, reference, simulate, spec
+
+TOL = cases.Tolerance(1e-10, 1e-12)
+
+
+@pytest.mark.parametrize("block", [1, 5, 17, 96])
+@pytest.mark.parametrize("name", ["confident_lm", "nucleus", "neg_inf_masked", "random_mask_temp", "extreme_temp", "everything"])
+@pytest.mark.parametrize("world", [1, 2, 4])
+def test_blocks_match_oracle(name, world, block):
+    c = cases.case(name)
+    c = cases.case(name, dtype="float64", vocab=96 if c.vocab <= 96 else 264, worlds=(1, 2, 4))
+    prob = cases.make(c)
+    kw = dict(keep_mask=prob.keep_mask, temperature=c.temperature, ignore_index=c.ignore_index)
+    lp, h, g = simulate.logprob_entropy_sharded(
+        prob.logits, prob.target, world, grad_logprob=prob.grad_logprob, grad_entropy=prob.grad_entropy,
+        block=block, **kw,
+    )
+    rlp, rh = reference.logprob_entropy(prob.logits, prob.target, **kw)
+    rg = reference.logprob_entropy_grad(prob.logits, prob.target, prob.grad_logprob, prob.grad_entropy, **kw)
+    for q, x, ref in (("logprob", lp, rlp), ("entropy", h, rh), ("grad", g, rg)):
+        assert cases.within_tolerance(x, ref, TOL), (q, cases.max_errors(x, ref))
+
+
+def _rand(seed=0, T=6, V=40):
+    rng = np.random.default_rng(seed)
+    z = rng.normal(size=(T, V)) * 4
+    z[1, ::3] = -np.inf
+    z[2, :10] = -np.inf  # a whole block of -inf
+    y = rng.integers(0, V, size=T)
+    y[3] = -100
+    keep = rng.random((T, V)) < 0.3
+    return z, y, keep
+
+
+def test_reduce_is_associative_and_order_free():
+    z, y, keep = _rand()
+    valid, owns, local = spec.target_to_local(np, y, 0, 40, -100)
+    edges = [0, 3, 10, 11, 25, 40]
+    with np.errstate(invalid="ignore", divide="ignore"):
+        blocks = [
+            spec.block_stats(np, z[:, a:b], local, owns, keep[:, a:b], 0.7, start=a) for a, b in zip(edges, edges[1:])
+        ]
+        whole = spec.block_stats(np, z, local, owns, keep, 0.7)
+        flat = spec.reduce_stats(np, np.stack(blocks), temperature=0.7)
+        rev = spec.reduce_stats(np, np.stack(blocks[::-1]), temperature=0.7)
+        left = blocks[0]
+        for b in blocks[1:]:
+            left = spec.merge_stats(np, left, b, 0.7)
+        nested = spec.merge_stats(
+            np, spec.reduce_stats(np, np.stack(blocks[:2]), temperature=0.7),
+            spec.reduce_stats(np, np.stack(blocks[2:]), temperature=0.7), 0.7,
+        )
+        # the block axis may be any axis
+        other = spec.reduce_stats(np, np.stack(blocks, axis=1), axis=-2, temperature=0.7)
+    ref = spec.reduce_stats(np, whole[None], temperature=0.7)
+    for x in (flat, rev, left, nested, other):
+        fx, fr = spec.finalize(np, x, 0.7), spec.finalize(np, ref, 0.7)
+        for a, b in zip(fx, fr):
+            np.testing.assert_allclose(a, b, rtol=1e-13, atol=1e-13)
+
+
+def test_temperature_array_keeps_dtype_and_accumulation():
+    z, y, keep = _rand(1)
+    z32 = z.astype(np.float32)
+    valid, owns, local = spec.target_to_local(np, y, 0, 40, -100)
+    tau = np.asarray(0.7)  # 0-d float64: must not promote float32 work
+    with np.errstate(invalid="ignore", divide="ignore"):
+        st = spec.block_stats(np, z32, local, owns, keep, tau, acc_dtype=np.float64)
+        comb = spec.finalize(np, spec.reduce_stats(np, st[None], temperature=tau), tau)
+        lp, h = spec.outputs(np, comb, valid, tau)
+        g = spec.block_grad(np, z32, local, owns, keep, comb, valid, np.ones(6, np.float32), np.ones(6, np.float32), tau)
+        st64 = spec.block_stats(np, z32, local, owns, keep, 0.7, dtype=np.float64)
+    assert st.dtype == lp.dtype == h.dtype == g.dtype == np.float32
+    assert st64.dtype == np.float64
+    rlp, rh = reference.logprob_entropy(z32, y, keep_mask=keep, temperature=0.7)
+    assert cases.within_tolerance(lp, rlp, cases.tolerance("float32", "logprob"))
+    assert cases.within_tolerance(h, rh, cases.tolerance("float32", "entropy"))
+
+
+def _run(xp, asarray, z, y, keep, tau):
+    valid, owns, local = spec.target_to_local(xp, asarray(y), 0, 40, -100)
+    zz, kk = asarray(z), asarray(keep)
+    st = xp.stack([spec.block_stats(xp, zz[:, a:b], local, owns, kk[:, a:b], tau, start=a) for a, b in ((0, 13), (13, 40))])
+    comb = spec.finalize(xp, spec.reduce_stats(xp, st, temperature=tau), tau)
+    lp, h = spec.outputs(xp, comb, valid, tau)
+    ones = xp.ones(z.shape[:1], dtype=zz.dtype)
+    g = xp.concat([spec.block_grad(xp, zz[:, a:b], local, owns, kk[:, a:b], comb, valid, ones, ones, tau, start=a)
+                   for a, b in ((0, 13), (13, 40))], axis=-1)
+    return [np.asarray(x) for x in (lp, h, g)]
+
+
+def test_same_spec_on_numpy_jax_torch():
+    z, y, keep = _rand(2)
+    z[2, :] = np.random.default_rng(0).normal(size=40)  # every row finite somewhere on the kept side
+    with np.errstate(invalid="ignore", divide="ignore"):
+        want = _run(np, np.asarray, z, y, keep, 0.8)
+    got = {}
+    try:
+        import jax
+        import jax.numpy as jnp
+
+        with jax.enable_x64(True):
+            got["jax"] = _run(jnp, jnp.asarray, z, y, keep, jnp.asarray(0.8))
+    except ImportError:
+        pass
+    try:
+        import array_api_compat.torch as txp
+        import torch
+
+        got["torch"] = _run(txp, torch.as_tensor, z, y, keep, torch.tensor(0.8, dtype=torch.float64))
+    except ImportError:
+        pass
+    assert got, "neither jax nor torch is installed"
+    for name, res in got.items():
+        for a, b in zip(res, want):
+            np.testing.assert_allclose(a, b, rtol=1e-12, atol=1e-12, err_msg=name)
