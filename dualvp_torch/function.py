@@ -28,6 +28,7 @@ from torch.autograd.function import once_differentiable
 from dualvp import spec, validation
 
 from . import collectives, kernels
+from . import dtensor as _dtensor
 
 __all__ = ["logprob_entropy"]
 
@@ -214,6 +215,11 @@ def logprob_entropy(
       group and ``validate=True``, on every rank, or ``RuntimeError`` on every
       rank when the ranks disagree).
     """
+    if _dtensor.involves_dtensor(logits, target, keep_mask):  # torch tensor parallelism: see dtensor.py
+        return _dtensor.logprob_entropy(
+            logits, target, group=group, keep_mask=keep_mask, temperature=temperature, with_entropy=with_entropy,
+            entropy_grad=entropy_grad, ignore_index=ignore_index, validate=validate, inplace_grad=inplace_grad,
+        )
     if group is not None and not collectives.is_process_group(group):
         raise TypeError(f"group: expected a torch.distributed.ProcessGroup or None, got {_kind(group)}")
     if not isinstance(validate, bool):
