@@ -4,12 +4,15 @@
   (vocab split over ``axis_name``) or unsharded (``axis_name=None``).
 - :func:`sharded_logprob_entropy`: the same on global arrays whose last dim is
   sharded over a mesh axis.
+- :mod:`dualvp_jax.compat`: ``softmax_cross_entropy_with_integer_labels``,
+  a drop-in for optax's, plain or sharded.
 
-Both are a ``jax.custom_vjp`` built on :mod:`dualvp.spec` with one collective
+The two ops are a ``jax.custom_vjp`` built on :mod:`dualvp.spec` with one collective
 (an all-gather of O(T) statistics) per call and a closed-form backward.
 """
 
+from . import compat
 from .function import check_target_range, logprob_entropy
 from .sharded import sharded_logprob_entropy
 
-__all__ = ["logprob_entropy", "sharded_logprob_entropy", "check_target_range"]
+__all__ = ["logprob_entropy", "sharded_logprob_entropy", "check_target_range", "compat"]
