@@ -28,7 +28,7 @@ from typing import NamedTuple, Optional
 
 import numpy as np
 
-from . import cases, reference, simulate
+from dualvp import cases, reference, simulate
 
 __all__ = ["run", "compare", "Row", "problem_for", "torch_outputs", "merge_ranks", "jax_outputs"]
 
@@ -184,7 +184,7 @@ def jax_outputs(item: dict, world: int) -> dict:
 
 
 def _jax_child() -> None:
-    # `python -c "from dualvp.verify import _jax_child; _jax_child()" IN OUT WORLD`
+    # `python -c "from dualvp.tools.verify import _jax_child; _jax_child()" IN OUT WORLD`
     import pickle
 
     src, dst, world = sys.argv[1], sys.argv[2], int(sys.argv[3])
@@ -213,7 +213,7 @@ def _start_jax(item: dict, args, tmp: str) -> tuple:
     # JAX reads XLA_FLAGS once, at import: the child asks for W host devices.
     env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count={args.tp}").strip()
     env.setdefault("JAX_PLATFORMS", "cpu")
-    code = "from dualvp.verify import _jax_child; _jax_child()"
+    code = "from dualvp.tools.verify import _jax_child; _jax_child()"
     proc = subprocess.Popen([sys.executable, "-c", code, src, dst, str(args.tp)], env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     return proc, dst
