@@ -2,9 +2,10 @@
 
 This package is the specification: the math written once (:mod:`dualvp.spec`),
 the float64 NumPy oracle (:mod:`dualvp.reference`), argument validation
-(:mod:`dualvp.validation`), the shared test scenarios (:mod:`dualvp.cases`),
-and the ``dualvp`` command (``verify``, ``bench``). The backends live in
-``dualvp_torch`` and ``dualvp_jax``.
+(:mod:`dualvp.validation`) and the shared test scenarios (:mod:`dualvp.cases`).
+The backends live in ``dualvp_torch`` and ``dualvp_jax``; the ``dualvp``
+command (``verify``, ``bench``) in :mod:`dualvp.tools`, which this package
+does not import.
 """
 
 from . import cases, reference, simulate, spec, validation

@@ -1,10 +1,10 @@
-"""The ``dualvp`` command: ``verify`` and ``bench``."""
+"""``python -m dualvp verify|bench``: the command lives in :mod:`dualvp.tools.cli`."""
 
 from __future__ import annotations
 
 import sys
 
-from .cli import main  # noqa: F401  (console script entry point)
+from .tools.cli import main  # noqa: F401  (also the console script's entry point)
 
 if __name__ == "__main__":
     sys.exit(main())

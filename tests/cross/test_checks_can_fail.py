@@ -16,11 +16,12 @@ import pytest
 pytest.importorskip("torch")
 pytest.importorskip("jax")
 
-from dualvp import cases, verify  # noqa: E402
+from dualvp import cases  # noqa: E402
+from dualvp.tools import verify  # noqa: E402
 from test_cross_backends import check_problem  # noqa: E402
 
 _CHILD = (
-    "import pickle, sys; from dualvp.verify import jax_outputs; "
+    "import pickle, sys; from dualvp.tools.verify import jax_outputs; "
     "item = pickle.load(open(sys.argv[1], 'rb')); "
     "pickle.dump(jax_outputs(item, 2), open(sys.argv[2], 'wb'))"
 )

@@ -15,7 +15,8 @@ from hypothesis import strategies as st
 pytest.importorskip("torch")
 pytest.importorskip("jax")
 
-from dualvp import cases, reference, verify  # noqa: E402
+from dualvp import cases, reference  # noqa: E402
+from dualvp.tools import verify  # noqa: E402
 from dualvp_torch.testing import run_ranks  # noqa: E402
 
 WORLDS = (1, 2, 4, 8)
@@ -53,7 +54,7 @@ def _table_results(world: int) -> dict:
 
 
 def check_problem(prob: cases.Problem, torch_out: dict, jax_out: dict) -> list:
-    """The failing rows of :func:`dualvp.verify.compare` for one problem."""
+    """The failing rows of :func:`dualvp.tools.verify.compare` for one problem."""
     rows = verify.compare({"torch": torch_out, "jax": jax_out}, _oracle(prob), prob.case.dtype)
     return [f"{r.check} {r.quantity}: abs {r.abs_err:.3e} rel {r.rel_err:.3e}" for r in rows if not r.ok]
 

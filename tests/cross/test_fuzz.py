@@ -16,7 +16,8 @@ from hypothesis.extra import numpy as hnp
 pytest.importorskip("torch")
 pytest.importorskip("jax")
 
-from dualvp import cases, verify  # noqa: E402
+from dualvp import cases  # noqa: E402
+from dualvp.tools import verify  # noqa: E402
 from test_cross_backends import check_problem  # noqa: E402
 
 _VALUES = st.one_of(

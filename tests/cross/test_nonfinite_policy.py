@@ -13,7 +13,8 @@ import pytest
 pytest.importorskip("torch")
 pytest.importorskip("jax")
 
-from dualvp import cases, reference, verify  # noqa: E402
+from dualvp import cases, reference  # noqa: E402
+from dualvp.tools import verify  # noqa: E402
 from dualvp_torch.testing import run_ranks  # noqa: E402
 
 V = 8

@@ -1,9 +1,10 @@
 """One subprocess of ``dualvp bench``: one implementation, one (size, dtype).
 
-Run as ``python -m dualvp._bench_worker SPEC.json``. The parent
-(:mod:`dualvp.bench`) writes the inputs (``logits.npy`` rounded to the dtype and
-stored as float32, ``target.npy``, ``keep.npy``, ``gl.npy``, ``gh.npy``) into a
-data directory and a spec naming the implementation, the modes and the
+Run as ``python -m dualvp.tools.bench.worker JOB.json``. The parent
+(:mod:`dualvp.tools.bench.driver`) writes the inputs (``logits.npy`` rounded to
+the dtype and stored as float32, ``target.npy``, ``keep.npy``, ``gl.npy``,
+``gh.npy``) into a data directory and a job file naming the implementation
+(a key of :data:`dualvp.tools.bench.implementations.IMPLS`), the modes and the
 repetitions. For each mode the worker:
 
 1. calls forward and backward once and times it (the *first call*: compile /
@@ -28,7 +29,7 @@ Each line printed to stdout that starts with ``@@`` is a JSON progress record
 for the parent; everything else is passed through as log.
 
 With ``world > 1`` the worker is one rank of a gloo group (rank, world and port
-in the spec): it takes its contiguous vocab shard, and counts the collectives
+in the job): it takes its contiguous vocab shard, and counts the collectives
 issued per forward and per backward by wrapping the ``torch.distributed``
 collective functions.
 """
@@ -47,16 +48,7 @@ from typing import Any, Optional
 
 import numpy as np
 
-# name -> (with_entropy, entropy_grad, keep mask)
-MODES = {
-    "lp": (False, False, False),
-    "lp+ent": (True, False, False),
-    "lp+ent+grad": (True, True, False),
-    "lp.keep": (False, False, True),
-    "lp+ent.keep": (True, False, True),
-    "lp+ent+grad.keep": (True, True, True),
-}
-
+from .implementations import IMPLS, MODES, Context
 
 def emit(kind: str, **kw) -> None:
     print("@@" + json.dumps({"kind": kind, **kw}), flush=True)
@@ -215,137 +207,80 @@ class CollectiveCounter:
         return out
 
 
-# --------------------------------------------------------------------------- implementations
+# --------------------------------------------------------------------------- torch loop
 
 
-def _torch_baseline(torch):
-    def f(z, y, keep, with_entropy, entropy_grad, group):
-        logp = torch.log_softmax(z, dim=-1)
-        if keep is None:
-            lq = logp
-        else:
-            kept = keep.scatter(-1, y[:, None], True)
-            lq = torch.log_softmax(z.masked_fill(~kept, float("-inf")), dim=-1)
-        lp = lq.gather(-1, y[:, None])[:, 0]
-        h = None
-        if with_entropy:
-            src = logp if entropy_grad else logp.detach()
-            h = -(src.exp() * src).sum(-1)
-        return lp, h
+class _TorchLogits:
+    """The logits each call sees, and the gradient it left.
 
-    return f
+    Normally a leaf ``z`` (``requires_grad``); its gradient is ``z.grad``.
+    For an implementation with ``nonleaf_logits`` (``inplace_grad=True``
+    writes the gradient into the logits, which therefore must be the output
+    of an autograd node, as an LM head's logits are) every call gets a fresh
+    copy made by :class:`_Produced` *before* the timed, memory-measured
+    region: like the LM head's output in training, the logits exist before
+    the op is called and are not counted. The gradient that reaches the copy
+    is kept and not passed on, so no ``.grad`` is accumulated anywhere; the
+    other implementations' gradients are not copied either (the leaf's
+    ``AccumulateGrad`` keeps the tensor the op returned), so both report the
+    memory the op itself allocates.
+    """
 
+    def __init__(self, torch, z, nonleaf: bool):
+        self.torch, self.base, self.nonleaf = torch, z.requires_grad_(True), nonleaf
+        self._grad = None
+        if nonleaf:
+            owner = self
 
-def _tp_entropy_fn(torch, dist):
-    """The unfused vocab-parallel entropy RL frameworks used next to Megatron's
-    fused cross-entropy: all-reduce MAX, SUM of exp, SUM of p*z; saves softmax."""
+            class _Produced(torch.autograd.Function):
+                @staticmethod
+                def forward(ctx, x):
+                    return x.clone()
 
-    class TPEntropy(torch.autograd.Function):
-        @staticmethod
-        def forward(ctx, z, group):
-            zf = z.float()
-            m = zf.max(dim=-1, keepdim=True)[0]
-            dist.all_reduce(m, op=dist.ReduceOp.MAX, group=group)
-            e = (zf - m).exp()
-            s = e.sum(dim=-1, keepdim=True)
-            dist.all_reduce(s, op=dist.ReduceOp.SUM, group=group)
-            p = e.div_(s)
-            pz = (p * zf).sum(dim=-1, keepdim=True)
-            dist.all_reduce(pz, op=dist.ReduceOp.SUM, group=group)
-            h = m + s.log() - pz
-            ctx.save_for_backward(p, zf, pz)
-            ctx.in_dtype = z.dtype
-            return h[:, 0]
+                @staticmethod
+                def backward(ctx, g):
+                    owner._grad = g
+                    return None
 
-        @staticmethod
-        def backward(ctx, gh):
-            p, zf, pz = ctx.saved_tensors
-            g = p * (pz - zf) * gh[:, None]
-            return g.to(ctx.in_dtype), None
+            self._produce = _Produced.apply
+        self.z = self.base
+        self.reset()
 
-    return TPEntropy
+    def reset(self) -> None:
+        """Drop the last gradient (and, non-leaf, make the next call's logits)."""
+        self.base.grad = None
+        self._grad = None
+        if self.nonleaf:
+            self.z = None  # free the last copy before making the next
+            self.z = self._produce(self.base)
 
-
-def _megatron(torch, dist):
-    import warnings
-
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        from megatron.core.fusions.fused_cross_entropy import fused_vocab_parallel_cross_entropy
-
-    ent = _tp_entropy_fn(torch, dist)
-
-    def f(z, y, keep, with_entropy, entropy_grad, group):
-        zz = z
-        if keep is not None:
-            zz = z.masked_fill(~_kept_with_target(torch, keep, y, group_lo[0]), float("-inf"))
-        # Megatron's fused CE subtracts the max from its input in place when the
-        # input is already float32: give it a copy (the caller still needs z).
-        if zz is z and z.dtype == torch.float32:
-            zz = z.clone()
-        lp = -fused_vocab_parallel_cross_entropy(zz[:, None, :], y[:, None], group)[:, 0]
-        h = None
-        if with_entropy:
-            h = ent.apply(z if entropy_grad else z.detach(), group)
-        return lp, h
-
-    return f
+    def grad(self):
+        return (self._grad if self.nonleaf else self.base.grad).detach()
 
 
-group_lo = [0]
-
-
-def _kept_with_target(torch, keep, y, lo):
-    v = keep.shape[-1]
-    loc = y - lo
-    owns = (loc >= 0) & (loc < v)
-    cols = torch.arange(v, device=keep.device)
-    return keep | ((cols[None, :] == loc[:, None]) & owns[:, None])
-
-
-def _dualvp_torch(torch):
-    from dualvp_torch import logprob_entropy
-
-    def f(z, y, keep, with_entropy, entropy_grad, group):
-        return logprob_entropy(z, y, group=group, keep_mask=keep, with_entropy=with_entropy, entropy_grad=entropy_grad)
-
-    return f
-
-
-def run_torch(spec: dict, data: dict) -> None:
+def run_torch(job: dict, data: dict) -> None:
     import torch
 
-    torch.set_num_threads(int(spec.get("threads") or torch.get_num_threads()))
-    world, rank = spec.get("world", 1), spec.get("rank", 0)
+    impl = IMPLS[job["impl"]]
+    torch.set_num_threads(int(job.get("threads") or torch.get_num_threads()))
+    world, rank = job.get("world", 1), job.get("rank", 0)
     group = None
     counter = None
-    impl = spec["impl"]
-    if world > 1 or impl == "megatron":
+    if world > 1 or impl.process_group:
         import torch.distributed as dist
 
         if world > 1:
             counter = CollectiveCounter()
         os.environ["MASTER_ADDR"] = "127.0.0.1"
-        os.environ["MASTER_PORT"] = str(spec["port"])
+        os.environ["MASTER_PORT"] = str(job["port"])
         dist.init_process_group("gloo", rank=rank, world_size=world)
         group = dist.group.WORLD
-    if impl in ("dualvp-torch", "dualvp-torch-eager"):
-        fn = _dualvp_torch(torch)
-    elif impl == "torch-eager":
-        fn = _torch_baseline(torch)
-    elif impl == "megatron":
-        import torch.distributed as dist
 
-        fn = _megatron(torch, dist)
-    else:
-        raise ValueError(impl)
-    if impl == "dualvp-torch" and world == 1:
-        group = None
-
-    dt = {"float32": torch.float32, "bfloat16": torch.bfloat16}[spec["dtype"]]
+    dt = {"float32": torch.float32, "bfloat16": torch.bfloat16}[job["dtype"]]
     v_local = data["logits"].shape[-1] // world
     lo = rank * v_local
-    group_lo[0] = lo
+    forward = impl.build(Context(torch, group=group, rank=rank, world=world, vocab_start=lo,
+                                 options=job.get("options") or {}))
     sl = slice(lo, lo + v_local)
     z = torch.from_numpy(np.ascontiguousarray(data.pop("logits")[:, sl])).to(dt)
     keep_full = data.pop("keep")
@@ -354,69 +289,47 @@ def run_torch(spec: dict, data: dict) -> None:
     y = torch.from_numpy(data["target"])
     gl = torch.from_numpy(data["gl"]).float()
     gh = torch.from_numpy(data["gh"]).float()
-    z.requires_grad_(True)
+    logits = _TorchLogits(torch, z, impl.nonleaf_logits)
     _trim()
     B = z.numel() * z.element_size()
 
-    for i, mode in enumerate(spec["modes"]):
-        with_ent, ent_grad, masked = MODES[mode]
-        keep = keep_t if masked else None
+    for i, name in enumerate(job["modes"]):
+        mode = MODES[name]
+        keep = keep_t if mode.masked else None
 
         def fwd():
-            return fn(z, y, keep, with_ent, ent_grad, group)
+            return forward(logits.z, y, keep, mode)
 
         def bwd(out):
             lp, h = out
             loss = (lp.float() * gl).sum()
-            if ent_grad:
+            if mode.entropy_grad:
                 loss = loss + (h.float() * gh).sum()
             loss.backward()
 
-        rec, out = _measure(spec, mode, fwd, bwd, lambda: setattr(z, "grad", None), counter, B)
+        rec, out = _measure(job, name, fwd, bwd, logits.reset, counter, B)
         lp, h = out
         np.savez(
-            os.path.join(spec["out_dir"], f"out_{i}_r{rank}.npz"),
+            os.path.join(job["out_dir"], f"out_{i}_r{rank}.npz"),
             lp=lp.detach().double().numpy(),
             h=(h.detach().double().numpy() if h is not None else np.zeros(0)),
-            g=z.grad[: spec["err_rows"]].float().numpy(),
+            g=logits.grad()[: job["err_rows"]].float().numpy(),
         )
         del out, lp, h
-        z.grad = None
+        logits.reset()
         emit("result", **rec)
 
 
-def run_jax(spec: dict, data: dict) -> None:
+# --------------------------------------------------------------------------- jax loop
+
+
+def run_jax(job: dict, data: dict) -> None:
     import jax
     import jax.numpy as jnp
 
-    impl = spec["impl"]
-    if impl == "dualvp-jax":
-        import dualvp_jax
+    forward = IMPLS[job["impl"]].build(Context(jax))
 
-        def core(z, y, keep, with_ent, ent_grad):
-            return dualvp_jax.logprob_entropy(z, y, keep_mask=keep, with_entropy=with_ent, entropy_grad=ent_grad)
-
-    elif impl == "jax-naive":
-
-        def core(z, y, keep, with_ent, ent_grad):
-            logp = jax.nn.log_softmax(z, axis=-1)
-            if keep is None:
-                lq = logp
-            else:
-                kept = keep | (jnp.arange(z.shape[-1]) == y[:, None])
-                lq = jax.nn.log_softmax(jnp.where(kept, z, -jnp.inf), axis=-1)
-            lp = jnp.take_along_axis(lq, y[:, None], axis=-1)[:, 0]
-            h = None
-            if with_ent:
-                h = -(jnp.exp(logp) * logp).sum(-1)
-                if not ent_grad:
-                    h = jax.lax.stop_gradient(h)
-            return lp, h
-
-    else:
-        raise ValueError(impl)
-
-    dt = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}[spec["dtype"]]
+    dt = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}[job["dtype"]]
     z = jnp.asarray(data.pop("logits"), dtype=dt)
     keep_t = jnp.asarray(data.pop("keep"))
     y = jnp.asarray(data["target"].astype(np.int32))
@@ -426,11 +339,11 @@ def run_jax(spec: dict, data: dict) -> None:
     _trim()
     B = z.size * z.dtype.itemsize
 
-    for i, mode in enumerate(spec["modes"]):
+    for i, mode in enumerate(job["modes"]):
         with_ent, ent_grad, masked = MODES[mode]
 
         def f(z, y, keep, with_ent=with_ent, ent_grad=ent_grad):
-            lp, h = core(z, y, keep, with_ent, ent_grad)
+            lp, h = forward(z, y, keep, MODES[mode])
             return (lp, h) if with_ent else (lp,)
 
         def vjp_fwd(z, y, keep):
@@ -459,19 +372,23 @@ def run_jax(spec: dict, data: dict) -> None:
             g.block_until_ready()
             state["g"] = g
 
-        rec, out = _measure(spec, mode, fwd, bwd, lambda: state.pop("g", None), None, B)
+        rec, out = _measure(job, mode, fwd, bwd, lambda: state.pop("g", None), None, B)
         outs = out[0]
         np.savez(
-            os.path.join(spec["out_dir"], f"out_{i}_r0.npz"),
+            os.path.join(job["out_dir"], f"out_{i}_r0.npz"),
             lp=np.asarray(outs[0], dtype=np.float64),
             h=(np.asarray(outs[1], dtype=np.float64) if with_ent else np.zeros(0)),
-            g=np.asarray(state.pop("g")[: spec["err_rows"]], dtype=np.float32),
+            g=np.asarray(state.pop("g")[: job["err_rows"]], dtype=np.float32),
         )
         del out, outs
         emit("result", **rec)
 
 
-def _measure(spec, mode, fwd, bwd, clear, counter, B) -> dict:
+def _measure(job, mode, fwd, bwd, clear, counter, B) -> tuple:
+    """Time and measure ``bwd(fwd())`` for one mode; ``clear()`` runs after every call.
+
+    Returns the record for the parent and the outputs of the last timed call.
+    """
     t0 = time.perf_counter()
     out = fwd()
     t1 = time.perf_counter()
@@ -480,7 +397,7 @@ def _measure(spec, mode, fwd, bwd, clear, counter, B) -> dict:
     del out
     clear()
     first = {"fwd": t1 - t0, "bwd": t2 - t1}
-    for _ in range(spec["warmup"]):
+    for _ in range(job["warmup"]):
         bwd(fwd())
         clear()
     coll = None
@@ -499,7 +416,7 @@ def _measure(spec, mode, fwd, bwd, clear, counter, B) -> dict:
     # last call are returned for the error check.
     tf, tb, tfb, cpu, peaks = [], [], [], [], []
     out = None
-    for i in range(max(1, spec["reps"])):
+    for i in range(max(1, job["reps"])):
         if out is not None:
             del out
             clear()
@@ -517,13 +434,13 @@ def _measure(spec, mode, fwd, bwd, clear, counter, B) -> dict:
         cpu.append(c1 - c0)
         peaks.append(pk.extra)
     rec = {
-        "impl": spec["impl"],
+        "impl": job["impl"],
         "mode": mode,
-        "dtype": spec["dtype"],
-        "T": spec["T"],
-        "V_local": spec["V"] // spec.get("world", 1),
-        "world": spec.get("world", 1),
-        "rank": spec.get("rank", 0),
+        "dtype": job["dtype"],
+        "T": job["T"],
+        "V_local": job["V"] // job.get("world", 1),
+        "world": job.get("world", 1),
+        "rank": job.get("rank", 0),
         "first_call_s": first,
         "fwd_s": statistics.median(tf) if tf else None,
         "bwd_s": statistics.median(tb) if tb else None,
@@ -544,19 +461,17 @@ def _measure(spec, mode, fwd, bwd, clear, counter, B) -> dict:
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     with open(argv[0]) as f:
-        spec = json.load(f)
-    d = spec["data_dir"]
+        job = json.load(f)
+    impl = IMPLS[job["impl"]]
+    d = job["data_dir"]
     try:
         data = {k: np.load(os.path.join(d, k + ".npy")) for k in ("logits", "target", "keep", "gl", "gh")}
-        if spec["impl"] in ("dualvp-jax", "jax-naive"):
-            run_jax(spec, data)
-        else:
-            run_torch(spec, data)
+        (run_jax if impl.framework == "jax" else run_torch)(job, data)
     except Exception as e:  # reported to the parent, which marks the impl failed
-        emit("error", impl=spec["impl"], error=f"{type(e).__name__}: {e}", traceback=traceback.format_exc())
+        emit("error", impl=job["impl"], error=f"{type(e).__name__}: {e}", traceback=traceback.format_exc())
         return 1
     finally:
-        if spec.get("world", 1) > 1 or spec["impl"] == "megatron":
+        if job.get("world", 1) > 1 or impl.process_group:
             try:
                 import torch.distributed as dist
 

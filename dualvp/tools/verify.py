@@ -28,7 +28,9 @@ from typing import NamedTuple, Optional
 
 import numpy as np
 
-from . import cases, reference, simulate
+from dualvp import cases, reference, simulate
+
+from ._proc import child_env, start_python
 
 __all__ = ["run", "compare", "Row", "problem_for", "torch_outputs", "merge_ranks", "jax_outputs"]
 
@@ -184,7 +186,7 @@ def jax_outputs(item: dict, world: int) -> dict:
 
 
 def _jax_child() -> None:
-    # `python -c "from dualvp.verify import _jax_child; _jax_child()" IN OUT WORLD`
+    # `python -c "from dualvp.tools.verify import _jax_child; _jax_child()" IN OUT WORLD`
     import pickle
 
     src, dst, world = sys.argv[1], sys.argv[2], int(sys.argv[3])
@@ -209,13 +211,10 @@ def _start_jax(item: dict, args, tmp: str) -> tuple:
     src, dst = os.path.join(tmp, "item.pkl"), os.path.join(tmp, "jax.pkl")
     with open(src, "wb") as f:
         pickle.dump(item, f)
-    env = dict(os.environ)
     # JAX reads XLA_FLAGS once, at import: the child asks for W host devices.
-    env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count={args.tp}").strip()
-    env.setdefault("JAX_PLATFORMS", "cpu")
-    code = "from dualvp.verify import _jax_child; _jax_child()"
-    proc = subprocess.Popen([sys.executable, "-c", code, src, dst, str(args.tp)], env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    env = child_env(args.tp, {"JAX_PLATFORMS": os.environ.get("JAX_PLATFORMS", "cpu")})
+    code = "from dualvp.tools.verify import _jax_child; _jax_child()"
+    proc = start_python(["-c", code, src, dst, str(args.tp)], env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     return proc, dst
 
 

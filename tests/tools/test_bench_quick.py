@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from dualvp._bench_worker import MODES
+from dualvp.tools.bench.implementations import MODES
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -23,9 +23,10 @@ def _have(mod):
 
 @pytest.mark.slow
 def test_bench_quick_writes_json_and_png(tmp_path):
-    # Eager implementations only (no compile), two modes, W=2 gloo run: fast.
+    # Eager implementations (no compile) plus the in-place one (its gradient is
+    # read back from the overwritten logits), two modes, W=2 gloo run.
     impls = [i for i, m in (("torch-eager", "torch"), ("jax-naive", "jax"), ("dualvp-torch-eager", "dualvp_torch"),
-                            ("dualvp-jax", "dualvp_jax")) if _have(m)]
+                            ("dualvp-torch-inplace", "dualvp_torch"), ("dualvp-jax", "dualvp_jax")) if _have(m)]
     if not impls:
         pytest.skip("neither torch nor jax installed")
     out = tmp_path / "bench.json"
@@ -56,7 +57,7 @@ def test_bench_quick_writes_json_and_png(tmp_path):
         # float32 against the float64 oracle: small, and the entropy is
         # reported exactly when the mode computes it
         assert e["logprob"] < 1e-3 and e["grad"] < 1e-3
-        assert (e["entropy"] is None) == (not MODES[r["mode"]][0])
+        assert (e["entropy"] is None) == (not MODES[r["mode"]].with_entropy)
     if "dualvp-torch-eager" in impls:
         coll = [c for c in doc["collectives"] if c["impl"] == "dualvp-torch-eager"]
         assert {(c["world"], c["mode"]) for c in coll} == {(2, m) for m in modes}

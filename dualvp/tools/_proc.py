@@ -1,0 +1,44 @@
+"""Starting the child processes of ``dualvp verify`` and ``dualvp bench``.
+
+Both tools run backends in fresh Python processes: JAX reads ``XLA_FLAGS``
+(the number of host devices) once, at import, and each benchmark worker must
+own its process so that the peak memory it reports is its own.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from typing import Mapping, Optional, Sequence
+
+__all__ = ["child_env", "start_python"]
+
+# The directory that holds this `dualvp` package: children import the same code
+# as the parent, also when the parent runs from a checkout via PYTHONPATH.
+_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+_DEVICE_COUNT = "--xla_force_host_platform_device_count"
+
+
+def child_env(host_devices: int = 1, set_vars: Optional[Mapping[str, Optional[str]]] = None) -> dict:
+    """The parent's environment for a child, with ``host_devices`` JAX CPU devices.
+
+    ``set_vars``: variables to set (a ``None`` value removes the variable).
+    """
+    env = dict(os.environ)
+    env["PYTHONPATH"] = _ROOT + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    flags = [f for f in env.get("XLA_FLAGS", "").split() if not f.startswith(_DEVICE_COUNT)]
+    if host_devices > 1:
+        flags.append(f"{_DEVICE_COUNT}={host_devices}")
+    env["XLA_FLAGS"] = " ".join(flags)
+    for k, v in (set_vars or {}).items():
+        if v is None:
+            env.pop(k, None)
+        else:
+            env[k] = v
+    return env
+
+
+def start_python(args: Sequence[str], env: Mapping[str, str], **popen) -> subprocess.Popen:
+    """``python args...`` with this interpreter; ``popen``: :class:`subprocess.Popen` options."""
+    return subprocess.Popen([sys.executable, *args], env=dict(env), text=True, **popen)

@@ -1,0 +1,358 @@
+"""The implementations ``dualvp bench`` compares, one declaration each.
+
+An :class:`Impl` names what must be importable, which worker loop runs it
+(``"torch"`` or ``"jax"``, see :mod:`dualvp.tools.bench.worker`) and a
+``build`` function. The worker calls ``build(ctx)`` once per process (inside
+the worker, so torch, jax, megatron and slime are imported only there) and
+gets a forward function
+
+    forward(z, y, keep, mode) -> (logprob [T], entropy [T] or None)
+
+on this rank's logits shard ``z [T, V_local]``, the global targets ``y [T]``
+and, for masked modes, the keep mask ``keep [T, V_local]`` (else ``None``).
+The backward is the framework's own: the worker loop differentiates
+``sum(gl * logprob) + sum(gh * entropy)`` (the entropy term only when the
+mode asks for its gradient), identically for every implementation of a
+framework.
+
+Adding an implementation is adding one entry to :data:`IMPLS`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import os
+import sys
+import types
+from dataclasses import dataclass, field
+from typing import Any, Callable, Mapping, NamedTuple, Optional, Union
+
+__all__ = ["Mode", "MODES", "Context", "Impl", "IMPLS", "BASELINES", "locate", "load_slime_ops"]
+
+
+class Mode(NamedTuple):
+    """What one bench mode computes."""
+
+    with_entropy: bool  # the entropy is returned
+    entropy_grad: bool  # ... and its gradient reaches the logits
+    masked: bool  # the log-prob is under the top-k keep mask
+
+
+MODES: dict[str, Mode] = {
+    "lp": Mode(False, False, False),
+    "lp+ent": Mode(True, False, False),
+    "lp+ent+grad": Mode(True, True, False),
+    "lp.keep": Mode(False, False, True),
+    "lp+ent.keep": Mode(True, False, True),
+    "lp+ent+grad.keep": Mode(True, True, True),
+}
+
+
+@dataclass(frozen=True)
+class Context:
+    """What ``build`` gets in the worker: the framework module and this rank's place."""
+
+    fw: Any  # the torch or jax module
+    group: Any = None  # torch.distributed process group, or None
+    rank: int = 0
+    world: int = 1
+    vocab_start: int = 0  # first global column of this rank's shard
+    options: Mapping[str, Any] = field(default_factory=dict)  # from `locate`, e.g. the slime file
+
+
+Forward = Callable[..., tuple]
+
+
+@dataclass(frozen=True)
+class Impl:
+    """One implementation under test.
+
+    Attributes:
+      name: the ``--impls`` name.
+      framework: ``"torch"`` or ``"jax"``: the worker loop that runs it.
+      needs: modules that must be importable for it to run.
+      build: ``build(ctx) -> forward`` (see the module docstring).
+      about: one line for the docs.
+      env: extra environment of its worker processes.
+      baseline: a baseline the goals compare ``dualvp-torch`` with.
+      process_group: needs a ``torch.distributed`` group even at W=1.
+      gloo: also run on W gloo ranks to count its collectives.
+      nonleaf_logits: the logits must be the output of an autograd node
+        (``inplace_grad``); see :func:`dualvp.tools.bench.worker.run_torch`.
+      locate: ``locate(args) -> options dict`` or a string saying why it
+        cannot run; the default checks ``needs``.
+    """
+
+    name: str
+    framework: str
+    needs: tuple
+    build: Callable[[Context], Forward]
+    about: str
+    env: Mapping[str, str] = field(default_factory=dict)
+    baseline: bool = False
+    process_group: bool = False
+    gloo: bool = False
+    nonleaf_logits: bool = False
+    locate: Optional[Callable[[argparse.Namespace], Union[str, dict]]] = None
+
+
+# --------------------------------------------------------------------------- torch
+
+
+def _dualvp_torch(ctx: Context, **fixed) -> Forward:
+    from dualvp_torch import logprob_entropy
+
+    def forward(z, y, keep, mode: Mode):
+        return logprob_entropy(z, y, group=ctx.group, keep_mask=keep, with_entropy=mode.with_entropy,
+                               entropy_grad=mode.entropy_grad, **fixed)
+
+    return forward
+
+
+def _dualvp_torch_inplace(ctx: Context) -> Forward:
+    return _dualvp_torch(ctx, inplace_grad=True)
+
+
+def _kept_with_target(torch, keep, y, vocab_start: int):
+    """``keep`` plus the target column where this shard owns it (the target is always kept)."""
+    loc = y - vocab_start
+    owns = (loc >= 0) & (loc < keep.shape[-1])
+    cols = torch.arange(keep.shape[-1], device=keep.device)
+    return keep | ((cols[None, :] == loc[:, None]) & owns[:, None])
+
+
+def _torch_eager(ctx: Context) -> Forward:
+    """``log_softmax`` + ``gather``, entropy ``-(p * log p).sum``, autograd, in the input dtype."""
+    torch = ctx.fw
+
+    def forward(z, y, keep, mode: Mode):
+        logp = torch.log_softmax(z, dim=-1)
+        lq = logp
+        if keep is not None:
+            lq = torch.log_softmax(z.masked_fill(~_kept_with_target(torch, keep, y, 0), float("-inf")), dim=-1)
+        lp = lq.gather(-1, y[:, None])[:, 0]
+        h = None
+        if mode.with_entropy:
+            src = logp if mode.entropy_grad else logp.detach()
+            h = -(src.exp() * src).sum(-1)
+        return lp, h
+
+    return forward
+
+
+def _tp_entropy(torch, dist):
+    """The unfused vocab-parallel entropy RL frameworks used next to Megatron's
+    fused cross-entropy: all-reduce MAX, SUM of exp, SUM of p*z; saves softmax."""
+
+    class TPEntropy(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, z, group):
+            zf = z.float()
+            m = zf.max(dim=-1, keepdim=True)[0]
+            dist.all_reduce(m, op=dist.ReduceOp.MAX, group=group)
+            e = (zf - m).exp()
+            s = e.sum(dim=-1, keepdim=True)
+            dist.all_reduce(s, op=dist.ReduceOp.SUM, group=group)
+            p = e.div_(s)
+            pz = (p * zf).sum(dim=-1, keepdim=True)
+            dist.all_reduce(pz, op=dist.ReduceOp.SUM, group=group)
+            h = m + s.log() - pz
+            ctx.save_for_backward(p, zf, pz)
+            ctx.in_dtype = z.dtype
+            return h[:, 0]
+
+        @staticmethod
+        def backward(ctx, gh):
+            p, zf, pz = ctx.saved_tensors
+            g = p * (pz - zf) * gh[:, None]
+            return g.to(ctx.in_dtype), None
+
+    return TPEntropy
+
+
+def _megatron(ctx: Context) -> Forward:
+    """Megatron-core's fused vocab-parallel cross-entropy plus :func:`_tp_entropy`."""
+    import warnings
+
+    import torch.distributed as dist
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        from megatron.core.fusions.fused_cross_entropy import fused_vocab_parallel_cross_entropy
+
+    torch = ctx.fw
+    entropy = _tp_entropy(torch, dist)
+
+    def forward(z, y, keep, mode: Mode):
+        zz = z
+        if keep is not None:
+            zz = z.masked_fill(~_kept_with_target(torch, keep, y, ctx.vocab_start), float("-inf"))
+        # Megatron's fused CE subtracts the max from its input in place when the
+        # input is already float32: give it a copy (the caller still needs z).
+        if zz is z and z.dtype == torch.float32:
+            zz = z.clone()
+        lp = -fused_vocab_parallel_cross_entropy(zz[:, None, :], y[:, None], ctx.group)[:, 0]
+        h = None
+        if mode.with_entropy:
+            h = entropy.apply(z if mode.entropy_grad else z.detach(), ctx.group)
+        return lp, h
+
+    return forward
+
+
+# --------------------------------------------------------------------------- slime
+
+_SLIME_FILE = os.path.join("slime", "utils", "ppo_utils.py")
+
+
+def _locate_slime(args: argparse.Namespace) -> Union[str, dict]:
+    """The user's ``slime/utils/ppo_utils.py``: under ``--slime-path``, else of an importable ``slime``."""
+    if importlib.util.find_spec("torch") is None:
+        return "torch not importable"
+    root = getattr(args, "slime_path", None)
+    if root:
+        path = os.path.join(os.path.abspath(root), _SLIME_FILE)
+        return {"slime_file": path} if os.path.isfile(path) else f"--slime-path: no {_SLIME_FILE} under {root}"
+    try:
+        spec = importlib.util.find_spec("slime")
+    except (ImportError, ValueError):
+        spec = None
+    for d in (spec.submodule_search_locations or []) if spec else []:
+        path = os.path.join(d, "utils", "ppo_utils.py")
+        if os.path.isfile(path):
+            return {"slime_file": path}
+    return "no slime checkout (pass --slime-path DIR or make slime importable)"
+
+
+class _StandIn(types.ModuleType):
+    """A module that is not installed: any attribute is another stand-in.
+
+    Only top-level imports of the slime file ever touch it; the op under test
+    needs nothing but torch.
+    """
+
+    def __getattr__(self, name):
+        if name.startswith("__"):
+            raise AttributeError(name)
+        return _StandIn(f"{self.__name__}.{name}")
+
+    def __call__(self, *a, **k):  # used as a decorator or called at import time
+        return a[0] if len(a) == 1 and callable(a[0]) and not k else self
+
+
+def load_slime_ops(path: str, max_stand_ins: int = 20) -> types.ModuleType:
+    """Execute the slime file at ``path`` alone (not its package) and return it as a module.
+
+    The file is loaded from its path, so ``slime/__init__.py`` and the rest of
+    slime are never imported. When a top-level import names a module that is
+    not installed (slime imports Megatron, Ray, ... in some versions), a
+    stand-in is registered under that name and the file is executed again;
+    the stand-ins' names are in the module's ``_dualvp_stand_ins``. torch
+    itself is never stood in for.
+    """
+    stand_ins: list = []
+    try:
+        for _ in range(max_stand_ins + 1):
+            spec = importlib.util.spec_from_file_location("_dualvp_bench_slime_ppo_utils", path)
+            mod = importlib.util.module_from_spec(spec)
+            try:
+                spec.loader.exec_module(mod)
+            except ModuleNotFoundError as e:
+                if not e.name or e.name.split(".")[0] == "torch" or e.name in sys.modules:
+                    raise
+                sys.modules[e.name] = _StandIn(e.name)
+                stand_ins.append(e.name)
+                continue
+            mod._dualvp_stand_ins = list(stand_ins)
+            return mod
+        raise ImportError(f"{path}: more than {max_stand_ins} missing imports ({stand_ins})")
+    finally:
+        for name in stand_ins:
+            if isinstance(sys.modules.get(name), _StandIn):
+                del sys.modules[name]
+
+
+def _slime(ctx: Context) -> Forward:
+    """slime's fused ``calculate_log_probs_and_entropy`` (``_VocabParallelLogProbEntropy``)."""
+    ops = load_slime_ops(ctx.options["slime_file"])
+    fn = ops.calculate_log_probs_and_entropy
+
+    def forward(z, y, keep, mode: Mode):
+        lp, h = fn(z, y, ctx.group, with_entropy=mode.with_entropy, log_prob_keep_mask=keep,
+                   with_entropy_grad=mode.entropy_grad)
+        return lp.reshape(-1), h  # slime returns the log-prob as [T, 1]
+
+    return forward
+
+
+# --------------------------------------------------------------------------- jax
+
+
+def _dualvp_jax(ctx: Context) -> Forward:
+    import dualvp_jax
+
+    def forward(z, y, keep, mode: Mode):
+        return dualvp_jax.logprob_entropy(z, y, keep_mask=keep, with_entropy=mode.with_entropy,
+                                          entropy_grad=mode.entropy_grad)
+
+    return forward
+
+
+def _jax_naive(ctx: Context) -> Forward:
+    """``torch-eager`` in JAX: ``log_softmax`` + ``take_along_axis``, entropy ``-(p * log p).sum``."""
+    jax = ctx.fw
+    jnp = jax.numpy
+
+    def forward(z, y, keep, mode: Mode):
+        logp = jax.nn.log_softmax(z, axis=-1)
+        lq = logp
+        if keep is not None:
+            kept = keep | (jnp.arange(z.shape[-1]) == y[:, None])
+            lq = jax.nn.log_softmax(jnp.where(kept, z, -jnp.inf), axis=-1)
+        lp = jnp.take_along_axis(lq, y[:, None], axis=-1)[:, 0]
+        h = None
+        if mode.with_entropy:
+            h = -(jnp.exp(logp) * logp).sum(-1)
+            if not mode.entropy_grad:
+                h = jax.lax.stop_gradient(h)
+        return lp, h
+
+    return forward
+
+
+# --------------------------------------------------------------------------- the registry
+
+_DUALVP_TORCH = ("torch", "dualvp_torch.function")
+
+IMPLS: dict[str, Impl] = {i.name: i for i in (
+    Impl("dualvp-torch", "torch", _DUALVP_TORCH, _dualvp_torch,
+         "dualvp_torch.logprob_entropy, compiled kernels"),
+    Impl("dualvp-torch-eager", "torch", _DUALVP_TORCH, _dualvp_torch,
+         "the same with DUALVP_COMPILE=0 (eager row-chunked kernels)", env={"DUALVP_COMPILE": "0"}, gloo=True),
+    Impl("dualvp-torch-inplace", "torch", _DUALVP_TORCH, _dualvp_torch_inplace,
+         "dualvp-torch with inplace_grad=True (the gradient overwrites the logits)", nonleaf_logits=True),
+    Impl("dualvp-jax", "jax", ("jax", "dualvp_jax"), _dualvp_jax, "dualvp_jax.logprob_entropy under jax.jit"),
+    Impl("torch-eager", "torch", ("torch",), _torch_eager,
+         "log_softmax + gather, entropy -(p*log p).sum, autograd, in the input dtype", baseline=True),
+    Impl("jax-naive", "jax", ("jax",), _jax_naive, "the same in JAX under jit (jax.vjp)", baseline=True),
+    Impl("megatron", "torch", ("torch", "megatron.core"), _megatron,
+         "Megatron-core fused_vocab_parallel_cross_entropy + an unfused vocab-parallel entropy (saves the softmax)",
+         baseline=True, process_group=True, gloo=True),
+    Impl("slime", "torch", ("torch",), _slime,
+         "slime's fused calculate_log_probs_and_entropy from the user's checkout (--slime-path)",
+         baseline=True, gloo=True, locate=_locate_slime),
+)}
+
+BASELINES = tuple(n for n, i in IMPLS.items() if i.baseline)
+
+
+def locate(impl: Impl, args: argparse.Namespace) -> Union[str, dict]:
+    """Options for ``impl``'s workers (a dict), or the reason it cannot run here (a string)."""
+    for mod in impl.needs:
+        try:
+            if importlib.util.find_spec(mod) is None:
+                return f"{mod} not importable"
+        except (ImportError, ValueError) as e:
+            return f"{mod} not importable ({e})"
+    return impl.locate(args) if impl.locate else {}

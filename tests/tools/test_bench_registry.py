@@ -1,0 +1,132 @@
+"""The bench's ``slime`` implementation: located through ``--slime-path`` (or an
+importable slime), loaded from the file alone, wired to the worker; a one-line
+skip when there is none. slime itself is not needed: a stand-in
+``slime/utils/ppo_utils.py`` with a plain (unfused, single-shard) formulation is
+written into ``tmp_path``; the numbers are checked against ``dualvp.reference``.
+"""
+
+import argparse
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from dualvp import reference  # noqa: E402
+from dualvp.tools.bench import implementations as impls  # noqa: E402
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+# slime's interface: calculate_log_probs_and_entropy(logits, tokens, tp_group, with_entropy, chunk_size,
+# log_prob_keep_mask, with_entropy_grad) -> (log_prob [T, 1], entropy [T] or None). The first import
+# stands for a heavy dependency of slime's module that this machine lacks.
+_FAKE_PPO_UTILS = textwrap.dedent('''
+    import dualvp_test_missing_heavy_dependency as _heavy
+    import torch
+
+
+    def calculate_log_probs_and_entropy(logits, tokens, tp_group, with_entropy=False, chunk_size=-1,
+                                        log_prob_keep_mask=None, with_entropy_grad=True):
+        assert tp_group is None, "the stand-in is single-shard"
+        z = logits.float()
+        lq = z
+        if log_prob_keep_mask is not None:
+            kept = log_prob_keep_mask.clone()
+            kept[torch.arange(z.shape[0]), tokens] = True
+            lq = z.masked_fill(~kept, float("-inf"))
+        log_prob = torch.log_softmax(lq, -1).gather(-1, tokens[:, None])
+        entropy = None
+        if with_entropy:
+            logp = torch.log_softmax(z if with_entropy_grad else z.detach(), -1)
+            entropy = -(logp.exp() * logp).sum(-1)
+        return log_prob, entropy
+''')
+
+
+@pytest.fixture
+def slime_checkout(tmp_path):
+    d = tmp_path / "slime-checkout" / "slime" / "utils"
+    d.mkdir(parents=True)
+    (d / "ppo_utils.py").write_text(_FAKE_PPO_UTILS)
+    return tmp_path / "slime-checkout"
+
+
+def _args(**kw):
+    return argparse.Namespace(**{"slime_path": None, **kw})
+
+
+def test_slime_path_is_located(slime_checkout):
+    got = impls.locate(impls.IMPLS["slime"], _args(slime_path=str(slime_checkout)))
+    assert got == {"slime_file": str(slime_checkout / "slime" / "utils" / "ppo_utils.py")}
+
+
+def test_missing_slime_is_a_reason_not_an_error(tmp_path):
+    why = impls.locate(impls.IMPLS["slime"], _args(slime_path=str(tmp_path)))
+    assert isinstance(why, str) and why.startswith("--slime-path: no slime/utils/ppo_utils.py under")
+    if importlib.util.find_spec("slime") is None:
+        why = impls.locate(impls.IMPLS["slime"], _args())
+        assert isinstance(why, str) and "--slime-path" in why
+
+
+def test_slime_file_loads_alone_with_stand_ins_for_missing_imports(slime_checkout):
+    path = str(slime_checkout / "slime" / "utils" / "ppo_utils.py")
+    mod = impls.load_slime_ops(path)
+    assert mod._dualvp_stand_ins == ["dualvp_test_missing_heavy_dependency"]
+    assert "dualvp_test_missing_heavy_dependency" not in sys.modules  # not left behind
+    assert "slime" not in sys.modules  # the package was never imported
+
+
+@pytest.mark.parametrize("mode", ["lp+ent+grad", "lp+ent.keep"])
+def test_slime_forward_against_the_oracle(slime_checkout, mode):
+    path = str(slime_checkout / "slime" / "utils" / "ppo_utils.py")
+    forward = impls.IMPLS["slime"].build(impls.Context(torch, options={"slime_file": path}))
+    m = impls.MODES[mode]
+    rng = np.random.default_rng(0)
+    z = rng.normal(size=(6, 32)) * 3
+    y = rng.integers(0, 32, size=6)
+    keep = rng.random((6, 32)) < 0.3 if m.masked else None
+    gl, gh = rng.normal(size=6), rng.normal(size=6)
+    zt = torch.tensor(z, requires_grad=True)
+    lp, h = forward(zt, torch.from_numpy(y), None if keep is None else torch.from_numpy(keep), m)
+    assert lp.shape == (6,) and h.shape == (6,)
+    ((lp * torch.from_numpy(gl)).sum() + ((h * torch.from_numpy(gh)).sum() if m.entropy_grad else 0)).backward()
+    rlp, rh = reference.logprob_entropy(z, y, keep_mask=keep)
+    rg = reference.logprob_entropy_grad(z, y, gl, gh if m.entropy_grad else None, keep_mask=keep)
+    np.testing.assert_allclose(lp.detach().numpy(), rlp, atol=1e-5)
+    np.testing.assert_allclose(h.detach().numpy(), rh, atol=1e-5)
+    np.testing.assert_allclose(zt.grad.numpy(), rg, atol=1e-5)
+
+
+def _bench(tmp_path, *extra):
+    out = tmp_path / "bench.json"
+    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    proc = subprocess.run(
+        [sys.executable, "-m", "dualvp", "bench", "--quick", "--sizes", "8x64", "--modes", "lp,lp+ent+grad.keep",
+         "--worlds", "none", "--out", str(out), *extra],
+        capture_output=True, text=True, timeout=300, env=env, cwd=ROOT,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return proc.stdout, json.loads(out.read_text())
+
+
+def test_bench_runs_slime_from_slime_path(tmp_path, slime_checkout):
+    stdout, doc = _bench(tmp_path, "--impls", "slime", "--slime-path", str(slime_checkout))
+    assert doc["failures"] == [] and doc["meta"]["skipped"] == {}
+    rows = {r["mode"]: r for r in doc["results"] if r["impl"] == "slime"}
+    assert set(rows) == {"lp", "lp+ent+grad.keep"}
+    for r in rows.values():
+        assert r["errors"]["logprob"] < 1e-5 and r["errors"]["grad"] < 1e-5
+    assert rows["lp+ent+grad.keep"]["errors"]["entropy"] < 1e-5
+
+
+def test_bench_without_slime_skips_it_in_one_line(tmp_path):
+    stdout, doc = _bench(tmp_path, "--impls", "slime", "--slime-path", str(tmp_path / "nowhere"))
+    lines = [ln for ln in stdout.splitlines() if "slime" in ln.replace(str(tmp_path), "")]
+    assert len(lines) == 1 and lines[0].startswith("skipping slime: --slime-path: no slime/utils/ppo_utils.py")
+    assert doc["results"] == [] and doc["failures"] == [] and "slime" in doc["meta"]["skipped"]
