@@ -1,4 +1,4 @@
-"""Peak extra memory of forward + backward (profiler allocation trace). (The compat tests are in test_compat.py.)"""
+"""Peak extra memory of forward + backward (profiler allocation trace). (The compat tests are in test_torch_compat.py.)"""
 
 import pytest
 
