@@ -102,7 +102,9 @@ def logprob_entropy_grad(
     u, valid, _, onehot, logp, logq = _prepare(logits, target, keep_mask, temperature, ignore_index)
     gl = np.where(valid, np.asarray(grad_logprob, dtype=np.float64), 0.0)[..., None]
     q = np.exp(logq)
-    g = gl * (onehot.astype(np.float64) - q)
+    # ignore_index rows have no log-prob term (not 0 * q: q is NaN when the
+    # kept set of an ignored row is empty).
+    g = np.where(valid[..., None], gl * (onehot.astype(np.float64) - q), 0.0)
     if grad_entropy is not None:
         p = np.exp(logp)
         h = _entropy(logp)[..., None]

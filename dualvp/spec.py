@@ -341,9 +341,13 @@ def block_grad(
         zk = _kept_logits(xp, z, keep, is_y)
         q = xp.exp((zk - _finite_or_zero(xp, comb.mk)[..., None]) / tau - comb.log_sk[..., None])
     gl = xp.where(valid, g_logprob, xp.zeros_like(g_logprob))[..., None]
-    g = gl * (xp.where(is_y, xp.ones_like(z), zero) - q)
+    # Rows that are not valid get no log-prob term at all (not 0 * q, which is
+    # NaN when their kept set is empty).
+    g = xp.where(valid[..., None], gl * (xp.where(is_y, xp.ones_like(z), zero) - q), zero)
     if g_entropy is not None:
-        dh = xp.where(p > 0, p * (comb.c[..., None] - d), zero)
+        # p == 0 (banned column) contributes 0, not 0 * inf; a NaN p (a row
+        # holding NaN) propagates, as the policy says.
+        dh = xp.where(p == 0, zero, p * (comb.c[..., None] - d))
         g = g + g_entropy[..., None] * dh
     return g / tau
 
