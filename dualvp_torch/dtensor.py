@@ -47,24 +47,36 @@ wait for each other either.
 
 from __future__ import annotations
 
+import sys
 from typing import Optional
 
 import torch
 
-try:  # torch >= 2.5 has the public module; 2.4 only the private one.
-    from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
-except ImportError:  # pragma: no cover - depends on the torch version
-    try:
-        from torch.distributed._tensor import DTensor, Partial, Replicate, Shard
-    except ImportError:
-        DTensor = Partial = Replicate = Shard = None
+# torch.distributed.tensor costs ~1 s to import; a DTensor can only exist once
+# it has been imported, so nothing here imports it before a DTensor is seen.
+_DT_MODULES = ("torch.distributed.tensor", "torch.distributed._tensor")
 
 __all__ = ["is_dtensor", "involves_dtensor", "logprob_entropy"]
 
 
+def _dt():
+    """The module defining DTensor, Shard, Replicate, Partial (public on torch >= 2.5)."""
+    try:
+        import torch.distributed.tensor as dt
+    except ImportError:  # pragma: no cover - torch 2.4
+        import torch.distributed._tensor as dt
+    return dt
+
+
 def is_dtensor(x) -> bool:
-    """Whether ``x`` is a ``torch.distributed.tensor.DTensor``."""
-    return DTensor is not None and isinstance(x, DTensor)
+    """Whether ``x`` is a ``torch.distributed.tensor.DTensor`` (never imports it)."""
+    if not isinstance(x, torch.Tensor) or type(x) is torch.Tensor:
+        return False
+    for name in _DT_MODULES:
+        mod = sys.modules.get(name)
+        if mod is not None and isinstance(x, getattr(mod, "DTensor", ())):
+            return True
+    return False
 
 
 def involves_dtensor(logits, target, keep_mask) -> bool:
@@ -74,6 +86,7 @@ def involves_dtensor(logits, target, keep_mask) -> bool:
 
 def _norm(placements, ndim: int) -> tuple:
     """Placements with ``Shard(d)`` dims made non-negative (``Shard(-1)`` == ``Shard(ndim-1)``)."""
+    Shard = _dt().Shard
     out = []
     for p in placements:
         if type(p) is Shard and p.dim < 0:
@@ -89,6 +102,8 @@ def _mesh_dim_name(mesh, i: int) -> str:
 
 def _vocab_mesh_dim(logits) -> Optional[int]:
     """The mesh dim that shards the vocabulary (None: not sharded); raises on unsupported layouts."""
+    dt = _dt()
+    Shard, Replicate, Partial = dt.Shard, dt.Replicate, dt.Partial
     ndim = logits.ndim
     if ndim < 1:
         raise ValueError(f"logits: expected a DTensor [..., V] with at least 1 dim, got shape {tuple(logits.shape)}")
@@ -96,7 +111,7 @@ def _vocab_mesh_dim(logits) -> Optional[int]:
     placements = _norm(logits.placements, ndim)
     vocab_dims = []
     for i, p in enumerate(placements):
-        if Partial is not None and isinstance(p, Partial):
+        if isinstance(p, Partial):
             raise ValueError(
                 f"logits: expected Shard / Replicate placements, got {p} on mesh dim {_mesh_dim_name(mesh, i)} "
                 f"(placements {tuple(logits.placements)}): partial (unreduced) logits are not a distribution; "
@@ -220,6 +235,8 @@ def logprob_entropy(
             "group: expected None for DTensor logits (the group is the vocab mesh dim's, "
             f"mesh.get_group(dim)), got a {type(group).__name__}"
         )
+    dt = _dt()
+    DTensor, Replicate = dt.DTensor, dt.Replicate
     mesh = logits.device_mesh
     ndim = logits.ndim
     d = _vocab_mesh_dim(logits)
