@@ -17,11 +17,18 @@ def _parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", required=True)
     v = sub.add_parser("verify", help="check every backend against the float64 oracle and each other")
     v.add_argument("--tp", type=int, default=2, help="tensor-parallel size W (vocab shards)")
-    v.add_argument("--tokens", type=int, default=256, help="rows T")
-    v.add_argument("--vocab", type=int, default=4096, help="full vocabulary V (divisible by --tp)")
-    v.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16", "float64"])
+    v.add_argument("--input", metavar="FILE", default=None,
+                   help="check your own data instead of a random problem: a torch.save'd dict (read with "
+                   "weights_only=True) or an .npz with 'logits' [T, V] (full vocabulary), 'target' [T] and "
+                   "optionally 'keep_mask' [T, V]; leading dims are flattened; V must be divisible by --tp")
+    v.add_argument("--tokens", type=int, default=None,
+                   help="rows T (default 256); with --input: use only the first TOKENS rows (default all)")
+    v.add_argument("--vocab", type=int, default=4096, help="full vocabulary V (divisible by --tp; ignored with --input)")
+    v.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16", "float64"],
+                   help="logits dtype (default float32; with --input: the file's, or round the file's logits to this)")
     v.add_argument("--temperature", type=float, default=1.0)
-    v.add_argument("--mask", default="none", choices=["none", "nucleus", "drop_target", "random"])
+    v.add_argument("--mask", default="none", choices=["none", "nucleus", "drop_target", "random"],
+                   help="keep mask to build (with --input: only when the file has no keep_mask)")
     v.add_argument("--seed", type=int, default=0)
     v.add_argument("--backends", default="torch,jax", help="comma-separated subset of torch,jax")
     v.add_argument("--no-compile", dest="compile", action="store_false",

@@ -1,7 +1,9 @@
 """``dualvp verify``: torch and JAX on the same problem, against the oracle and each other.
 
 Builds one random problem (confident-LM logits, upstream gradients for
-log-prob and entropy, an optional keep mask), computes
+log-prob and entropy, an optional keep mask), or, with ``--input FILE``, takes
+the logits, targets and keep mask a user saved from their own run (see
+:func:`load_input`) with seeded random upstream gradients; then computes
 
 * the float64 oracle (:mod:`dualvp.reference`) on the full logits,
 * the specification run over ``W`` simulated shards (:mod:`dualvp.simulate`),
@@ -32,7 +34,8 @@ from dualvp import cases, reference, simulate
 
 from ._proc import child_env, start_python
 
-__all__ = ["run", "compare", "Row", "problem_for", "torch_outputs", "merge_ranks", "jax_outputs"]
+__all__ = ["run", "compare", "Row", "problem_for", "load_input", "input_problem", "torch_outputs", "merge_ranks",
+           "jax_outputs"]
 
 
 class Row(NamedTuple):
@@ -60,6 +63,142 @@ def problem_for(args) -> cases.Problem:
         ignore_frac=0.05,
     )
     return cases.make(c)
+
+
+_INPUT_KEYS = ("logits", "target", "keep_mask")
+_TORCH_DTYPES = {"torch.float32": "float32", "torch.bfloat16": "bfloat16", "torch.float16": "float16",
+                 "torch.float64": "float64"}
+
+
+def _read(path: str) -> dict:
+    """The saved dict: ``.npz`` through NumPy, anything else through ``torch.load(weights_only=True)``."""
+    if not os.path.isfile(path):
+        raise ValueError(f"input: no such file {path!r}")
+    if path.endswith(".npz"):
+        try:
+            with np.load(path, allow_pickle=False) as f:
+                return {k: f[k] for k in f.files}
+        except Exception as exc:  # noqa: BLE001 - any reader failure is the file's fault
+            raise ValueError(f"input: could not read {path!r} as a .npz file: {type(exc).__name__}: {exc}") from None
+    try:
+        import torch
+    except ImportError:
+        raise ValueError(f"input: {path!r} is not a .npz file and torch (needed to read torch.save files) "
+                         "is not installed") from None
+    try:
+        # weights_only: tensors and plain containers only, no code from the file runs.
+        data = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as exc:  # noqa: BLE001
+        msg = str(exc)
+        if "WeightsUnpickler error:" in msg:
+            # keep torch's reason, not its advice to retry without weights_only
+            msg = msg.split("WeightsUnpickler error:", 1)[1].split("Check the documentation", 1)[0]
+        msg = " ".join(msg.split())[:300]
+        raise ValueError(f"input: could not read {path!r} as a torch.save file of tensors "
+                         f"(torch.load with weights_only=True): {type(exc).__name__}: {msg}") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"input: expected a dict with keys {_INPUT_KEYS[:2]} (and optionally 'keep_mask'), "
+                         f"got a {type(data).__name__}")
+    return data
+
+
+def _as_numpy(name: str, x):
+    """``(array, dtype name)``; torch tensors are converted exactly (bfloat16 via float64)."""
+    if type(x).__module__.startswith("torch"):
+        import torch
+
+        if not isinstance(x, torch.Tensor):
+            raise ValueError(f"{name}: expected a tensor, got {type(x).__name__}")
+        dt = str(x.dtype)
+        x = x.detach().cpu()
+        if x.is_floating_point():
+            return x.double().numpy(), _TORCH_DTYPES.get(dt, dt.replace("torch.", ""))
+        return x.numpy(), dt.replace("torch.", "")
+    if not isinstance(x, np.ndarray):
+        raise ValueError(f"{name}: expected an array or tensor, got {type(x).__name__}")
+    return x, x.dtype.name
+
+
+def load_input(path: str, *, ignore_index: int = -100, max_rows: Optional[int] = None) -> dict:
+    """Read and check a user's saved problem.
+
+    The file is a ``torch.save`` of a dict (read with ``weights_only=True``)
+    or an ``.npz``, with ``logits [..., V]`` (full vocabulary, float16 /
+    bfloat16 / float32 / float64), ``target [...]`` (integer ids in ``[0, V)``
+    or ``ignore_index``) and optionally ``keep_mask [..., V]`` (bool). Leading
+    dims are flattened into rows; ``max_rows`` keeps the first rows only.
+
+    Returns:
+      ``{"logits": [T, V] float64 (the saved values exactly), "target": [T]
+      int64, "keep_mask": [T, V] bool or None, "dtype": the logits' dtype}``.
+
+    Raises:
+      ValueError whose message starts with ``input:`` (unreadable file, not a
+      dict, missing key) or with the key at fault (shape, dtype, range).
+    """
+    data = _read(path)
+    missing = [k for k in _INPUT_KEYS[:2] if k not in data]
+    if missing:
+        raise ValueError(f"input: {path!r} lacks the key(s) {missing}; expected 'logits' [T, V], 'target' [T] "
+                         f"and optionally 'keep_mask' [T, V], got keys {sorted(map(str, data))}")
+    z, zd = _as_numpy("logits", data["logits"])
+    y, yd = _as_numpy("target", data["target"])
+    if zd not in ("float16", "bfloat16", "float32", "float64"):
+        raise ValueError(f"logits: expected float16, bfloat16, float32 or float64, got {zd}")
+    if z.ndim < 2:
+        raise ValueError(f"logits: expected shape [T, V] (or [..., V]) with the full vocabulary last, "
+                         f"got shape {z.shape}")
+    if not np.issubdtype(y.dtype, np.integer):
+        raise ValueError(f"target: expected an integer dtype, got {yd}")
+    if y.shape != z.shape[:-1]:
+        raise ValueError(f"target: expected shape {z.shape[:-1]} (the leading dims of logits {z.shape}), "
+                         f"got shape {y.shape}")
+    keep = None
+    if data.get("keep_mask") is not None:
+        keep, kd = _as_numpy("keep_mask", data["keep_mask"])
+        if kd != "bool":
+            raise ValueError(f"keep_mask: expected dtype bool, got {kd}")
+        if keep.shape != z.shape:
+            raise ValueError(f"keep_mask: expected shape {z.shape} (the shape of logits), got shape {keep.shape}")
+    v = z.shape[-1]
+    z = np.asarray(z, np.float64).reshape(-1, v)
+    y = np.asarray(y).astype(np.int64).reshape(-1)
+    keep = None if keep is None else np.asarray(keep).reshape(-1, v)
+    if max_rows is not None:
+        z, y = z[:max_rows], y[:max_rows]
+        keep = None if keep is None else keep[:max_rows]
+    if z.shape[0] == 0:
+        raise ValueError(f"logits: expected at least one row, got shape {z.shape}")
+    bad = (y != ignore_index) & ((y < 0) | (y >= v))
+    if bad.any():
+        raise ValueError(f"target: expected ids in [0, {v}) or ignore_index={ignore_index}, got "
+                         f"{int(bad.sum())} out-of-range id(s), e.g. {np.unique(y[bad])[:5].tolist()}")
+    return dict(logits=z, target=y, keep_mask=keep, dtype=zd)
+
+
+def input_problem(args) -> cases.Problem:
+    """The verify problem from ``args.input``: the user's arrays plus seeded random upstream gradients.
+
+    ``args.dtype`` (if set) rounds the logits to that dtype; otherwise the
+    file's dtype is used. ``args.mask`` other than ``none`` builds a keep mask
+    on the user's logits when the file has none.
+    """
+    d = load_input(args.input, max_rows=args.tokens)
+    t, v = d["logits"].shape
+    if v % args.tp:
+        raise ValueError(f"tp: the vocabulary V = {v} of {args.input!r} is not divisible by --tp {args.tp}")
+    dtype = args.dtype or d["dtype"]
+    if d["keep_mask"] is not None and args.mask != "none":
+        raise ValueError(f"mask: {args.input!r} has its own keep_mask; --mask {args.mask} cannot replace it")
+    rng = np.random.default_rng(args.seed)
+    z = cases.round_to_dtype(d["logits"], dtype)
+    keep = d["keep_mask"]
+    if keep is None:
+        keep = cases._mask(rng, args.mask, z, d["target"], -100)
+    case = cases.Case(name="verify-input", lead=(t,), vocab=v, worlds=(args.tp,), dtype=dtype,
+                      temperature=args.temperature, seed=args.seed)
+    gl, ge = rng.normal(size=t), rng.normal(size=t)
+    return cases.Problem(case, z, d["target"], keep, gl, ge, extra={"keep_mask_from_file": d["keep_mask"] is not None})
 
 
 def _tol_pair(dtype: str, quantity: str) -> cases.Tolerance:
@@ -233,36 +372,54 @@ def _finish_jax(started: tuple, timeout: float) -> dict:
         return pickle.load(f)
 
 
-def _print_table(rows: list, args) -> None:
-    print(f"dualvp verify: W={args.tp} T={args.tokens} V={args.vocab} dtype={args.dtype} "
-          f"temperature={args.temperature} mask={args.mask} seed={args.seed}")
+def _print_table(rows: list, args, prob: cases.Problem) -> None:
+    c = prob.case
+    if getattr(args, "input", None):
+        mask = "from file" if prob.extra.get("keep_mask_from_file") else args.mask
+        print(f"dualvp verify: input={args.input} W={args.tp} T={c.lead[0]} V={c.vocab} dtype={c.dtype} "
+              f"temperature={args.temperature} mask={mask} seed={args.seed}")
+    else:
+        print(f"dualvp verify: W={args.tp} T={c.lead[0]} V={c.vocab} dtype={c.dtype} "
+              f"temperature={args.temperature} mask={args.mask} seed={args.seed}")
     head = f"{'check':<18} {'quantity':<9} {'max abs err':>12} {'max rel err':>12}  {'tolerance (abs + rel*|ref|)':<28} result"
     print(head)
     print("-" * len(head))
     for r in rows:
-        t = (_tol_pair(args.dtype, r.quantity) if r.check == "torch vs jax"
-             else cases.tolerance(args.dtype, r.quantity))
+        t = (_tol_pair(c.dtype, r.quantity) if r.check == "torch vs jax"
+             else cases.tolerance(c.dtype, r.quantity))
         print(f"{r.check:<18} {r.quantity:<9} {r.abs_err:>12.3e} {r.rel_err:>12.3e}  "
               f"{f'{t.atol:.0e} + {t.rtol:.0e}':<28} {'PASS' if r.ok else 'FAIL'}")
 
 
 def run(args) -> int:
     """Entry point of ``dualvp verify``; returns the exit status."""
-    if args.vocab % args.tp:
-        print(f"dualvp verify: --vocab {args.vocab} is not divisible by --tp {args.tp}", file=sys.stderr)
-        return 2
     backends = [b for b in args.backends.split(",") if b]
     total = 3 + len(backends)
-    t = _progress(1, total, f"building the problem (T={args.tokens}, V={args.vocab})")
-    prob = problem_for(args)
+    if getattr(args, "input", None):
+        t = _progress(1, total, f"reading {args.input}")
+        try:
+            prob = input_problem(args)
+        except ValueError as exc:
+            print(f"dualvp verify: {exc}", file=sys.stderr)
+            return 2
+    else:
+        if args.tokens is None:
+            args.tokens = 256
+        args.dtype = args.dtype or "float32"
+        if args.vocab % args.tp:
+            print(f"dualvp verify: --vocab {args.vocab} is not divisible by --tp {args.tp}", file=sys.stderr)
+            return 2
+        t = _progress(1, total, f"building the problem (T={args.tokens}, V={args.vocab})")
+        prob = problem_for(args)
     _progress(1, total, "problem", t)
+    dtype = prob.case.dtype
 
     t = _progress(2, total, "float64 oracle and the spec over simulated shards")
     kw = dict(keep_mask=prob.keep_mask, temperature=args.temperature, ignore_index=-100)
     lp, h = reference.logprob_entropy(prob.logits, prob.target, **kw)
     g = reference.logprob_entropy_grad(prob.logits, prob.target, prob.grad_logprob, prob.grad_entropy, **kw)
     oracle = dict(logprob=lp, entropy=h, grad=g)
-    sdt = np.float64 if args.dtype == "float64" else np.float32
+    sdt = np.float64 if dtype == "float64" else np.float32
     s_lp, s_h, s_g = simulate.logprob_entropy_sharded(
         prob.logits, prob.target, args.tp, grad_logprob=prob.grad_logprob, grad_entropy=prob.grad_entropy,
         dtype=sdt, **kw)
@@ -293,8 +450,8 @@ def run(args) -> int:
 
     t = _progress(total, total, "comparing")
     failed_backends = [b for b, r in results.items() if r is None]
-    rows = compare({b: r for b, r in results.items() if r is not None}, oracle, args.dtype)
-    _print_table(rows, args)
+    rows = compare({b: r for b, r in results.items() if r is not None}, oracle, dtype)
+    _print_table(rows, args, prob)
     bad = [r for r in rows if not r.ok]
     if failed_backends or bad:
         what = ", ".join([f"{b} did not run" for b in failed_backends] + [f"{r.check} {r.quantity}" for r in bad])

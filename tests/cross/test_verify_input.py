@@ -1,0 +1,136 @@
+"""``dualvp verify --input FILE``: the usual checks on a user's saved logits.
+
+A ``torch.save``'d dict and an ``.npz`` are written here, run through the
+command at ``--tp 2`` (exit 0, the table names the file and its shape); the
+deliberate fault ``DUALVP_TEST_FAULT=grad_tau`` (see test_checks_can_fail)
+makes the same file FAIL on the gradient rows; malformed files give an error
+that names what is wrong, before any backend starts.
+"""
+
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("jax")
+
+from dualvp import cli, verify  # noqa: E402
+
+
+def _verify(*args, fault: str = ""):
+    env = {k: v for k, v in os.environ.items() if k != "DUALVP_TEST_FAULT"}
+    if fault:
+        env["DUALVP_TEST_FAULT"] = fault
+    return subprocess.run([sys.executable, "-m", "dualvp", "verify", *args, "--no-compile"], env=env,
+                          capture_output=True, text=True, timeout=600)
+
+
+def _saved(seed=0, lead=(2, 6), vocab=64):
+    g = torch.Generator().manual_seed(seed)
+    z = torch.randn(*lead, vocab, generator=g) * 3 + 8
+    y = torch.randint(0, vocab, lead, generator=g)
+    y.view(-1)[0] = -100  # a padding row, as a training run would save it
+    k = torch.rand(*lead, vocab, generator=g) < 0.6
+    return z, y, k
+
+
+def test_torch_save_file_passes_at_tp2(tmp_path):
+    z, y, k = _saved()
+    path = tmp_path / "batch.pt"
+    torch.save({"logits": z.to(torch.bfloat16), "target": y, "keep_mask": k}, path)
+    proc = _verify("--input", str(path), "--tp", "2", "--temperature", "0.8")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    lines = proc.stdout.splitlines()
+    assert f"input={path} W=2 T=12 V=64 dtype=bfloat16 temperature=0.8 mask=from file" in lines[0], lines[0]
+    rows = [ln for ln in lines if ln.rstrip().endswith(("PASS", "FAIL"))]
+    assert len(rows) == 12 and all(ln.rstrip().endswith("PASS") for ln in rows), proc.stdout
+    assert {ln.split("  ")[0].strip() for ln in rows} == {"spec vs oracle", "torch vs oracle", "jax vs oracle",
+                                                           "torch vs jax"}
+    assert proc.stdout.rstrip().endswith("PASS: 12 checks within tolerance")
+
+
+def test_npz_file_and_the_check_can_fail(tmp_path):
+    z, y, _ = _saved(seed=1)
+    path = tmp_path / "batch.npz"
+    np.savez(path, logits=z.numpy(), target=y.numpy())
+    args = ("--input", str(path), "--tp", "2", "--temperature", "0.5", "--backends", "jax")
+    ok = _verify(*args)
+    assert ok.returncode == 0, ok.stdout + ok.stderr
+    assert "dtype=float32" in ok.stdout and "mask=none" in ok.stdout
+    bad = _verify(*args, fault="grad_tau")
+    assert bad.returncode == 1, bad.stdout + bad.stderr
+    fails = [ln for ln in bad.stdout.splitlines() if ln.rstrip().endswith("FAIL")]
+    assert fails and all(ln.startswith("jax vs oracle") and " grad " in ln for ln in fails), bad.stdout
+
+
+def test_load_input_reads_exactly_and_flattens(tmp_path):
+    z, y, k = _saved(lead=(3, 2, 5), vocab=16)
+    path = tmp_path / "b.pt"
+    torch.save({"logits": z.to(torch.bfloat16), "target": y, "keep_mask": k, "other": torch.zeros(1)}, path)
+    d = verify.load_input(str(path))
+    assert d["dtype"] == "bfloat16"
+    np.testing.assert_array_equal(d["logits"], z.to(torch.bfloat16).double().reshape(30, 16).numpy())
+    np.testing.assert_array_equal(d["target"], y.reshape(30).numpy())
+    np.testing.assert_array_equal(d["keep_mask"], k.reshape(30, 16).numpy())
+    assert verify.load_input(str(path), max_rows=4)["logits"].shape == (4, 16)
+
+
+def _write(tmp_path, kind, obj):
+    if kind == "npz":
+        path = tmp_path / "x.npz"
+        np.savez(path, **{n: (v.numpy() if isinstance(v, torch.Tensor) else v) for n, v in obj.items()})
+    else:
+        path = tmp_path / "x.pt"
+        torch.save(obj, path)
+    return str(path)
+
+
+_Z = torch.zeros(4, 8)
+_Y = torch.zeros(4, dtype=torch.int64)
+
+BAD = [
+    ("no logits", "pt", {"target": _Y}, "input:", "lacks the key"),
+    ("no target", "npz", {"logits": _Z}, "input:", "lacks the key"),
+    ("target shape", "pt", {"logits": _Z, "target": torch.zeros(5, dtype=torch.int64)}, "target:", "shape"),
+    ("target float", "npz", {"logits": _Z, "target": torch.zeros(4)}, "target:", "integer"),
+    ("logits int", "pt", {"logits": torch.zeros(4, 8, dtype=torch.int32), "target": _Y}, "logits:", "float"),
+    ("logits 1-d", "pt", {"logits": torch.zeros(8), "target": torch.zeros((), dtype=torch.int64)}, "logits:", "[T, V]"),
+    ("mask dtype", "pt", {"logits": _Z, "target": _Y, "keep_mask": torch.ones(4, 8)}, "keep_mask:", "bool"),
+    ("mask shape", "npz", {"logits": _Z, "target": _Y, "keep_mask": torch.ones(4, 7, dtype=torch.bool)},
+     "keep_mask:", "shape"),
+    ("target range", "pt", {"logits": _Z, "target": torch.tensor([0, 1, 8, -3])}, "target:", "out-of-range"),
+    ("empty", "pt", {"logits": torch.zeros(0, 8), "target": torch.zeros(0, dtype=torch.int64)}, "logits:", "row"),
+]
+
+
+@pytest.mark.parametrize("name,kind,obj,start,word", BAD, ids=[b[0] for b in BAD])
+def test_malformed_file_names_the_problem(tmp_path, name, kind, obj, start, word):
+    path = _write(tmp_path, kind, obj)
+    with pytest.raises(ValueError) as info:
+        verify.load_input(path)
+    assert str(info.value).startswith(start) and word in str(info.value), str(info.value)
+
+
+def test_unreadable_files(tmp_path):
+    garbage = tmp_path / "g.pt"
+    garbage.write_bytes(b"not a torch file")
+    torch.save([torch.zeros(2, 2)], tmp_path / "list.pt")
+    (tmp_path / "g.npz").write_bytes(b"PK\x03\x04 broken")
+    for path, word in ((garbage, "torch.save"), (tmp_path / "list.pt", "dict"), (tmp_path / "g.npz", ".npz"),
+                       (tmp_path / "missing.pt", "no such file")):
+        with pytest.raises(ValueError) as info:
+            verify.load_input(str(path))
+        assert str(info.value).startswith("input:") and word in str(info.value), str(info.value)
+
+
+def test_cli_exit_2_before_any_backend(tmp_path, capsys):
+    path = _write(tmp_path, "pt", {"logits": torch.zeros(4, 10), "target": _Y})
+    assert cli.main(["verify", "--input", path, "--tp", "4"]) == 2
+    err = capsys.readouterr().err
+    assert "tp: the vocabulary V = 10" in err and "--tp 4" in err
+    path = _write(tmp_path, "pt", {"logits": _Z, "target": _Y, "keep_mask": torch.ones(4, 8, dtype=torch.bool)})
+    assert cli.main(["verify", "--input", path, "--mask", "nucleus"]) == 2
+    assert "mask:" in capsys.readouterr().err
