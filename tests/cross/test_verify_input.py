@@ -17,7 +17,7 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("jax")
 
-from dualvp import cli, verify  # noqa: E402
+from dualvp.tools import cli, verify  # noqa: E402
 
 
 def _verify(*args, fault: str = ""):
