@@ -201,6 +201,7 @@ def logprob_entropy(
     ignore_index=-100,
     validate=True,
     inplace_grad=False,
+    impl=None,
 ):
     """:func:`dualvp_torch.logprob_entropy` for DTensor logits (see the module docstring for the rules).
 
@@ -274,6 +275,7 @@ def logprob_entropy(
         ignore_index=ignore_index,
         validate=validate,
         inplace_grad=inplace_grad,
+        impl=impl,
     )
 
     def wrap(t):

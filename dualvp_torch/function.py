@@ -218,7 +218,7 @@ def logprob_entropy(
     if _dtensor.involves_dtensor(logits, target, keep_mask):  # torch tensor parallelism: see dtensor.py
         return _dtensor.logprob_entropy(
             logits, target, group=group, keep_mask=keep_mask, temperature=temperature, with_entropy=with_entropy,
-            entropy_grad=entropy_grad, ignore_index=ignore_index, validate=validate, inplace_grad=inplace_grad,
+            entropy_grad=entropy_grad, ignore_index=ignore_index, validate=validate, inplace_grad=inplace_grad, impl=impl,
         )
     if group is not None and not collectives.is_process_group(group):
         raise TypeError(f"group: expected a torch.distributed.ProcessGroup or None, got {_kind(group)}")
