@@ -189,20 +189,7 @@ def _contiguous_stride(shape: tuple) -> tuple:
     return tuple(reversed(stride))
 
 
-def logprob_entropy(
-    logits,
-    target,
-    *,
-    group=None,
-    keep_mask=None,
-    temperature=1.0,
-    with_entropy=True,
-    entropy_grad=True,
-    ignore_index=-100,
-    validate=True,
-    inplace_grad=False,
-    impl=None,
-):
+def logprob_entropy(logits, target, *, group=None, keep_mask=None, inplace_grad=False, **options):
     """:func:`dualvp_torch.logprob_entropy` for DTensor logits (see the module docstring for the rules).
 
     Args:
@@ -214,8 +201,12 @@ def logprob_entropy(
       keep_mask: ``None``, a bool DTensor with the logits' placements, or a
         plain bool tensor shaped like ``logits.to_local()``.
       group: must be ``None``; the group is ``mesh.get_group(vocab mesh dim)``.
-      temperature, with_entropy, entropy_grad, ignore_index, validate,
-      inplace_grad: as in :func:`dualvp_torch.logprob_entropy`.
+      inplace_grad: as in :func:`dualvp_torch.logprob_entropy` (checked here
+        too: ``to_local()`` hides whether the DTensor is a leaf).
+      **options: every other keyword of :func:`dualvp_torch.logprob_entropy`
+        (temperature, with_entropy, entropy_grad, ignore_index, validate,
+        impl), passed to the local op unchanged, so the two signatures cannot
+        drift apart.
 
     Returns:
       ``(logprob, entropy or None)``: DTensors of global shape
@@ -269,13 +260,8 @@ def logprob_entropy(
         target,
         group=sub_group,
         keep_mask=keep_mask,
-        temperature=temperature,
-        with_entropy=with_entropy,
-        entropy_grad=entropy_grad,
-        ignore_index=ignore_index,
-        validate=validate,
         inplace_grad=inplace_grad,
-        impl=impl,
+        **options,
     )
 
     def wrap(t):
