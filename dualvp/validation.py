@@ -50,6 +50,7 @@ ARGUMENTS = (
     "validate",
     "inplace_grad",
     "chunk_size",
+    "label_smoothing",
 )
 
 
@@ -94,6 +95,10 @@ class Options:
       entropy_grad: the entropy is differentiable (when returned).
       has_mask: a keep mask was given.
       inplace_grad: the gradient may overwrite the logits (torch only).
+      label_smoothing: the smoothing of the Megatron drop-in
+        (``dualvp_torch.compat.vocab_parallel_cross_entropy``), 0 for the op
+        itself; in the agreement record because a rank with ``0`` skips the
+        drop-in's extra all-reduce that the others enter.
     """
 
     temperature: float = 1.0
@@ -102,6 +107,7 @@ class Options:
     entropy_grad: bool = True
     has_mask: bool = False
     inplace_grad: bool = False
+    label_smoothing: float = 0.0
 
     @property
     def need_entropy_grad(self) -> bool:
@@ -188,6 +194,7 @@ RECORD_FIELDS = (
     "entropy_grad",
     "temperature",
     "ignore_index",
+    "label_smoothing",
     "bad_targets",
 )
 
@@ -228,8 +235,9 @@ def agreement_record(
         return [_error_code(error)] + [-1] * (len(RECORD_FIELDS) - 1)
     try:
         tau_bits = _float_bits(options.temperature)
+        smoothing_bits = _float_bits(options.label_smoothing)
     except (TypeError, ValueError, struct.error):
-        tau_bits = -1
+        tau_bits = smoothing_bits = -1
     return [
         0,
         int(n_rows),
@@ -240,12 +248,13 @@ def agreement_record(
         int(options.entropy_grad),
         tau_bits,
         int(options.ignore_index),
+        smoothing_bits,
         0,
     ]
 
 
 def _render(field: str, value: int) -> str:
-    if field == "temperature":
+    if field in ("temperature", "label_smoothing"):
         return repr(struct.unpack("<d", struct.pack("<q", value))[0])
     if field == "logits dtype":
         return FLOAT_DTYPES[value] if 0 <= value < len(FLOAT_DTYPES) else "?"
