@@ -250,6 +250,7 @@ _BAD = [
     ("token_block_zero", dict(token_block=0), ValueError, "token_block"),
     ("vocab_block_float", dict(vocab_block=2.0), TypeError, "vocab_block"),
     ("budget_negative", dict(memory_budget=-1), ValueError, "memory_budget"),
+    ("axis_unbound", dict(axis_name="tp"), ValueError, "axis_name"),
 ]
 
 
