@@ -119,6 +119,24 @@ def test_block_sizes_and_batch_dims(blocks):
     _check_all(out, ref, "float32")
 
 
+def test_float64_under_x64():
+    """float64 inputs compute in float64 (jax_enable_x64, scoped to the test)."""
+    h, w, y, keep, gl, ge = _problem(37, 1, "float64", mask=True, ignore=True, seed=6)
+    with jax.enable_x64(True):
+        def f(h, w):
+            return dualvp_jax.linear_logprob_entropy(h, w, jnp.asarray(y), keep_mask=jnp.asarray(keep),
+                                                     temperature=0.3, **_BLOCKS)
+
+        (lp, ent), vjp = jax.vjp(f, jnp.asarray(h), jnp.asarray(w))
+        dh, dw = vjp((jnp.asarray(gl), jnp.asarray(ge)))
+        assert lp.dtype == dh.dtype == dw.dtype == jnp.float64
+        out = [np.asarray(x) for x in (lp, ent, dh, dw)]
+    ref = _oracle(h, w, y, gl, ge, keep=keep, temperature=0.3)
+    for name, x, r, q in zip(("logprob", "entropy", "dh", "dW"), out, ref, ("logprob", "entropy", "grad", "grad")):
+        tol = cases.tolerance("float64", q)
+        assert cases.within_tolerance(x, r, tol), f"{name}: {cases.max_errors(x, r)} > {tol}"
+
+
 def test_last_column_target_counted_once():
     """Targets in the last vocab block and in the last column: counted once (no overlapping block)."""
     h, w, y, keep, gl, ge = _problem(37, 1, "float32", mask=True, seed=4)
