@@ -131,10 +131,21 @@ def _up(x: torch.Tensor, cdt: torch.dtype) -> torch.Tensor:
 _OUT_DTYPE_MM: dict = {}
 
 
+def _native_out_dtype(x: torch.Tensor, cdt: torch.dtype) -> bool:
+    # CUDA: a 16-bit x 16-bit -> float32 matmul (float32 accumulation) forms
+    # the forward block without upcasting the operands; the CPU has none.
+    return x.dtype != cdt and x.device.type == "cuda" and _OUT_DTYPE_MM.get("cuda", True)
+
+
+def _fwd_operand(x: torch.Tensor, cdt: torch.dtype) -> torch.Tensor:
+    """``x`` as the forward matmul takes it: as is where the matmul outputs float32 natively, else upcast."""
+    return x if _native_out_dtype(x, cdt) else _up(x, cdt)
+
+
 def _logits_block(h_i: torch.Tensor, w_j: torch.Tensor, cdt: torch.dtype) -> torch.Tensor:
     """``h_i W_j^T`` as a contiguous ``cdt`` (float32/float64) block, from operands of any float dtype."""
-    if h_i.dtype != cdt and h_i.device.type == "cuda" and _OUT_DTYPE_MM.get("cuda", True):
-        try:  # a float32-output matmul of the 16-bit operands (tensor cores, float32 accumulation)
+    if h_i.dtype == w_j.dtype and _native_out_dtype(h_i, cdt):
+        try:  # a float32-output matmul of the 16-bit operands (float32 accumulation)
             return torch.mm(h_i, w_j.t(), out_dtype=cdt)
         except (TypeError, RuntimeError, NotImplementedError):
             _OUT_DTYPE_MM["cuda"] = False
@@ -148,7 +159,7 @@ def _stats(h2, weight, local, owns, keep, tau, tiles, impl):
     cdt = tau.dtype
     parts = []
     for i0, i1 in _ranges(n, tc):
-        h_i = h2[i0:i1]
+        h_i = _fwd_operand(h2[i0:i1], cdt)  # upcast once per token chunk, not once per tile
         blocks = []
         for j0, j1 in _ranges(v, vc):
             z = _logits_block(h_i, weight[j0:j1], cdt)
@@ -172,7 +183,9 @@ def _grads(h2, weight, local, owns, keep, stats, valid, gl, ge, tau, tiles, need
     direct_dw = weight.dtype == cdt  # accumulate straight into the returned gradient
     dw_out = dw_full = None
     if need_dw:
-        if direct_dw:
+        if direct_dw and vocab_major:
+            dw_out = torch.empty((v, hsz), dtype=cdt, device=dev)  # each block written by its first product
+        elif direct_dw:
             dw_out = dw_full = torch.zeros((v, hsz), dtype=cdt, device=dev)
         elif vocab_major:
             dw_out = torch.empty((v, hsz), dtype=weight.dtype, device=dev)
@@ -185,11 +198,13 @@ def _grads(h2, weight, local, owns, keep, stats, valid, gl, ge, tau, tiles, need
     # token-major (that is then one tile wide, so it is tile-sized).
     inner_up = None
     for a0, a1 in outer:
+        # vocabulary-major: this block's dW, complete after the inner loop; float32
+        # (the returned gradient itself for float32 input), rounded once below.
         block_acc = None
-        if need_dw and vocab_major and not direct_dw:
-            block_acc = torch.zeros((a1 - a0, hsz), dtype=cdt, device=dev)
+        if need_dw and vocab_major:
+            block_acc = dw_out[a0:a1] if direct_dw else torch.empty((a1 - a0, hsz), dtype=cdt, device=dev)
         outer_up = _up(weight[a0:a1] if vocab_major else h2[a0:a1], cdt)
-        for b0, b1 in inner:
+        for k, (b0, b1) in enumerate(inner):
             (i0, i1), (j0, j1) = ((b0, b1), (a0, a1)) if vocab_major else ((a0, a1), (b0, b1))
             if len(inner) == 1:
                 if inner_up is None:
@@ -208,13 +223,17 @@ def _grads(h2, weight, local, owns, keep, stats, valid, gl, ge, tau, tiles, need
             )  # z holds G now (float32)
             if need_dh:
                 dh[i0:i1].addmm_(z, w_j)
-            if need_dw:
-                target = block_acc[j0 - a0 : j1 - a0] if block_acc is not None else dw_full[j0:j1]
-                target.addmm_(z.t(), h_i)
+            if need_dw and block_acc is not None:
+                if k == 0:
+                    torch.mm(z.t(), h_i, out=block_acc)
+                else:
+                    block_acc.addmm_(z.t(), h_i)
+            elif need_dw:
+                dw_full[j0:j1].addmm_(z.t(), h_i)
             del z, this_up
-        if block_acc is not None:
+        if block_acc is not None and not direct_dw:
             dw_out[a0:a1].copy_(block_acc)  # the one rounding of this block of dW
-            del block_acc
+        del block_acc
         del outer_up
     if need_dw and dw_out is None:
         dw_out = dw_full.to(weight.dtype)
