@@ -118,7 +118,12 @@ def _finite_or_zero(xp, m):
     # would give (-inf) - (-inf) = NaN. Shift by 0 instead: exp(-inf) = 0, so the
     # block contributes nothing. NaN and +inf stay as they are, so they poison
     # their own row, as documented.
-    return xp.where(m == -xp.inf, xp.zeros_like(m), m)
+    return xp.where(m == -xp.inf, 0.0, m)
+
+
+# Python scalars (weakly typed: they take the array's dtype) rather than
+# zeros_like / ones_like / full_like in ``where``: an eager backend then
+# allocates and fills no constant [..., n] array, and a compiler sees the same.
 
 
 def _tau(xp, temperature, dtype):
@@ -143,18 +148,35 @@ def _cast(xp, z, dtype):
     return z if dtype is None or z.dtype == dtype else xp.astype(z, dtype)
 
 
+def _in_block(xp, z, local, owns, start):
+    # [...]: the target's column within this block, and whether the block holds it.
+    col = local - start
+    inside = owns & (col >= 0) & (col < z.shape[-1])
+    return xp.where(inside, col, xp.zeros_like(col)), inside
+
+
 def _target_columns(xp, z, local, owns, start):
-    # [..., n] bool: the column of this block that holds this row's target.
+    # [..., n] bool: the column of this block that holds this row's target
+    # (one compare against -1 for rows whose target lies elsewhere).
     # ``getattr(..., "device")`` is None for traced JAX arrays (device-free).
+    col, inside = _in_block(xp, z, local, owns, start)
     dev = getattr(z, "device", None)
     kw = {} if dev is None else {"device": dev}
-    cols = xp.arange(start, start + z.shape[-1], dtype=local.dtype, **kw)
-    return (cols == local[..., None]) & owns[..., None]
+    cols = xp.arange(0, z.shape[-1], dtype=local.dtype, **kw)
+    return cols == xp.where(inside, col, xp.full_like(col, -1))[..., None]
+
+
+def _target_logit(xp, z, local, owns, start):
+    # [...]: z at the target's column if this block holds it, else 0; an O(T)
+    # gather, not a compare-and-sum over the block.
+    col, inside = _in_block(xp, z, local, owns, start)
+    zy = xp.take_along_axis(z, col[..., None], axis=-1)[..., 0]
+    return xp.where(inside, zy, 0.0)
 
 
 def _kept_logits(xp, z, keep, is_y):
     # z on the kept columns (the target is always kept), -inf elsewhere.
-    return xp.where(keep | is_y, z, xp.full_like(z, -xp.inf))
+    return xp.where(keep | is_y, z, -xp.inf)
 
 
 # --- the op ------------------------------------------------------------------------
@@ -229,13 +251,12 @@ def block_stats(
     d = (z - _finite_or_zero(xp, m)[..., None]) / tau
     e = xp.exp(d)
     s = _sum(xp, e, acc_dtype, z.dtype)
-    t = _sum(xp, xp.where(e > 0, e * d, xp.zeros_like(d)), acc_dtype, z.dtype)
-    is_y = _target_columns(xp, z, local, owns, start)
-    zy = xp.sum(xp.where(is_y, z, xp.zeros_like(z)), axis=-1)
+    t = _sum(xp, xp.where(e > 0, e * d, 0.0), acc_dtype, z.dtype)
+    zy = _target_logit(xp, z, local, owns, start)
     if keep is None:
         mk, sk = m, s
     else:
-        zk = _kept_logits(xp, z, keep, is_y)
+        zk = _kept_logits(xp, z, keep, _target_columns(xp, z, local, owns, start))
         mk = xp.max(zk, axis=-1)
         sk = _sum(xp, xp.exp((zk - _finite_or_zero(xp, mk)[..., None]) / tau), acc_dtype, z.dtype)
     return xp.stack([m, s, t, mk, sk, zy], axis=-1)
@@ -346,7 +367,6 @@ def block_grad(
     """
     z = _cast(xp, z, dtype)
     tau = _tau(xp, temperature, z.dtype)
-    zero = xp.zeros_like(z)
     d = (z - _finite_or_zero(xp, comb.M)[..., None]) / tau
     p = xp.exp(d - comb.log_s[..., None])
     is_y = _target_columns(xp, z, local, owns, start)
@@ -358,11 +378,11 @@ def block_grad(
     gl = xp.where(valid, g_logprob, xp.zeros_like(g_logprob))[..., None]
     # Rows that are not valid get no log-prob term at all (not 0 * q, which is
     # NaN when their kept set is empty).
-    g = xp.where(valid[..., None], gl * (xp.where(is_y, xp.ones_like(z), zero) - q), zero)
+    g = xp.where(valid[..., None], gl * (xp.astype(is_y, z.dtype) - q), 0.0)
     if g_entropy is not None:
         # p == 0 (banned column) contributes 0, not 0 * inf; a NaN p (a row
         # holding NaN) propagates, as the policy says.
-        dh = xp.where(p == 0, zero, p * (comb.c[..., None] - d))
+        dh = xp.where(p == 0, 0.0, p * (comb.c[..., None] - d))
         g = g + g_entropy[..., None] * dh
     return g / tau
 

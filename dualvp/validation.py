@@ -61,6 +61,7 @@ ARGUMENTS = (
     "validate",
     "inplace_grad",
     "chunk_size",
+    "label_smoothing",
     "hidden",
     "weight",
     "reduce_hidden_grad",
@@ -110,6 +111,10 @@ class Options:
       entropy_grad: the entropy is differentiable (when returned).
       has_mask: a keep mask was given.
       inplace_grad: the gradient may overwrite the logits (torch only).
+      label_smoothing: the smoothing of the Megatron drop-in
+        (``dualvp_torch.compat.vocab_parallel_cross_entropy``), 0 for the op
+        itself; in the agreement record because a rank with ``0`` skips the
+        drop-in's extra all-reduce that the others enter.
       reduce_hidden_grad: fused op only: ``dh`` is reduced over the group.
       sequence_parallel: fused op only: hidden holds this rank's ``T/W`` rows.
     """
@@ -120,6 +125,7 @@ class Options:
     entropy_grad: bool = True
     has_mask: bool = False
     inplace_grad: bool = False
+    label_smoothing: float = 0.0
     reduce_hidden_grad: bool = True
     sequence_parallel: bool = False
 
@@ -311,12 +317,13 @@ RECORD_FIELDS = (
     "entropy_grad",
     "temperature",
     "ignore_index",
+    "label_smoothing",
     "bad_targets",
 )
 
 #: Fields of the fused op's record (``agreement_record(..., fused=True)``): the
 #: fields of :data:`RECORD_FIELDS` (``T`` counts the target's rows, the dtype
-#: is hidden's), then what decides the backward's collectives and the scale
+#: is hidden's, ``label_smoothing`` is 0), then what decides the backward's collectives and the scale
 #: of ``dh``, then ``bad_targets`` last.
 LINEAR_RECORD_FIELDS = (
     "error",
@@ -328,6 +335,7 @@ LINEAR_RECORD_FIELDS = (
     "entropy_grad",
     "temperature",
     "ignore_index",
+    "label_smoothing",
     "H",
     "hidden rows",
     "reduce_hidden_grad",
@@ -387,8 +395,9 @@ def agreement_record(
         return [_error_code(error)] + [-1] * (len(fields) - 1)
     try:
         tau_bits = _float_bits(options.temperature)
+        smoothing_bits = _float_bits(options.label_smoothing)
     except (TypeError, ValueError, struct.error):
-        tau_bits = -1
+        tau_bits = smoothing_bits = -1
     record = [
         0,
         int(n_rows),
@@ -399,6 +408,7 @@ def agreement_record(
         int(options.entropy_grad),
         tau_bits,
         int(options.ignore_index),
+        smoothing_bits,
     ]
     if fused:
         record += [
@@ -413,7 +423,7 @@ def agreement_record(
 
 
 def _render(field: str, value: int) -> str:
-    if field == "temperature":
+    if field in ("temperature", "label_smoothing"):
         return repr(struct.unpack("<d", struct.pack("<q", value))[0])
     if field in ("logits dtype", "hidden dtype"):
         return FLOAT_DTYPES[value] if 0 <= value < len(FLOAT_DTYPES) else "?"

@@ -33,6 +33,7 @@ a meaningless number.
 from __future__ import annotations
 
 import contextlib
+import math
 import numbers
 import sys
 
@@ -44,7 +45,8 @@ from torch.autograd.function import once_differentiable
 from dualvp import spec
 
 from . import collectives, kernels
-from .function import _kind, logprob_entropy
+from . import dtensor as _dtensor
+from .function import _kind, _logprob_entropy, logprob_entropy
 
 __all__ = ["calculate_log_probs_and_entropy", "vocab_parallel_cross_entropy"]
 
@@ -217,21 +219,34 @@ def vocab_parallel_cross_entropy(
       TypeError / ValueError naming the argument (``tp_group``,
       ``label_smoothing``, ``logits``, ``target``, ...), on every rank.
     """
-    smoothing = _check_label_smoothing(label_smoothing)
     group = _resolve_megatron_group(tp_group)
+    try:
+        smoothing, error = _check_label_smoothing(label_smoothing), None
+    except (TypeError, ValueError) as exc:  # raised through the agreement step: on every rank, no hang
+        smoothing, error = 0.0, exc
     with _argument_names(logits="vocab_parallel_logits"):
+        if _dtensor.involves_dtensor(vocab_parallel_logits, target, None):
+            if error is not None or smoothing:
+                raise error or ValueError(
+                    "label_smoothing: not supported for DTensor logits yet (got "
+                    f"{smoothing!r}); pass the local shard and tp_group, or label_smoothing=0.0"
+                )
+            log_prob, _ = logprob_entropy(vocab_parallel_logits, target, with_entropy=False, ignore_index=_IGNORE_INDEX)
+            return -log_prob
         if smoothing == 0.0 or not isinstance(vocab_parallel_logits, torch.Tensor):
             # (anything but a tensor raises here, on every rank)
-            log_prob, _ = logprob_entropy(
-                vocab_parallel_logits, target, group=group, with_entropy=False, ignore_index=_IGNORE_INDEX
+            log_prob, _ = _logprob_entropy(
+                vocab_parallel_logits, target, caller_error=error, **_megatron_options(group, 0.0)
             )
             return -log_prob
         needs_grad = torch.is_grad_enabled() and vocab_parallel_logits.requires_grad
         return _SmoothedCrossEntropy.apply(vocab_parallel_logits, target, group, smoothing, needs_grad)
 
 
-#: Elements per row chunk of :func:`_row_sums` on CPU (a float32 chunk is 4 MiB).
+#: Elements per row chunk of :func:`_row_sums` on CPU (a float32 chunk is 4 MiB) ...
 _SUM_CHUNK_ELEMENTS = 1 << 20
+#: ... and at most this fraction of the rows, so that the float32 copy of a chunk stays small next to B.
+_SUM_CHUNK_FRACTION = 1 / 32
 
 
 def _row_sums(z: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -243,11 +258,20 @@ def _row_sums(z: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """
     if z.dtype == dtype or z.device.type != "cpu":
         return z.sum(dim=-1, dtype=dtype)
-    step = max(1, _SUM_CHUNK_ELEMENTS // max(1, z.shape[-1]))
+    step = max(1, min(_SUM_CHUNK_ELEMENTS // max(1, z.shape[-1]), math.ceil(z.shape[0] * _SUM_CHUNK_FRACTION)))
     out = torch.empty(z.shape[0], dtype=dtype, device=z.device)
     for i in range(0, z.shape[0], step):
         torch.sum(z[i : i + step], dim=-1, dtype=dtype, out=out[i : i + step])
     return out
+
+
+def _megatron_options(group, smoothing: float) -> dict:
+    # label_smoothing enters the agreement record: ranks that disagree on it
+    # (only the smoothed ones enter the extra all-reduce) raise, never hang.
+    return dict(
+        group=group, keep_mask=None, temperature=1.0, with_entropy=False, entropy_grad=True,
+        ignore_index=_IGNORE_INDEX, validate=True, inplace_grad=False, impl=None, label_smoothing=smoothing,
+    )
 
 
 class _SmoothedCrossEntropy(torch.autograd.Function):
@@ -265,7 +289,7 @@ class _SmoothedCrossEntropy(torch.autograd.Function):
     def forward(ctx, logits, target, group, smoothing, needs_grad):
         alias = logits.detach().requires_grad_(needs_grad)
         with torch.set_grad_enabled(needs_grad):
-            log_prob, _ = logprob_entropy(alias, target, group=group, with_entropy=False, ignore_index=_IGNORE_INDEX)
+            log_prob, _ = _logprob_entropy(alias, target, **_megatron_options(group, smoothing))
         # validated (and agreed across ranks) from here on
         rank, world = collectives.group_rank_world(group)
         v_local = logits.shape[-1]
@@ -303,7 +327,13 @@ class _SmoothedCrossEntropy(torch.autograd.Function):
         g = grad_loss.reshape(-1).to(kernels.compute_dtype(grad.dtype))
         g = torch.where(valid, g, torch.zeros_like(g))
         g2 = grad.view(-1, grad.shape[-1])
-        # + s * g * [v = y] on the shard that owns y, then - s * g / V everywhere (in place: no 2nd buffer)
-        g2.scatter_add_(1, local[:, None], (ctx.s * torch.where(owns, g, torch.zeros_like(g)))[:, None].to(g2.dtype))
+        # + s * g * [v = y] on the shard that owns y, then - s * g / V everywhere (in place: no 2nd buffer).
+        # gather + index_copy_ into the flat view rather than scatter_add_ / scatter_: on CPU both work
+        # on a float32 copy of the whole 16-bit gradient (2 B for bfloat16). One element per row, summed
+        # in the compute dtype and rounded once.
+        bump = ctx.s * torch.where(owns, g, torch.zeros_like(g))
+        flat = torch.arange(g2.shape[0], device=g2.device) * g2.shape[1] + local
+        new = (g2.view(-1).gather(0, flat).to(bump.dtype) + bump).to(g2.dtype)
+        g2.view(-1).index_copy_(0, flat, new)
         g2.sub_(((ctx.s / ctx.vocab) * g).to(g2.dtype)[:, None])  # same dtype: no full-size temporary
         return grad, None, None, None, None

@@ -21,6 +21,9 @@ is written into the saved logits' storage instead, chunk by chunk.
 
 from __future__ import annotations
 
+import dataclasses
+from typing import Optional
+
 import array_api_compat.torch as xp
 import torch
 from torch.autograd.function import once_differentiable
@@ -220,6 +223,24 @@ def logprob_entropy(
             logits, target, group=group, keep_mask=keep_mask, temperature=temperature, with_entropy=with_entropy,
             entropy_grad=entropy_grad, ignore_index=ignore_index, validate=validate, inplace_grad=inplace_grad, impl=impl,
         )
+    return _logprob_entropy(
+        logits, target, group=group, keep_mask=keep_mask, temperature=temperature, with_entropy=with_entropy,
+        entropy_grad=entropy_grad, ignore_index=ignore_index, validate=validate, inplace_grad=inplace_grad, impl=impl,
+    )
+
+
+def _logprob_entropy(
+    logits, target, *, group, keep_mask, temperature, with_entropy, entropy_grad, ignore_index, validate,
+    inplace_grad, impl, label_smoothing: float = 0.0, caller_error: Optional[BaseException] = None,
+):
+    """:func:`logprob_entropy` on plain tensors, for the drop-ins of :mod:`dualvp_torch.compat` too.
+
+    ``label_smoothing`` (already checked) enters the options and so the
+    cross-rank agreement record; ``caller_error`` is a drop-in's own argument
+    error (``TypeError``/``ValueError`` naming the argument), which then goes
+    through the agreement step like a local check's error: every rank raises,
+    none waits in a collective.
+    """
     if group is not None and not collectives.is_process_group(group):
         raise TypeError(f"group: expected a torch.distributed.ProcessGroup or None, got {_kind(group)}")
     if not isinstance(validate, bool):
@@ -227,14 +248,17 @@ def logprob_entropy(
     kernels.select(impl)  # raises ValueError naming impl (the same on every rank)
     rank, world = collectives.group_rank_world(group)
 
-    error = None
+    error = caller_error
     opt = None
-    try:
-        opt = _local_checks(
-            logits, target, keep_mask, temperature, ignore_index, with_entropy, entropy_grad, inplace_grad
-        )
-    except (TypeError, ValueError) as exc:
-        error = exc
+    if error is None:
+        try:
+            opt = _local_checks(
+                logits, target, keep_mask, temperature, ignore_index, with_entropy, entropy_grad, inplace_grad
+            )
+            if label_smoothing:
+                opt = dataclasses.replace(opt, label_smoothing=float(label_smoothing))
+        except (TypeError, ValueError) as exc:
+            error = exc
 
     if validate and group is not None:
         if error is None:

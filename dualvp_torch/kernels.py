@@ -10,7 +10,8 @@ run over the array namespace ``array_api_compat.torch``:
   the logits' own storage.
 
 The compute dtype is float64 for float64 input and float32 otherwise; the row
-sums accumulate in float64 on CPU (see :func:`accumulation_dtype`).
+sums of the compiled CPU kernels accumulate in float64 (see
+:func:`accumulation_dtype`).
 
 Implementations (the registry :data:`IMPLEMENTATIONS`)
 ------------------------------------------------------
@@ -26,19 +27,21 @@ Implementations (the registry :data:`IMPLEMENTATIONS`)
 ``"eager"``
     The same spec stages run op by op over row chunks, for environments
     without a compiler. A chunk holds :func:`chunk_rows` rows, sized from a
-    memory budget: the spec's temporaries for one chunk (at most
-    :data:`SCRATCH_BYTES` bytes per chunk element, measured) stay within a
-    fraction of the shard's bytes ``B``: :data:`STATS_FRACTION` in the
-    forward (nothing else is alive then), :data:`GRAD_FRACTION` next to a
-    fresh gradient buffer (peak ``<= 1.1 B``), :data:`INPLACE_FRACTION` for
-    the in-place gradient (``<= 0.05 B``); and a
-    chunk has at least :data:`MIN_CHUNK_ELEMENTS` elements, so that tiny
-    shards do not run one row at a time. The in-place gradient writes each
-    chunk's gradient over that chunk after reading it. The spec's
-    out-of-place temporaries (about ten per element) are why this path runs
-    tens of row chunks at realistic sizes: the number of ops per call is
-    ``~25 * T / chunk_rows``, the price of bounded memory without a
-    compiler.
+    memory budget: the temporaries of the chunks in flight (at most
+    :data:`STATS_SCRATCH_BYTES` / :data:`GRAD_SCRATCH_BYTES` bytes per chunk
+    element, measured) stay within a fraction of the shard's bytes ``B``:
+    :data:`STATS_FRACTION` in the forward (nothing else is alive then),
+    :data:`GRAD_FRACTION` next to a fresh gradient buffer (peak ``<= 1.1
+    B``), :data:`INPLACE_FRACTION` for the in-place gradient (``<= 0.05 B``);
+    and a chunk has at least :data:`MIN_CHUNK_ELEMENTS` elements, so that
+    tiny shards do not run one row at a time. Row sums accumulate in float32
+    (eager torch sums are cascaded). On CPU the chunks run in parallel on up
+    to ``torch.get_num_threads()`` worker threads (at most
+    :data:`MAX_EAGER_WORKERS`), each running its ops single-threaded: the
+    spec's out-of-place ops are small at chunk size, and splitting each of
+    them over an intra-op team costs a barrier per op, which under CPU
+    contention waits for a descheduled thread (5-20x slower, measured). The
+    caller's thread settings are unchanged.
 
 Selection (:func:`select`): the ``impl`` argument when given; otherwise the
 environment variable ``DUALVP_COMPILE``, read at each call (``0`` / ``false``
@@ -56,6 +59,7 @@ import os
 import threading
 import types
 import warnings
+from concurrent.futures import ThreadPoolExecutor
 from typing import Callable, Optional
 
 import array_api_compat.torch as xp
@@ -66,7 +70,9 @@ from dualvp import spec
 __all__ = [
     "IMPLEMENTATIONS",
     "COMPILE_ERRORS",
-    "SCRATCH_BYTES",
+    "STATS_SCRATCH_BYTES",
+    "GRAD_SCRATCH_BYTES",
+    "MAX_EAGER_WORKERS",
     "STATS_FRACTION",
     "GRAD_FRACTION",
     "INPLACE_FRACTION",
@@ -84,12 +90,15 @@ __all__ = [
 IMPLEMENTATIONS = ("compiled", "eager")
 
 #: Upper bound of the spec's live temporaries per chunk element on the eager
-#: path, in bytes (float32 compute: about ten float32 arrays and a float64
-#: copy for the float64 row sums at the peak of the gradient with mask and
-#: entropy; measured with the profiler allocation trace: 21-41 B per element,
-#: float32 and bfloat16 input; tests/torch/test_memory_compat.py holds the
-#: resulting peaks).
-SCRATCH_BYTES = 48
+#: path, in bytes, for the statistics (measured with the profiler's allocation
+#: trace at the peak: 17-24 B, float32 and bfloat16 input, with and without a
+#: mask) ...
+STATS_SCRATCH_BYTES = 24
+#: ... and for the gradient (25-37 B, its output chunk included).
+#: tests/torch/test_memory_compat.py holds the resulting peaks.
+GRAD_SCRATCH_BYTES = 40
+#: Most worker threads of the eager path on CPU.
+MAX_EAGER_WORKERS = 8
 #: The eager chunk's scratch in the forward, as a fraction of the shard's bytes.
 STATS_FRACTION = 0.5
 #: ... in the in-place gradient.
@@ -118,16 +127,19 @@ def compute_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
-def accumulation_dtype(z: torch.Tensor) -> Optional[torch.dtype]:
-    """float64 row sums on CPU, the compute dtype (``None``) elsewhere.
+def accumulation_dtype(z: torch.Tensor, impl: str = "compiled") -> Optional[torch.dtype]:
+    """float64 row sums for compiled CPU kernels, the compute dtype (``None``) otherwise.
 
     The CPU code that inductor generates sums a row sequentially in a few
     vector lanes, so a float32 sum over ~1e5 columns drifts by ~sqrt(V) eps
     (measured: entropy error 7e-6 at V = 32000, against 3e-7 for eager
     torch's cascade summation); float64 accumulation costs one conversion per
-    element. GPU reductions are tree-shaped and stay in float32.
+    element inside the fused loop. Eager torch sums are cascaded (as precise
+    as the float64 path here), and there a float64 sum would cost a float64
+    copy of the chunk and two more passes; GPU reductions are tree-shaped.
+    Both stay in float32.
     """
-    return torch.float64 if z.device.type == "cpu" else None
+    return torch.float64 if impl == "compiled" and z.device.type == "cpu" else None
 
 
 def compile_enabled() -> bool:
@@ -153,23 +165,27 @@ def select(impl: Optional[str] = None) -> str:
     return impl
 
 
-def chunk_rows(n_rows: int, v_local: int, itemsize: int = 4, fraction: float = STATS_FRACTION) -> int:
+def chunk_rows(
+    n_rows: int, v_local: int, itemsize: int = 4, fraction: float = STATS_FRACTION,
+    scratch_bytes: int = STATS_SCRATCH_BYTES, workers: int = 1,
+) -> int:
     """Rows per chunk of the eager path (at least 1, at most ``n_rows``).
 
-    ``SCRATCH_BYTES * rows * v_local <= fraction * n_rows * v_local *
-    itemsize`` (the chunk's temporaries are that fraction of the shard's
-    bytes), but at least ``MIN_CHUNK_ELEMENTS`` elements per chunk.
+    ``workers * scratch_bytes * rows * v_local <= fraction * n_rows * v_local
+    * itemsize`` (the temporaries of the chunks in flight are that fraction
+    of the shard's bytes), but at least ``MIN_CHUNK_ELEMENTS`` elements per
+    chunk.
     """
     v = max(1, v_local)
-    budget = int(fraction * n_rows * itemsize / SCRATCH_BYTES)
+    budget = int(fraction * n_rows * itemsize / (scratch_bytes * max(1, workers)))
     return max(1, min(n_rows, max(budget, MIN_CHUNK_ELEMENTS // v)))
 
 
 # --- the stages: spec functions over torch -------------------------------------------
 
 
-def _stats_stage(z, local, owns, keep: Optional[torch.Tensor], tau):
-    return spec.block_stats(xp, z, local, owns, keep, tau, dtype=tau.dtype, acc_dtype=accumulation_dtype(z))
+def _stats_stage(z, local, owns, keep: Optional[torch.Tensor], tau, acc_dtype: Optional[torch.dtype] = None):
+    return spec.block_stats(xp, z, local, owns, keep, tau, dtype=tau.dtype, acc_dtype=acc_dtype)
 
 
 def _grad_stage(z, local, owns, keep: Optional[torch.Tensor], M, log_s, c, mk, log_sk, valid, gl, ge, tau):
@@ -236,10 +252,63 @@ def _run_compiled(fn: Callable, args: tuple, has_entropy: bool):
 # --- "eager" -------------------------------------------------------------------------
 
 
-def _chunks(z: torch.Tensor, fraction: float):
+# The eager path runs its row chunks on CPU in parallel, one chunk per worker
+# thread, each worker's ops single-threaded, instead of one chunk at a time
+# with every op split over torch's intra-op threads. The spec's ops are
+# small at chunk size (a few MB), and an intra-op team pays a barrier per
+# op: when another process occupies a core, each barrier waits for a
+# descheduled thread (measured at T=2048, V_local=32000 with the machine
+# oversubscribed: 17-31 s per call, against 3.4 s chunk-parallel and 3.4 s
+# for plain eager torch on the same run). Independent chunks need no barrier.
+
+_pool: dict = {}
+
+
+def _set_threads(n: int, barrier: Optional[threading.Barrier] = None) -> None:
+    torch.set_num_threads(n)
+    if barrier is not None:
+        barrier.wait()
+
+
+def _workers(z: torch.Tensor, n_chunks_max: int) -> int:
+    if z.device.type != "cpu":
+        return 1  # kernel launches are asynchronous; one host thread suffices
+    return max(1, min(torch.get_num_threads(), MAX_EAGER_WORKERS, n_chunks_max))
+
+
+def _executor(workers: int) -> ThreadPoolExecutor:
+    # Workers with one intra-op thread each. torch.set_num_threads in a
+    # thread sets that thread's OpenMP team size, and also the default that
+    # threads started later initialise from: a throwaway thread restores that
+    # default (and MKL's global count) to the caller's value, so that nothing
+    # outside these workers changes.
+    with _lock:
+        ex = _pool.get(workers)
+        if ex is None:
+            ex = ThreadPoolExecutor(workers, thread_name_prefix="dualvp-eager")
+            barrier = threading.Barrier(workers)
+            for f in [ex.submit(_set_threads, 1, barrier) for _ in range(workers)]:
+                f.result()
+            restore = threading.Thread(target=_set_threads, args=(torch.get_num_threads(),))
+            restore.start()
+            restore.join()
+            _pool[workers] = ex
+        return ex
+
+
+def _map_chunks(fn: Callable, z: torch.Tensor, fraction: float, scratch_bytes: int) -> list:
     n, v = z.shape
-    step = chunk_rows(n, v, z.element_size(), fraction)
-    return [(i, min(n, i + step)) for i in range(0, n, step)]
+    workers = _workers(z, n)
+    step = chunk_rows(n, v, z.element_size(), fraction, scratch_bytes, workers)
+    chunks = [(i, min(n, i + step)) for i in range(0, n, step)]
+    if workers == 1 or len(chunks) == 1:
+        return [fn(i, j) for i, j in chunks]
+
+    def run(c):
+        with torch.no_grad():  # grad mode is thread-local: a worker starts with it on
+            return fn(*c)
+
+    return list(_executor(min(workers, len(chunks))).map(run, chunks))
 
 
 def _rows(x, i, j):
@@ -247,16 +316,23 @@ def _rows(x, i, j):
 
 
 def _stats_eager(z, local, owns, keep, tau) -> torch.Tensor:
-    parts = [_stats_stage(z[i:j], local[i:j], owns[i:j], _rows(keep, i, j), tau) for i, j in _chunks(z, STATS_FRACTION)]
+    acc = accumulation_dtype(z, "eager")
+    parts = _map_chunks(
+        lambda i, j: _stats_stage(z[i:j], local[i:j], owns[i:j], _rows(keep, i, j), tau, acc),
+        z, STATS_FRACTION, STATS_SCRATCH_BYTES,
+    )
     return parts[0] if len(parts) == 1 else torch.cat(parts)
 
 
 def _grad_eager(z, out, local, owns, keep, *row_args) -> None:
     *per_row, tau = row_args
     fraction = INPLACE_FRACTION if out.data_ptr() == z.data_ptr() else GRAD_FRACTION
-    for i, j in _chunks(z, fraction):
+
+    def chunk(i, j):
         rows = [_rows(x, i, j) for x in per_row]
         out[i:j] = _grad_stage(z[i:j], local[i:j], owns[i:j], _rows(keep, i, j), *rows, tau)
+
+    _map_chunks(chunk, z, fraction, GRAD_SCRATCH_BYTES)
 
 
 # --- entry points ----------------------------------------------------------------------
@@ -271,7 +347,7 @@ def shard_stats(z, local, owns, keep, tau, *, impl: Optional[str] = None) -> tor
     if n == 0:
         return torch.zeros((0, spec.N_STATS), dtype=tau.dtype, device=z.device)
     if select(impl) == "compiled":
-        out, ok = _run_compiled(_stats_stage, (z, local, owns, keep, tau), False)
+        out, ok = _run_compiled(_stats_stage, (z, local, owns, keep, tau, accumulation_dtype(z)), False)
         if ok:
             return out
     return _stats_eager(z, local, owns, keep, tau)
@@ -311,18 +387,21 @@ def shard_grad(
 # written over the block itself (the block is the op's own scratch, so the
 # gradient ``G`` takes its storage: no second block-sized buffer). The block is
 # already sized to the op's memory budget, so the eager path runs each stage on
-# the whole block (no row chunks here: the op counts SCRATCH_BYTES per element
-# into its tile size instead). ``start`` is a Python int; with
+# the whole block (no row chunks here: the op counts BLOCK_SCRATCH_BYTES per
+# element into its tile size instead). ``start`` is a Python int; with
 # ``dynamic=True`` it is traced as a symbolic int, so new block offsets do not
 # recompile.
 
-__all__ += ["block_stats", "block_grad_"]
+__all__ += ["BLOCK_SCRATCH_BYTES", "block_stats", "block_grad_"]
+
+#: The eager path's temporaries per block element, in bytes, for either stage
+#: (the larger of the measured :data:`STATS_SCRATCH_BYTES` and
+#: :data:`GRAD_SCRATCH_BYTES`; the in-place gradient writes no separate output).
+BLOCK_SCRATCH_BYTES = max(STATS_SCRATCH_BYTES, GRAD_SCRATCH_BYTES)
 
 
-def _block_stats_stage(z, local, owns, keep: Optional[torch.Tensor], tau, start):
-    return spec.block_stats(
-        xp, z, local, owns, keep, tau, start=start, dtype=tau.dtype, acc_dtype=accumulation_dtype(z)
-    )
+def _block_stats_stage(z, local, owns, keep: Optional[torch.Tensor], tau, start, acc_dtype=None):
+    return spec.block_stats(xp, z, local, owns, keep, tau, start=start, dtype=tau.dtype, acc_dtype=acc_dtype)
 
 
 def _block_grad_inplace_stage(
@@ -344,10 +423,10 @@ def block_stats(z, local, owns, keep, tau, *, start: int = 0, impl: Optional[str
         return torch.zeros((0, spec.N_STATS), dtype=tau.dtype, device=z.device)
     args = (z, local, owns, keep, tau, int(start))
     if select(impl) == "compiled":
-        out, ok = _run_compiled(_block_stats_stage, args, False)
+        out, ok = _run_compiled(_block_stats_stage, args + (accumulation_dtype(z, "compiled"),), False)
         if ok:
             return out
-    return _block_stats_stage(*args)
+    return _block_stats_stage(*args, accumulation_dtype(z, "eager"))
 
 
 def block_grad_(

@@ -31,7 +31,7 @@ Tiles and memory
 ----------------
 ``B`` = ``T * V_local * itemsize`` (the logits shard the unfused path would
 hold in the caller's dtype). One tile is a float32 block ``[tc, vc]``; its
-bytes (4 per element, plus :data:`dualvp_torch.kernels.SCRATCH_BYTES` per
+bytes (4 per element, plus :data:`dualvp_torch.kernels.BLOCK_SCRATCH_BYTES` per
 element on the eager path, whose spec temporaries are tile-sized) stay within
 ``memory_budget``, default ``max(B / 16, 1 MiB)``. The loop order keeps the
 float32 accumulator that must span the whole loop small:
@@ -263,7 +263,7 @@ class LinearLogProbEntropyFunction(torch.autograd.Function):
         valid, owns, local = spec.target_to_local(xp, target.reshape(-1).to(torch.int64), rank, v, opt.ignore_index)
         keep = None if keep_mask is None else keep_mask.reshape(-1, v)
         tau = torch.full((), opt.temperature, dtype=cdt, device=hidden.device)
-        elem = 4 + (kernels.SCRATCH_BYTES if kernels.select(impl) == "eager" else 0)
+        elem = 4 + (kernels.BLOCK_SCRATCH_BYTES if kernels.select(impl) == "eager" else 0)
         tiles = tile_shape(n, v, budget, elem)
         if n:
             stats = _stats(h2, weight, local, owns, keep, tau, tiles, impl)

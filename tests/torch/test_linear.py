@@ -101,7 +101,7 @@ def _budget(elements, impl):
     """memory_budget (bytes) for tiles of ``elements`` elements on ``impl``."""
     if elements is None:
         return None
-    return elements * (4 + (kernels.SCRATCH_BYTES if impl == "eager" else 0))
+    return elements * (4 + (kernels.BLOCK_SCRATCH_BYTES if impl == "eager" else 0))
 
 
 SHAPES = {
@@ -188,7 +188,7 @@ def test_frozen_input_skips_its_matmul(frozen):
     products = lambda fn: _count("aten::mm", fn) + _count("aten::addmm_", fn)  # noqa: E731
     both = products(lambda: _run(p, impl="eager", memory_budget=budget))
     one = products(lambda: _run(p, **kw))
-    r, c = tile_shape(16, 100, budget, 4 + kernels.SCRATCH_BYTES)
+    r, c = tile_shape(16, 100, budget, 4 + kernels.BLOCK_SCRATCH_BYTES)
     n_tiles = -(-16 // r) * -(-100 // c)
     assert n_tiles >= 4
     # per tile: the forward block, its recomputation, and one product per trainable input

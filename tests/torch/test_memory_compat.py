@@ -106,3 +106,25 @@ def test_inplace_grad_memory(dtype, mode, impl):
     B, _, sizes = _measure(dtype, mode, inplace=True, impl=impl)
     assert _peak(sizes) <= 0.05 * B, _peak(sizes) / B
 
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_label_smoothing_memory(dtype):
+    # Megatron's drop-in with label smoothing: its extra O(T) statistic and
+    # in-place gradient term add no [T, V_local] buffer (on CPU, a 16-bit
+    # row sum or scatter_add_ would copy the whole shard to float32).
+    from dualvp_torch import compat
+
+    g = torch.Generator().manual_seed(0)
+    leaf = torch.randn(T, V, generator=g).to(dtype).requires_grad_(True)
+    y = torch.randint(0, V, (T,), generator=g)
+    B = leaf.numel() * leaf.element_size()
+
+    def step():
+        leaf.grad = None
+        compat.vocab_parallel_cross_entropy(leaf, y, label_smoothing=0.1).sum().backward()
+
+    step()
+    sizes = _allocations(step)
+    assert [s for s in sizes if s >= 0.5 * B] == [B]
+    assert _peak(sizes) <= 1.1 * B, _peak(sizes) / B

@@ -361,3 +361,33 @@ def test_slime_none_is_world_group_under_megatron():
         assert lp.shape == (6, 1) and h.shape == (6,)
         _close(lp, rlp, 1e-10, 1e-10)
         _close(h, rh, 1e-10, 1e-10)
+
+
+def _smoothing_disagreement_job(rank: int, world: int) -> dict:
+    import torch.distributed as dist
+
+    group = dist.group.WORLD
+    torch.manual_seed(3)
+    x = torch.randn(4, 5, requires_grad=True)
+    y = torch.randint(0, 5 * world, (4,))
+    out = {}
+    # label_smoothing differs (only a > 0 enters the extra all-reduce), then is invalid on one rank only
+    for name, a in (("differs", 0.1 * rank), ("invalid", 0.1 if rank == 0 else 1.5)):
+        try:
+            compat.vocab_parallel_cross_entropy(x, y, label_smoothing=a, tp_group=group)
+            out[name] = None
+        except Exception as exc:  # noqa: BLE001
+            out[name] = (type(exc).__name__, str(exc))
+    out["after"] = compat.vocab_parallel_cross_entropy(x, y, label_smoothing=0.1, tp_group=group).detach()
+    return out
+
+
+def test_megatron_label_smoothing_disagreement_raises_on_every_rank():
+    res = run_ranks(_smoothing_disagreement_job, 2, timeout=120)
+    for r in res:
+        kind, msg = r["differs"]
+        assert kind == "RuntimeError" and "label_smoothing" in msg, r["differs"]
+    for r in res:  # the same error on both ranks, naming rank 1's argument
+        kind, msg = r["invalid"]
+        assert kind == "RuntimeError" and "rank 1 (label_smoothing)" in msg, r["invalid"]
+    assert all(torch.isfinite(r["after"]).all() for r in res)  # the group is still usable
