@@ -57,7 +57,9 @@ tile's bfloat16 operands are upcast to float32 (exact) and multiplied in
 float32: exact, but slower than a native bfloat16 GEMM would be; on CUDA the
 forward block uses ``torch.mm(..., out_dtype=torch.float32)`` when torch has
 it, and the backward products (float32 ``G`` times bfloat16 rows) upcast the
-rows, which is exact.
+rows, which is exact (unless the caller enabled TF32 for float32 matmuls,
+``torch.backends.cuda.matmul.allow_tf32``, which then applies to them too).
+The CUDA paths are not exercised by the tests (no GPU here).
 
 Non-finite values, row by row: a NaN/inf in hidden row ``t`` makes that row's
 logits non-finite, so its log-prob, entropy and ``dh`` row are NaN (the other
@@ -213,7 +215,10 @@ def _grads(h2, weight, local, owns, keep, stats, valid, gl, ge, tau, tiles, need
             else:
                 this_up = _up(h2[i0:i1] if vocab_major else weight[j0:j1], cdt)
             h_i, w_j = (this_up, outer_up) if vocab_major else (outer_up, this_up)
-            z = _logits_block(h_i, w_j, cdt)
+            if _native_out_dtype(h2, cdt):  # the forward's own product (same values as its statistics)
+                z = _logits_block(h2[i0:i1], weight[j0:j1], cdt)
+            else:
+                z = _logits_block(h_i, w_j, cdt)
             kb = None if keep is None else keep[i0:i1, j0:j1]
             ge_i = None if ge is None else ge[i0:i1]
             c_i = None if c is None else c[i0:i1]
