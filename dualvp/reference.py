@@ -11,13 +11,19 @@ It is the judge for everything else: slow, allocating, and exact to float64
 round-off. All options of the backends are supported: keep mask (the target is
 always kept; the entropy stays unmasked), temperature, ``ignore_index`` and any
 leading batch dims.
+
+The fused LM-head op (:func:`linear_logprob_entropy`, :func:`linear_logprob_entropy_grad`)
+is judged the same way: the logits ``z = h W^T`` are formed in float64 from the
+(already dtype-rounded) hidden states and the full weight, then the functions
+above apply; its gradients are ``dh = G W`` and ``dW = G^T h`` with ``G`` the
+float64 gradient of the logits.
 """
 
 from __future__ import annotations
 
 import numpy as np
 
-__all__ = ["logprob_entropy", "logprob_entropy_grad"]
+__all__ = ["logprob_entropy", "logprob_entropy_grad", "linear_logprob_entropy", "linear_logprob_entropy_grad"]
 
 
 def _log_softmax(u: np.ndarray) -> np.ndarray:
@@ -112,3 +118,63 @@ def logprob_entropy_grad(
         with np.errstate(invalid="ignore"):
             g = g + gh * np.where(p == 0, 0.0, -p * (logp + h))
     return g / float(temperature)
+
+
+def _linear_logits(hidden, weight_full) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    h = np.asarray(hidden, dtype=np.float64)
+    w = np.asarray(weight_full, dtype=np.float64)
+    with np.errstate(invalid="ignore", over="ignore"):
+        return h, w, h @ w.T
+
+
+def linear_logprob_entropy(
+    hidden,
+    weight_full,
+    target,
+    *,
+    keep_mask=None,
+    temperature: float = 1.0,
+    ignore_index: int = -100,
+) -> tuple[np.ndarray, np.ndarray]:
+    """Log-prob and entropy of the LM head ``z = hidden @ weight_full^T``, in float64.
+
+    Args:
+      hidden: ``[..., H]`` hidden states (any float dtype; the values are taken
+        as they are and the product is formed in float64).
+      weight_full: ``[V, H]`` the whole (unsharded) output weight.
+      target, keep_mask (``[..., V]``), temperature, ignore_index: as in
+        :func:`logprob_entropy`.
+
+    Returns:
+      ``(logprob [...], entropy [...])`` float64.
+    """
+    _, _, z = _linear_logits(hidden, weight_full)
+    return logprob_entropy(z, target, keep_mask=keep_mask, temperature=temperature, ignore_index=ignore_index)
+
+
+def linear_logprob_entropy_grad(
+    hidden,
+    weight_full,
+    target,
+    grad_logprob,
+    grad_entropy=None,
+    *,
+    keep_mask=None,
+    temperature: float = 1.0,
+    ignore_index: int = -100,
+) -> tuple[np.ndarray, np.ndarray]:
+    """Gradients of ``sum(grad_logprob * L + grad_entropy * H)`` w.r.t. hidden and weight.
+
+    Returns:
+      ``(d_hidden [..., H], d_weight [V, H])`` float64: ``G W`` and ``G^T h``
+      with ``G`` = :func:`logprob_entropy_grad` of ``z = h W^T``.
+    """
+    h, w, z = _linear_logits(hidden, weight_full)
+    g = logprob_entropy_grad(
+        z, target, grad_logprob, grad_entropy, keep_mask=keep_mask, temperature=temperature, ignore_index=ignore_index
+    )
+    g2 = g.reshape(-1, g.shape[-1])
+    with np.errstate(invalid="ignore", over="ignore"):
+        dh = (g2 @ w).reshape(h.shape)
+        dw = g2.T @ h.reshape(-1, h.shape[-1])
+    return dh, dw

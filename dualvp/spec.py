@@ -51,6 +51,21 @@ Gradients for upstream ``gL, gH`` per row::
 ``-inf`` logits (banned tokens) are legal: every product that could be
 ``0 * inf`` is guarded with ``where``. A row holding NaN or ``+inf`` gives NaN
 for that row only.
+
+The fused LM-head op (hidden states ``h [T, H]``, the shard's weight rows
+``W_r [V_r, H]``) is this same math over vocabulary blocks of the logits
+``z_r = h W_r^T`` (the raw logits; the temperature is applied by the
+functions above, exactly as for given logits). Block ``j`` (columns
+``[j0, j1)`` of the shard) has ``z_rj = h W_rj^T``; its statistics are
+:func:`block_stats` with ``start=j0``, all blocks of all shards merge with
+:func:`reduce_stats`, and with ``G_rj`` = :func:`block_grad` of the block::
+
+    dh   = sum_r sum_j G_rj W_rj        (a partial sum per rank: reduced over the group)
+    dW_r = [G_rj^T h]_j                  (local and complete on each rank)
+
+Token chunks split ``h`` (and ``G``) by rows the same way. Nothing here is
+specific to the product: the backends form ``z_rj`` and the two products
+with their matmul and run the functions of this module on each block.
 """
 
 from __future__ import annotations

@@ -13,6 +13,15 @@ ranks (the options, shapes, the local validation outcome) into a short list of
 int64. A backend all-gathers it (O(1) bytes, one collective) and calls
 :func:`check_agreement`, which raises the *same* error on every rank when the
 ranks differ or one of them failed validation.
+
+The fused LM-head op (``linear_logprob_entropy``: hidden states and the
+vocab-parallel weight instead of logits) uses :func:`check_linear_args` and
+the longer record :data:`LINEAR_RECORD_FIELDS` (``agreement_record(...,
+fused=True)``, ``check_agreement(..., fields=LINEAR_RECORD_FIELDS)``): it adds
+the hidden size, the local hidden rows, ``reduce_hidden_grad``,
+``sequence_parallel`` and whether hidden and weight require grad, because each
+of those decides whether a rank enters a collective in the backward (or
+whether ``dh`` comes out ``W`` times too large).
 """
 
 from __future__ import annotations
@@ -28,10 +37,12 @@ __all__ = [
     "INT_DTYPES",
     "ARGUMENTS",
     "check_args",
+    "check_linear_args",
     "check_temperature",
     "agreement_record",
     "check_agreement",
     "RECORD_FIELDS",
+    "LINEAR_RECORD_FIELDS",
 ]
 
 FLOAT_DTYPES = ("float32", "bfloat16", "float16", "float64")
@@ -51,6 +62,11 @@ ARGUMENTS = (
     "inplace_grad",
     "chunk_size",
     "label_smoothing",
+    "hidden",
+    "weight",
+    "reduce_hidden_grad",
+    "sequence_parallel",
+    "memory_budget",
 )
 
 
@@ -99,6 +115,8 @@ class Options:
         (``dualvp_torch.compat.vocab_parallel_cross_entropy``), 0 for the op
         itself; in the agreement record because a rank with ``0`` skips the
         drop-in's extra all-reduce that the others enter.
+      reduce_hidden_grad: fused op only: ``dh`` is reduced over the group.
+      sequence_parallel: fused op only: hidden holds this rank's ``T/W`` rows.
     """
 
     temperature: float = 1.0
@@ -108,6 +126,8 @@ class Options:
     has_mask: bool = False
     inplace_grad: bool = False
     label_smoothing: float = 0.0
+    reduce_hidden_grad: bool = True
+    sequence_parallel: bool = False
 
     @property
     def need_entropy_grad(self) -> bool:
@@ -179,6 +199,109 @@ def check_args(
     )
 
 
+def check_linear_args(
+    *,
+    hidden_shape: Sequence[int],
+    hidden_dtype: str,
+    weight_shape: Sequence[int],
+    weight_dtype: str,
+    target_shape: Sequence[int],
+    target_dtype: str,
+    keep_shape: Optional[Sequence[int]] = None,
+    keep_dtype: Optional[str] = None,
+    temperature=1.0,
+    ignore_index=-100,
+    with_entropy=True,
+    entropy_grad=True,
+    reduce_hidden_grad=True,
+    sequence_parallel=False,
+    world_size: int = 1,
+    memory_budget=None,
+) -> Options:
+    """Checks of the fused LM-head op; returns its :class:`Options`.
+
+    Expected: ``hidden [..., H]`` floating with ``H >= 1``; ``weight [V_local,
+    H]`` of the same dtype with ``V_local >= 1``; ``target [...]`` integer with
+    the leading shape of ``hidden``, or, with ``sequence_parallel=True``,
+    ``hidden [T/W, ..., H]`` (this rank's rows of the first dim) and ``target
+    [T, ...]`` whose first dim ``W`` divides; ``keep_mask`` ``None`` or bool
+    ``target.shape + (V_local,)``; ``reduce_hidden_grad`` and
+    ``sequence_parallel`` bools (``sequence_parallel=True`` always
+    reduce-scatters ``dh``, so it needs ``reduce_hidden_grad=True``);
+    ``memory_budget`` ``None`` or an int ``>= 1`` (bytes); the rest as in
+    :func:`check_args`.
+
+    Raises:
+      TypeError: a dtype or option of the wrong type.
+      ValueError: a shape or value out of range.
+    """
+    hs, ws, ts = _shape(hidden_shape), _shape(weight_shape), _shape(target_shape)
+    if hidden_dtype not in FLOAT_DTYPES:
+        raise TypeError(f"hidden: expected a floating dtype in {FLOAT_DTYPES}, got {hidden_dtype}")
+    if len(hs) < 1 or hs[-1] < 1:
+        raise ValueError(f"hidden: expected shape [..., H] with H >= 1, got shape {hs}")
+    if weight_dtype != hidden_dtype:
+        raise TypeError(f"weight: expected the dtype of hidden ({hidden_dtype}), got {weight_dtype}")
+    if len(ws) != 2 or ws[0] < 1 or ws[1] != hs[-1]:
+        raise ValueError(
+            f"weight: expected shape [V_local, H] with V_local >= 1 and H = hidden.shape[-1] = {hs[-1]}, "
+            f"got shape {ws}"
+        )
+    _check_flag("reduce_hidden_grad", reduce_hidden_grad)
+    _check_flag("sequence_parallel", sequence_parallel)
+    if memory_budget is not None:
+        what = f"{type(memory_budget).__name__} {memory_budget!r}"[:200]
+        if isinstance(memory_budget, bool) or not isinstance(memory_budget, int):
+            raise TypeError(f"memory_budget: expected None or an int >= 1 (bytes), got {what}")
+        if memory_budget < 1:
+            raise ValueError(f"memory_budget: expected None or an int >= 1 (bytes), got {what}")
+    w = int(world_size)
+    if sequence_parallel:
+        if reduce_hidden_grad is not True:
+            raise ValueError(
+                "reduce_hidden_grad: expected True with sequence_parallel=True (the op reduce-scatters dh over "
+                "the group; a caller-side reduction of a [T/W, H] gradient does not exist), got False"
+            )
+        if len(hs) < 2:
+            raise ValueError(f"hidden: expected shape [T/W, ..., H] with sequence_parallel=True, got shape {hs}")
+        if len(ts) != len(hs) - 1 or ts[1:] != hs[1:-1]:
+            raise ValueError(
+                f"target: expected shape [T, {', '.join(map(str, hs[1:-1]))}{', ' if hs[1:-1] else ''}] "
+                f"(sequence_parallel=True: hidden {hs} holds T/W rows of the first dim), got shape {ts}"
+            )
+        if ts[0] % w:
+            raise ValueError(
+                f"sequence_parallel: expected the W = {w} ranks to divide T = target.shape[0] = {ts[0]} rows, "
+                f"got a remainder of {ts[0] % w}"
+            )
+        if hs[0] * w != ts[0]:
+            raise ValueError(
+                f"hidden: expected this rank's T/W = {ts[0] // w} rows (hidden.shape[0], sequence_parallel=True, "
+                f"T = {ts[0]}, W = {w}), got shape {hs}"
+            )
+    elif ts != hs[:-1]:
+        raise ValueError(f"target: expected shape {hs[:-1]} (the leading dims of hidden {hs}), got shape {ts}")
+    v_local = ws[0]
+    if keep_shape is not None and keep_dtype == "bool" and _shape(keep_shape) != ts + (v_local,):
+        raise ValueError(
+            f"keep_mask: expected shape {ts + (v_local,)} (target's shape + (V_local = weight.shape[0],)), "
+            f"got shape {_shape(keep_shape)}"
+        )
+    opt = check_args(
+        logits_shape=ts + (v_local,),
+        logits_dtype=hidden_dtype,
+        target_shape=ts,
+        target_dtype=target_dtype,
+        keep_shape=keep_shape,
+        keep_dtype=keep_dtype,
+        temperature=temperature,
+        ignore_index=ignore_index,
+        with_entropy=with_entropy,
+        entropy_grad=entropy_grad,
+    )
+    return dataclasses.replace(opt, reduce_hidden_grad=reduce_hidden_grad, sequence_parallel=sequence_parallel)
+
+
 # --- cross-rank agreement -------------------------------------------------
 
 #: Fields of an agreement record, in order. ``error`` is 0 when local
@@ -195,6 +318,30 @@ RECORD_FIELDS = (
     "temperature",
     "ignore_index",
     "label_smoothing",
+    "bad_targets",
+)
+
+#: Fields of the fused op's record (``agreement_record(..., fused=True)``): the
+#: fields of :data:`RECORD_FIELDS` (``T`` counts the target's rows, the dtype
+#: is hidden's, ``label_smoothing`` is 0), then what decides the backward's collectives and the scale
+#: of ``dh``, then ``bad_targets`` last.
+LINEAR_RECORD_FIELDS = (
+    "error",
+    "T",
+    "V_local",
+    "hidden dtype",
+    "keep_mask present",
+    "with_entropy",
+    "entropy_grad",
+    "temperature",
+    "ignore_index",
+    "label_smoothing",
+    "H",
+    "hidden rows",
+    "reduce_hidden_grad",
+    "sequence_parallel",
+    "hidden requires grad",
+    "weight requires grad",
     "bad_targets",
 )
 
@@ -220,6 +367,11 @@ def agreement_record(
     v_local: int = -1,
     logits_dtype: str = "",
     options: Optional[Options] = None,
+    fused: bool = False,
+    hidden_size: int = -1,
+    hidden_rows: int = -1,
+    hidden_requires_grad: bool = False,
+    weight_requires_grad: bool = False,
 ) -> list[int]:
     """The int64 record one rank contributes to the agreement all-gather.
 
@@ -227,18 +379,26 @@ def agreement_record(
     ``error`` is given). The last field (``bad_targets``) is left 0 here; a
     backend fills it with a device-side count so that the range check needs
     no extra synchronisation.
+
+    ``fused=True`` makes the record of the fused LM-head op
+    (:data:`LINEAR_RECORD_FIELDS`, also on error, so that every rank's record
+    has the same length): ``logits_dtype`` is then hidden's dtype, ``n_rows``
+    the target's rows, and ``hidden_size`` (``H``), ``hidden_rows`` (this
+    rank's rows of hidden) and the two ``*_requires_grad`` flags (whether
+    autograd will run this rank's backward for that input) are recorded.
     """
+    fields = LINEAR_RECORD_FIELDS if fused else RECORD_FIELDS
     if error is None and options is None:
         raise TypeError("options: expected the Options returned by check_args when error is None, got None")
     dtype_code = FLOAT_DTYPES.index(logits_dtype) if logits_dtype in FLOAT_DTYPES else -1
     if error is not None:
-        return [_error_code(error)] + [-1] * (len(RECORD_FIELDS) - 1)
+        return [_error_code(error)] + [-1] * (len(fields) - 1)
     try:
         tau_bits = _float_bits(options.temperature)
         smoothing_bits = _float_bits(options.label_smoothing)
     except (TypeError, ValueError, struct.error):
         tau_bits = smoothing_bits = -1
-    return [
+    record = [
         0,
         int(n_rows),
         int(v_local),
@@ -249,16 +409,28 @@ def agreement_record(
         tau_bits,
         int(options.ignore_index),
         smoothing_bits,
-        0,
     ]
+    if fused:
+        record += [
+            int(hidden_size),
+            int(hidden_rows),
+            int(options.reduce_hidden_grad),
+            int(options.sequence_parallel),
+            int(bool(hidden_requires_grad)),
+            int(bool(weight_requires_grad)),
+        ]
+    return record + [0]
 
 
 def _render(field: str, value: int) -> str:
     if field in ("temperature", "label_smoothing"):
         return repr(struct.unpack("<d", struct.pack("<q", value))[0])
-    if field == "logits dtype":
+    if field in ("logits dtype", "hidden dtype"):
         return FLOAT_DTYPES[value] if 0 <= value < len(FLOAT_DTYPES) else "?"
-    if field in ("keep_mask present", "with_entropy", "entropy_grad"):
+    if field in (
+        "keep_mask present", "with_entropy", "entropy_grad", "reduce_hidden_grad", "sequence_parallel",
+        "hidden requires grad", "weight requires grad",
+    ):
         return str(bool(value))
     return str(value)
 
@@ -269,6 +441,7 @@ def check_agreement(
     rank: int,
     local_error: Optional[BaseException] = None,
     vocab_size: Optional[int] = None,
+    fields: Sequence[str] = RECORD_FIELDS,
 ) -> None:
     """Raise the same error on every rank unless all records agree and pass.
 
@@ -278,6 +451,8 @@ def check_agreement(
       rank: this rank, only to chain ``local_error``.
       local_error: this rank's own validation error, if any.
       vocab_size: ``W * V_local``, for the out-of-range message.
+      fields: the record layout: :data:`RECORD_FIELDS`, or
+        :data:`LINEAR_RECORD_FIELDS` for the fused op.
 
     Raises:
       The local ``ValueError``/``TypeError`` when every rank failed on the same
@@ -298,7 +473,7 @@ def check_agreement(
             f"dualvp: argument validation failed on {failed} while other ranks passed or failed "
             "differently; every rank of the group raises this error instead of entering the collective"
         ) from local_error
-    for j, field in enumerate(RECORD_FIELDS[1:-1], start=1):
+    for j, field in enumerate(fields[1:-1], start=1):
         values = [r[j] for r in rows]
         if len(set(values)) > 1:
             shown = ", ".join(f"rank {i}: {_render(field, v)}" for i, v in enumerate(values))

@@ -5,6 +5,10 @@ of the target token and the entropy from this rank's vocab shard of the
 logits, with exact gradients, one all-gather of O(T) statistics per call and
 no ``[T, V_local]`` buffer in the forward. See :func:`logprob_entropy`.
 
+``linear_logprob_entropy(hidden, weight, target, ...)`` is the fused LM-head
+form: the same outputs from hidden states and the vocab-parallel weight,
+without the ``[T, V_local]`` logits ever existing.
+
 ``dualvp_torch.compat`` offers drop-in replacements for slime's
 ``calculate_log_probs_and_entropy`` and Megatron's
 ``vocab_parallel_cross_entropy``; ``dualvp_torch.testing`` runs a function on
@@ -13,5 +17,6 @@ W gloo ranks.
 
 from . import compat
 from .function import logprob_entropy
+from .linear import linear_logprob_entropy
 
-__all__ = ["logprob_entropy", "compat"]
+__all__ = ["logprob_entropy", "linear_logprob_entropy", "compat"]

@@ -91,3 +91,37 @@ def gather_records(
     if bad_targets is not None:
         rec[-1:].copy_(bad_targets.reshape(1).to(device=device, dtype=torch.int64))
     return all_gather_rows(rec, group).tolist()
+
+
+# --- collectives of the fused LM-head op (dualvp_torch/linear.py) -----------------------
+#
+# The fused op adds, only where its options ask for them (options that every
+# rank agrees on through the agreement record): the all-gather of the
+# sequence-parallel hidden rows (forward, and again in the backward instead of
+# keeping the gathered copy alive), and the float32 reduction of ``dh`` in the
+# backward (an all-reduce for replicated hidden states, a reduce-scatter with
+# sequence parallelism: half the traffic of all-reduce-then-slice).
+
+__all__ += ["all_gather_cat", "all_reduce_sum_", "reduce_scatter_rows"]
+
+
+def all_gather_cat(x: torch.Tensor, group) -> torch.Tensor:
+    """``[n, ...]`` from each rank -> ``[W * n, ...]``, rank ``r``'s rows at ``[r*n, (r+1)*n)``."""
+    out = all_gather_rows(x, group)
+    return out.reshape((-1,) + tuple(x.shape[1:]))
+
+
+def all_reduce_sum_(x: torch.Tensor, group) -> torch.Tensor:
+    """Sum ``x`` over the ranks of ``group`` in place (in ``x``'s dtype); returns ``x``."""
+    dist.all_reduce(x, op=dist.ReduceOp.SUM, group=group)
+    return x
+
+
+def reduce_scatter_rows(x: torch.Tensor, group) -> torch.Tensor:
+    """Sum ``x [W * n, ...]`` over the ranks and return this rank's rows ``[n, ...]`` (``[r*n, (r+1)*n)``)."""
+    world = dist.get_world_size(group)
+    x = x.contiguous()
+    parts = list(x.chunk(world, dim=0))
+    out = torch.empty_like(parts[0])
+    dist.reduce_scatter(out, parts, op=dist.ReduceOp.SUM, group=group)
+    return out

@@ -377,3 +377,73 @@ def shard_grad(
     out = z if inplace else torch.empty((n, v), dtype=z.dtype, device=z.device)
     _grad_eager(z, out, *args[1:])
     return out
+
+
+# --- block-level entry points (the fused LM-head op) -----------------------------------
+#
+# The fused op (dualvp_torch/linear.py) forms one float32 logits block
+# ``z = h_i W_j^T`` at a time and runs the spec on it: ``spec.block_stats``
+# with ``start=`` the block's first column in the shard, and ``spec.block_grad``
+# written over the block itself (the block is the op's own scratch, so the
+# gradient ``G`` takes its storage: no second block-sized buffer). The block is
+# already sized to the op's memory budget, so the eager path runs each stage on
+# the whole block (no row chunks here: the op counts BLOCK_SCRATCH_BYTES per
+# element into its tile size instead). ``start`` is a Python int; with
+# ``dynamic=True`` it is traced as a symbolic int, so new block offsets do not
+# recompile.
+
+__all__ += ["BLOCK_SCRATCH_BYTES", "block_stats", "block_grad_"]
+
+#: The eager path's temporaries per block element, in bytes, for either stage
+#: (the larger of the measured :data:`STATS_SCRATCH_BYTES` and
+#: :data:`GRAD_SCRATCH_BYTES`; the in-place gradient writes no separate output).
+BLOCK_SCRATCH_BYTES = max(STATS_SCRATCH_BYTES, GRAD_SCRATCH_BYTES)
+
+
+def _block_stats_stage(z, local, owns, keep: Optional[torch.Tensor], tau, start, acc_dtype=None):
+    return spec.block_stats(xp, z, local, owns, keep, tau, start=start, dtype=tau.dtype, acc_dtype=acc_dtype)
+
+
+def _block_grad_inplace_stage(
+    z, local, owns, keep: Optional[torch.Tensor], M, log_s, c, mk, log_sk, valid, gl, ge, tau, start
+):
+    comb = spec.Combined(M=M, log_s=log_s, c=c, mk=mk, log_sk=log_sk, zy=None)
+    g = spec.block_grad(xp, z, local, owns, keep, comb, valid, gl, ge, tau, start=start, dtype=tau.dtype)
+    z.copy_(xp.astype(g, z.dtype))
+
+
+def block_stats(z, local, owns, keep, tau, *, start: int = 0, impl: Optional[str] = None) -> torch.Tensor:
+    """``[n, 6]`` statistics ``spec.block_stats`` of the block ``z [n, b]`` = columns ``[start, start + b)``.
+
+    ``local, owns``: ``[n]`` from ``spec.target_to_local`` (columns within the
+    *shard*); ``keep``: ``[n, b]`` bool or ``None``; ``tau``: 0-d tensor of
+    the compute dtype; ``impl`` as in :func:`select`.
+    """
+    if z.shape[0] == 0:
+        return torch.zeros((0, spec.N_STATS), dtype=tau.dtype, device=z.device)
+    args = (z, local, owns, keep, tau, int(start))
+    if select(impl) == "compiled":
+        out, ok = _run_compiled(_block_stats_stage, args + (accumulation_dtype(z, "compiled"),), False)
+        if ok:
+            return out
+    return _block_stats_stage(*args, accumulation_dtype(z, "eager"))
+
+
+def block_grad_(
+    z, local, owns, keep, M, log_s, c, mk, log_sk, valid, gl, ge, tau, *, start: int = 0,
+    impl: Optional[str] = None,
+) -> torch.Tensor:
+    """Write ``spec.block_grad`` of the block ``z [n, b]`` (columns ``[start, start + b)``) over ``z``; return ``z``.
+
+    ``z`` must be contiguous and is typically a float32 scratch block; the
+    other arguments as in :func:`shard_grad` (rows of this block only).
+    """
+    if z.shape[0] == 0:
+        return z
+    args = (z, local, owns, keep, M, log_s, c, mk, log_sk, valid, gl, ge, tau, int(start))
+    if select(impl) == "compiled":
+        _, ok = _run_compiled(_block_grad_inplace_stage, args, ge is not None)
+        if ok:
+            return z
+    _block_grad_inplace_stage(*args)
+    return z

@@ -1,0 +1,487 @@
+"""The fused LM-head op: log-prob and entropy from hidden states and the vocab-parallel weight.
+
+``linear_logprob_entropy(hidden, weight, target, ...)`` computes what
+``logprob_entropy(hidden @ weight.T, target, ...)`` computes, without ever
+holding the ``[T, V_local]`` logits (or their gradient). The math is
+:mod:`dualvp.spec` over vocabulary blocks of ``z = h W^T`` (see its module
+docstring); this module only chooses the tiles, runs the two matmuls per tile
+and the spec stages of :mod:`dualvp_torch.kernels` on each tile.
+
+Data flow of one call (``group`` with ``W`` ranks; ``T`` rows, this rank's
+``V_local`` weight rows, hidden size ``H``)::
+
+    validate=True:  local checks -> agreement all-gather ([W, 16] int64) -> 1 host sync
+    forward:        (sequence_parallel: all-gather hidden [T/W, H] -> [T, H])
+                    per tile (rows i, columns j): z = h_i W_j^T (float32 [tc, vc])
+                        -> kernels.block_stats(start=j0) -> [tc, 6]
+                    spec.reduce_stats over the blocks -> [T, 6]
+                    collectives.gather_stats -> [W, T, 6]      (1 all-gather, as the logits op)
+                    spec.reduce_stats, spec.finalize, spec.outputs
+    backward:       (sequence_parallel: all-gather hidden again)
+                    per tile: z = h_i W_j^T recomputed, kernels.block_grad_ writes G over z (float32),
+                        dh_i += G W_j,  dW_j += G^T h_i        (float32 accumulators)
+                    dh: all-reduce (reduce_hidden_grad) or reduce-scatter (sequence_parallel), float32
+
+The collectives depend only on the options that enter the agreement record
+(``sequence_parallel``, ``reduce_hidden_grad``, whether hidden and weight
+require grad), never on the tiling, the mask, the temperature or the entropy
+flags.
+
+Tiles and memory
+----------------
+``B`` = ``T * V_local * itemsize`` (the logits shard the unfused path would
+hold in the caller's dtype). One tile is a float32 block ``[tc, vc]``; its
+bytes (4 per element, plus :data:`dualvp_torch.kernels.BLOCK_SCRATCH_BYTES` per
+element on the eager path, whose spec temporaries are tile-sized) stay within
+``memory_budget``, default ``max(B / 16, 1 MiB)``. The loop order keeps the
+float32 accumulator that must span the whole loop small:
+``T <= V_local``: vocabulary blocks outside (each block's ``dW_j`` is complete
+after its token chunks; ``dh`` accumulates in ``[T, H]``); otherwise token
+chunks outside (``dh_i`` complete per chunk, ``dW`` accumulates in
+``[V_local, H]``). A tile takes all rows (vocabulary-major) or all columns
+(token-major) when :data:`MIN_SIDE` of the other side fit the budget, so
+that the common case has no inner loop at all.
+
+Besides the tile the op holds (float32 input: nothing else, the accumulators
+are the returned gradients; bfloat16/float16: ``[T, H]`` float32 for ``dh``,
+float32 copies of the tile's operand rows ``h_i`` and ``W_j``, and a ``[vc,
+H]`` float32 block of ``dW`` rounded once into the returned gradient).
+Between forward and backward: the inputs by reference and O(T) statistics.
+A frozen input (``requires_grad=False``) skips its matmul.
+
+Precision: every logits block and every gradient block ``G`` is float32
+(float64 for float64 input), and ``dh``/``dW`` accumulate in float32 across
+tiles and ranks; each gradient is rounded once to the input dtype at the end.
+On the CPU there is no bfloat16 x bfloat16 -> float32 matmul in torch, so the
+tile's bfloat16 operands are upcast to float32 (exact) and multiplied in
+float32: exact, but slower than a native bfloat16 GEMM would be; on CUDA the
+forward block uses ``torch.mm(..., out_dtype=torch.float32)`` when torch has
+it, and the backward products (float32 ``G`` times bfloat16 rows) upcast the
+rows, which is exact (unless the caller enabled TF32 for float32 matmuls,
+``torch.backends.cuda.matmul.allow_tf32``, which then applies to them too).
+The CUDA paths are not exercised by the tests (no GPU here).
+
+Non-finite values, row by row: a NaN/inf in hidden row ``t`` makes that row's
+logits non-finite, so its log-prob, entropy and ``dh`` row are NaN (the other
+rows are unaffected); ``dW`` sums over all rows, so every entry of it that
+the row reaches is NaN, as in the unfused path and the oracle. A non-finite
+weight row poisons every token's row.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import array_api_compat.torch as xp
+import torch
+from torch.autograd.function import once_differentiable
+
+from dualvp import spec, validation
+
+from . import collectives, kernels
+
+__all__ = ["linear_logprob_entropy", "tile_shape", "default_budget", "MIN_SIDE", "MIN_BUDGET", "BUDGET_FRACTION"]
+
+#: Default budget of one tile, as a fraction of ``B`` ...
+BUDGET_FRACTION = 1 / 16
+#: ... but at least this many bytes (tiny problems run in one tile).
+MIN_BUDGET = 1 << 20
+#: A tile spans the whole shorter side when this many of the other side fit the budget.
+MIN_SIDE = 128
+
+
+def default_budget(n_rows: int, v_local: int, itemsize: int) -> int:
+    """``max(BUDGET_FRACTION * B, MIN_BUDGET)`` bytes, ``B = n_rows * v_local * itemsize``."""
+    return max(int(BUDGET_FRACTION * n_rows * v_local * itemsize), MIN_BUDGET)
+
+
+def tile_shape(n_rows: int, v_local: int, budget: int, elem_bytes: int) -> tuple[int, int]:
+    """``(rows, cols)`` of one tile with ``rows * cols * elem_bytes <= budget`` (at least ``1 x 1``).
+
+    Vocabulary-major (``n_rows <= v_local``): all rows when ``MIN_SIDE``
+    columns of them fit, then as many columns as fit; token-major the other
+    way round.
+    """
+    cap = max(1, budget // max(1, elem_bytes))
+    if n_rows <= v_local:
+        rows = min(n_rows, max(1, cap // min(v_local, MIN_SIDE)))
+        cols = min(v_local, max(1, cap // max(1, rows)))
+    else:
+        cols = min(v_local, max(1, cap // min(n_rows, MIN_SIDE)))
+        rows = min(n_rows, max(1, cap // max(1, cols)))
+    return max(1, rows), max(1, cols)
+
+
+def _ranges(n: int, step: int):
+    return [(i, min(n, i + step)) for i in range(0, n, step)]
+
+
+def _dtype_name(dtype) -> str:
+    return str(dtype).replace("torch.", "")
+
+
+def _kind(x) -> str:
+    if isinstance(x, torch.Tensor):
+        return f"tensor of dtype {_dtype_name(x.dtype)} and shape {tuple(x.shape)}"
+    return f"{type(x).__name__} {x!r}"[:200]
+
+
+def _up(x: torch.Tensor, cdt: torch.dtype) -> torch.Tensor:
+    return x if x.dtype == cdt else x.to(cdt)
+
+
+_OUT_DTYPE_MM: dict = {}
+
+
+def _native_out_dtype(x: torch.Tensor, cdt: torch.dtype) -> bool:
+    # CUDA: a 16-bit x 16-bit -> float32 matmul (float32 accumulation) forms
+    # the forward block without upcasting the operands; the CPU has none.
+    return x.dtype != cdt and x.device.type == "cuda" and _OUT_DTYPE_MM.get("cuda", True)
+
+
+def _fwd_operand(x: torch.Tensor, cdt: torch.dtype) -> torch.Tensor:
+    """``x`` as the forward matmul takes it: as is where the matmul outputs float32 natively, else upcast."""
+    return x if _native_out_dtype(x, cdt) else _up(x, cdt)
+
+
+def _logits_block(h_i: torch.Tensor, w_j: torch.Tensor, cdt: torch.dtype) -> torch.Tensor:
+    """``h_i W_j^T`` as a contiguous ``cdt`` (float32/float64) block, from operands of any float dtype."""
+    if h_i.dtype == w_j.dtype and _native_out_dtype(h_i, cdt):
+        try:  # a float32-output matmul of the 16-bit operands (float32 accumulation)
+            return torch.mm(h_i, w_j.t(), out_dtype=cdt)
+        except (TypeError, RuntimeError, NotImplementedError):
+            _OUT_DTYPE_MM["cuda"] = False
+    return torch.mm(_up(h_i, cdt), _up(w_j, cdt).t())
+
+
+def _stats(h2, weight, local, owns, keep, tau, tiles, impl):
+    """``[T, 6]`` statistics of this rank's logits ``h2 weight^T``, tile by tile."""
+    n, v = h2.shape[0], weight.shape[0]
+    tc, vc = tiles
+    cdt = tau.dtype
+    parts = []
+    for i0, i1 in _ranges(n, tc):
+        h_i = _fwd_operand(h2[i0:i1], cdt)  # upcast once per token chunk, not once per tile
+        blocks = []
+        for j0, j1 in _ranges(v, vc):
+            z = _logits_block(h_i, weight[j0:j1], cdt)
+            kb = None if keep is None else keep[i0:i1, j0:j1]
+            blocks.append(kernels.block_stats(z, local[i0:i1], owns[i0:i1], kb, tau, start=j0, impl=impl))
+            del z  # free the tile before the next one is formed
+        parts.append(blocks[0] if len(blocks) == 1 else spec.reduce_stats(xp, torch.stack(blocks), 0, tau))
+    return parts[0] if len(parts) == 1 else torch.cat(parts)
+
+
+def _grads(h2, weight, local, owns, keep, stats, valid, gl, ge, tau, tiles, need_dh, need_dw, impl):
+    """``(dh [T, H] float32 or None, dW [V_local, H] in weight's dtype or None)``: the local partial sums."""
+    n, hsz = h2.shape
+    v = weight.shape[0]
+    tc, vc = tiles
+    cdt = tau.dtype
+    M, log_s, c, mk, log_sk = stats
+    vocab_major = n <= v
+    dev = h2.device
+    dh = torch.zeros((n, hsz), dtype=cdt, device=dev) if need_dh else None
+    direct_dw = weight.dtype == cdt  # accumulate straight into the returned gradient
+    dw_out = dw_full = None
+    if need_dw:
+        if direct_dw and vocab_major:
+            dw_out = torch.empty((v, hsz), dtype=cdt, device=dev)  # each block written by its first product
+        elif direct_dw:
+            dw_out = dw_full = torch.zeros((v, hsz), dtype=cdt, device=dev)
+        elif vocab_major:
+            dw_out = torch.empty((v, hsz), dtype=weight.dtype, device=dev)
+        else:
+            dw_full = torch.zeros((v, hsz), dtype=cdt, device=dev)
+    rows, cols = _ranges(n, tc), _ranges(v, vc)
+    outer, inner = (cols, rows) if vocab_major else (rows, cols)
+    # Operand rows upcast once where the inner loop has a single step (the
+    # common case): the full hidden for vocabulary-major, the full weight for
+    # token-major (that is then one tile wide, so it is tile-sized).
+    inner_up = None
+    for a0, a1 in outer:
+        # vocabulary-major: this block's dW, complete after the inner loop; float32
+        # (the returned gradient itself for float32 input), rounded once below.
+        block_acc = None
+        if need_dw and vocab_major:
+            block_acc = dw_out[a0:a1] if direct_dw else torch.empty((a1 - a0, hsz), dtype=cdt, device=dev)
+        outer_up = _up(weight[a0:a1] if vocab_major else h2[a0:a1], cdt)
+        for k, (b0, b1) in enumerate(inner):
+            (i0, i1), (j0, j1) = ((b0, b1), (a0, a1)) if vocab_major else ((a0, a1), (b0, b1))
+            if len(inner) == 1:
+                if inner_up is None:
+                    inner_up = _up(h2[i0:i1] if vocab_major else weight[j0:j1], cdt)
+                this_up = inner_up
+            else:
+                this_up = _up(h2[i0:i1] if vocab_major else weight[j0:j1], cdt)
+            h_i, w_j = (this_up, outer_up) if vocab_major else (outer_up, this_up)
+            if _native_out_dtype(h2, cdt):  # the forward's own product (same values as its statistics)
+                z = _logits_block(h2[i0:i1], weight[j0:j1], cdt)
+            else:
+                z = _logits_block(h_i, w_j, cdt)
+            kb = None if keep is None else keep[i0:i1, j0:j1]
+            ge_i = None if ge is None else ge[i0:i1]
+            c_i = None if c is None else c[i0:i1]
+            kernels.block_grad_(
+                z, local[i0:i1], owns[i0:i1], kb, M[i0:i1], log_s[i0:i1], c_i, mk[i0:i1], log_sk[i0:i1],
+                valid[i0:i1], gl[i0:i1], ge_i, tau, start=j0, impl=impl,
+            )  # z holds G now (float32)
+            if need_dh:
+                dh[i0:i1].addmm_(z, w_j)
+            if need_dw and block_acc is not None:
+                if k == 0:
+                    torch.mm(z.t(), h_i, out=block_acc)
+                else:
+                    block_acc.addmm_(z.t(), h_i)
+            elif need_dw:
+                dw_full[j0:j1].addmm_(z.t(), h_i)
+            del z, this_up
+        if block_acc is not None and not direct_dw:
+            dw_out[a0:a1].copy_(block_acc)  # the one rounding of this block of dW
+        del block_acc
+        del outer_up
+    if need_dw and dw_out is None:
+        dw_out = dw_full.to(weight.dtype)
+    return dh, dw_out
+
+
+_UNMATERIALISED = (
+    "dualvp_torch.linear_logprob_entropy: the gradient of the {} arrived as None in backward (gradient "
+    "materialisation was disabled by a caller or wrapper); computing the gradient without it would silently "
+    "drop that term, so the op refuses."
+)
+
+
+class LinearLogProbEntropyFunction(torch.autograd.Function):
+    """``(hidden, weight, target, keep_mask, options, group, impl, budget) -> (logprob, entropy)``."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, target, keep_mask, opt: validation.Options, group, impl, budget):
+        rank, world = collectives.group_rank_world(group)
+        h = hidden
+        if opt.sequence_parallel and group is not None and world > 1:
+            h = collectives.all_gather_cat(hidden, group)
+        hsz, v = weight.shape[1], weight.shape[0]
+        h2 = h.reshape(-1, hsz)
+        n = h2.shape[0]
+        cdt = kernels.compute_dtype(hidden.dtype)
+        valid, owns, local = spec.target_to_local(xp, target.reshape(-1).to(torch.int64), rank, v, opt.ignore_index)
+        keep = None if keep_mask is None else keep_mask.reshape(-1, v)
+        tau = torch.full((), opt.temperature, dtype=cdt, device=hidden.device)
+        elem = 4 + (kernels.BLOCK_SCRATCH_BYTES if kernels.select(impl) == "eager" else 0)
+        tiles = tile_shape(n, v, budget, elem)
+        if n:
+            stats = _stats(h2, weight, local, owns, keep, tau, tiles, impl)
+        else:
+            stats = torch.zeros((0, spec.N_STATS), dtype=cdt, device=hidden.device)
+        all_stats = collectives.gather_stats(stats, group) if group is not None else stats[None]
+        comb = spec.finalize(xp, spec.reduce_stats(xp, all_stats, axis=0, temperature=tau), tau)
+        logprob, entropy = spec.outputs(xp, comb, valid, tau)
+        shape = tuple(target.shape)
+        logprob, entropy = logprob.reshape(shape), entropy.reshape(shape)
+        ctx.opt, ctx.group, ctx.impl, ctx.tiles = opt, group, impl, tiles
+        c = comb.c if opt.need_entropy_grad else None
+        ctx.save_for_backward(hidden, weight, keep_mask, local, owns, valid, comb.M, comb.log_s, c, comb.mk, comb.log_sk)
+        if not opt.need_entropy_grad:
+            ctx.mark_non_differentiable(entropy)
+        return logprob, entropy
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad_logprob, grad_entropy):
+        opt, group = ctx.opt, ctx.group
+        if grad_logprob is None:
+            raise RuntimeError(_UNMATERIALISED.format("log-prob"))
+        if opt.need_entropy_grad and grad_entropy is None:
+            raise RuntimeError(_UNMATERIALISED.format("entropy"))
+        need_dh, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        none = (None,) * 6
+        if not (need_dh or need_dw):
+            return (None, None) + none
+        hidden, weight, keep_mask, local, owns, valid, M, log_s, c, mk, log_sk = ctx.saved_tensors
+        _, world = collectives.group_rank_world(group)
+        sp = opt.sequence_parallel and group is not None and world > 1
+        # Gathered again rather than kept from the forward: [T, H] less between the two.
+        h = collectives.all_gather_cat(hidden, group) if sp else hidden
+        hsz, v = weight.shape[1], weight.shape[0]
+        h2 = h.reshape(-1, hsz)
+        cdt = kernels.compute_dtype(hidden.dtype)
+        keep = None if keep_mask is None else keep_mask.reshape(-1, v)
+        # Contiguous O(T) vectors (upstream gradients often arrive expanded).
+        gl = grad_logprob.reshape(-1).to(cdt).contiguous()
+        ge = grad_entropy.reshape(-1).to(cdt).contiguous() if opt.need_entropy_grad else None
+        tau = torch.full((), opt.temperature, dtype=cdt, device=hidden.device)
+        dh, dw = _grads(
+            h2, weight, local, owns, keep, (M, log_s, c, mk, log_sk), valid, gl, ge, tau, ctx.tiles,
+            need_dh, need_dw, ctx.impl,
+        )
+        if need_dh:
+            if sp:
+                dh = collectives.reduce_scatter_rows(dh, group)
+            elif opt.reduce_hidden_grad and group is not None and world > 1:
+                collectives.all_reduce_sum_(dh, group)
+            dh = dh.to(hidden.dtype).reshape(hidden.shape)
+        return (dh, dw) + none
+
+
+def _local_checks(hidden, weight, target, keep_mask, world, kw) -> validation.Options:
+    if not isinstance(hidden, torch.Tensor):
+        raise TypeError(f"hidden: expected a torch.Tensor [..., H] of a floating dtype, got {_kind(hidden)}")
+    if not isinstance(weight, torch.Tensor):
+        raise TypeError(f"weight: expected a torch.Tensor [V_local, H] of hidden's dtype, got {_kind(weight)}")
+    if not isinstance(target, torch.Tensor):
+        raise TypeError(f"target: expected an integer torch.Tensor [...], got {_kind(target)}")
+    if keep_mask is not None and not isinstance(keep_mask, torch.Tensor):
+        raise TypeError(f"keep_mask: expected None or a bool torch.Tensor [..., V_local], got {_kind(keep_mask)}")
+    opt = validation.check_linear_args(
+        hidden_shape=tuple(hidden.shape),
+        hidden_dtype=_dtype_name(hidden.dtype),
+        weight_shape=tuple(weight.shape),
+        weight_dtype=_dtype_name(weight.dtype),
+        target_shape=tuple(target.shape),
+        target_dtype=_dtype_name(target.dtype),
+        keep_shape=None if keep_mask is None else tuple(keep_mask.shape),
+        keep_dtype=None if keep_mask is None else _dtype_name(keep_mask.dtype),
+        world_size=world,
+        **kw,
+    )
+    for name, x in (("weight", weight), ("target", target), ("keep_mask", keep_mask)):
+        if x is not None and x.device != hidden.device:
+            raise ValueError(f"{name}: expected a tensor on hidden's device {hidden.device}, got device {x.device}")
+    return opt
+
+
+def linear_logprob_entropy(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    target: torch.Tensor,
+    *,
+    group=None,
+    keep_mask: Optional[torch.Tensor] = None,
+    temperature=1.0,
+    with_entropy: bool = True,
+    entropy_grad: bool = True,
+    ignore_index: int = -100,
+    reduce_hidden_grad: bool = True,
+    sequence_parallel: bool = False,
+    validate: bool = True,
+    memory_budget: Optional[int] = None,
+    impl: Optional[str] = None,
+) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """Log-prob of the target and entropy of ``softmax(hidden @ weight_full.T / tau)``, fused.
+
+    Equal (up to rounding) to ``logprob_entropy(hidden @ weight.T, target,
+    ...)`` over the vocab-parallel group, without the ``[T, V_local]`` logits
+    or their gradient ever existing; the logits are formed and differentiated
+    one float32 tile at a time (see the module docstring for tiles, memory
+    and precision).
+
+    Args:
+      hidden: ``[..., H]`` hidden states, identical on every rank of
+        ``group``; with ``sequence_parallel=True``: ``[T/W, ..., H]``, this
+        rank's rows ``[r*T/W, (r+1)*T/W)`` of the first dim. float32,
+        bfloat16, float16 or float64.
+      weight: ``[V_local, H]`` this rank's rows ``[r*V_local, (r+1)*V_local)``
+        of the output weight (hidden's dtype).
+      target: ``[...]`` integer *global* token ids (``[T, ...]`` with
+        sequence parallelism), the same on every rank.
+      group: the vocab-parallel ``torch.distributed.ProcessGroup`` or ``None``
+        (unsharded: no collectives).
+      keep_mask: ``[..., V_local]`` bool (``target.shape + (V_local,)``) or
+        ``None``: the tokens the sampler kept; as in
+        :func:`dualvp_torch.logprob_entropy`.
+      temperature, with_entropy, entropy_grad, ignore_index: as in
+        :func:`dualvp_torch.logprob_entropy`.
+      reduce_hidden_grad: ``True`` sums ``dh`` over the group in float32 in
+        the backward (hidden replicated on the ranks); ``False`` returns this
+        rank's partial ``dh`` (its vocabulary's share) for a caller whose
+        graph already reduces it (Megatron's copy-to-tensor-parallel region):
+        reducing twice would make it ``W`` times too large.
+      sequence_parallel: ``True``: hidden holds ``T/W`` rows; the op
+        all-gathers them (forward, and again in the backward) and
+        reduce-scatters ``dh`` in float32. Needs ``reduce_hidden_grad=True``.
+      validate: as in :func:`dualvp_torch.logprob_entropy`; the agreement
+        record also holds ``H``, the hidden rows, ``reduce_hidden_grad``,
+        ``sequence_parallel`` and whether hidden and weight require grad, so
+        ranks that disagree on any of them raise instead of hanging in the
+        backward or silently scaling ``dh``.
+      memory_budget: bytes of one float32 logits tile (with the eager
+        path's per-element temporaries); ``None``: ``max(B / 16, 1 MiB)``
+        with ``B = T * V_local * itemsize``. Does not need to agree across
+        ranks (it changes no collective).
+      impl: ``None``, ``"compiled"`` or ``"eager"``: how the spec stages of
+        each tile run (:func:`dualvp_torch.kernels.select`).
+
+    Returns:
+      ``(logprob [...], entropy [...] or None)``, float32 (float64 for
+      float64), identical on every rank. Gradients flow to ``hidden`` and
+      ``weight`` in their dtype, accumulated in float32.
+
+    Raises:
+      TypeError / ValueError naming the argument for invalid input (with a
+      group and ``validate=True``, on every rank, or ``RuntimeError`` on every
+      rank when the ranks disagree).
+    """
+    if group is not None and not collectives.is_process_group(group):
+        raise TypeError(f"group: expected a torch.distributed.ProcessGroup or None, got {_kind(group)}")
+    if not isinstance(validate, bool):
+        raise TypeError(f"validate: expected a bool, got {type(validate).__name__} {validate!r}")
+    kernels.select(impl)  # raises ValueError naming impl (the same on every rank)
+    rank, world = collectives.group_rank_world(group)
+    kw = dict(
+        temperature=temperature, ignore_index=ignore_index, with_entropy=with_entropy, entropy_grad=entropy_grad,
+        reduce_hidden_grad=reduce_hidden_grad, sequence_parallel=sequence_parallel, memory_budget=memory_budget,
+    )
+    error = opt = None
+    try:
+        opt = _local_checks(hidden, weight, target, keep_mask, world, kw)
+    except (TypeError, ValueError) as exc:
+        error = exc
+
+    fields = validation.LINEAR_RECORD_FIELDS
+    if validate and group is not None:
+        if error is None:
+            grad_on = torch.is_grad_enabled()
+            record = validation.agreement_record(
+                error=None,
+                n_rows=target.numel(),
+                v_local=weight.shape[0],
+                logits_dtype=_dtype_name(hidden.dtype),
+                options=opt,
+                fused=True,
+                hidden_size=hidden.shape[-1],
+                hidden_rows=hidden.numel() // max(1, hidden.shape[-1]),
+                hidden_requires_grad=grad_on and hidden.requires_grad,
+                weight_requires_grad=grad_on and weight.requires_grad,
+            )
+            bad = _count_bad_targets(target, ignore_index, world * weight.shape[0])
+            device = collectives.comm_device(group, hidden)
+        else:
+            record = validation.agreement_record(error=error, fused=True)
+            bad = None
+            device = collectives.comm_device(group, hidden if isinstance(hidden, torch.Tensor) else None)
+        table = collectives.gather_records(record, bad, group, device)
+        validation.check_agreement(
+            table, rank=rank, local_error=error, vocab_size=None if error else world * weight.shape[0], fields=fields
+        )
+    else:
+        if error is not None:
+            raise error
+        if validate and target.numel():
+            record = [0] * len(fields)
+            record[-1] = int(_count_bad_targets(target, ignore_index, world * weight.shape[0]))  # the one sync
+            validation.check_agreement([record], rank=0, vocab_size=world * weight.shape[0], fields=fields)
+
+    n_rows = target.numel()
+    budget = memory_budget if memory_budget is not None else default_budget(
+        n_rows, weight.shape[0], hidden.element_size()
+    )
+    logprob, entropy = LinearLogProbEntropyFunction.apply(hidden, weight, target, keep_mask, opt, group, impl, budget)
+    return logprob, (entropy if with_entropy else None)
+
+
+def _count_bad_targets(target, ignore_index, vocab_size) -> torch.Tensor:
+    """0-d int64 device tensor: targets outside ``[0, vocab_size)`` that are not ``ignore_index``."""
+    y = target.to(torch.int64)
+    bad = (y != ignore_index) & ((y < 0) | (y >= vocab_size))
+    return bad.sum(dtype=torch.int64)
