@@ -52,7 +52,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from dualvp import spec
-from dualvp.validation import FLOAT_DTYPES, Options, check_args
+from dualvp.validation import Options, check_linear_args
 
 from .function import (
     _check_temperature_type,
@@ -78,13 +78,15 @@ _VOCAB_ALIGN = 128
 
 @dataclasses.dataclass(frozen=True)
 class _Config:
-    """Static configuration of one call (hashable, a ``jit`` static argument)."""
+    """Static configuration of one call (hashable, a ``jit`` static argument).
+
+    The shared :class:`~dualvp.validation.Options` (the same object the torch
+    op carries and the agreement record is made from) plus the JAX block sizes.
+    """
 
     opt: Options
     token_block: int
     vocab_block: int
-    reduce_hidden_grad: bool
-    sequence_parallel: bool
 
 
 # --- argument handling --------------------------------------------------------
@@ -113,11 +115,6 @@ def _check_block(name: str, value) -> None:
         raise ValueError(f"{name}: expected None or an int >= 1, got {value}")
 
 
-def _check_flag(name: str, value) -> None:
-    if not isinstance(value, bool):
-        raise TypeError(f"{name}: expected a bool, got {type(value).__name__} {value!r}")
-
-
 def _world(axis_name) -> int:
     if axis_name is None:
         return 1
@@ -132,78 +129,41 @@ def _world(axis_name) -> int:
 def _validate(hidden, weight, target, keep_mask, *, axis_name, temperature, ignore_index, with_entropy,
               entropy_grad, reduce_hidden_grad, sequence_parallel, token_block, vocab_block, memory_budget,
               world: Optional[int] = None) -> _Config:
-    """Static checks; every error names the argument. Returns the static configuration."""
+    """Static checks; every error names the argument. Returns the static configuration.
+
+    The checks shared with the torch op (shapes, dtypes, options, flags,
+    sequence-parallel divisibility, keep-mask shape, memory budget) are
+    :func:`dualvp.validation.check_linear_args`; only what is JAX's own is
+    checked here: array types, a static temperature, ``axis_name`` bound by
+    an enclosing ``shard_map``, the varying types under it, and the block
+    sizes.
+    """
     _check_temperature_type(temperature)
     hs, hd = _describe("hidden", hidden, "a floating jax.Array or numpy array [..., H]")
     ws, wd = _describe("weight", weight, "a floating jax.Array or numpy array [V_local, H]")
     ts, td = _describe("target", target, "an integer jax.Array or numpy array [...]")
-    if hd not in FLOAT_DTYPES:
-        raise TypeError(f"hidden: expected a floating dtype in {FLOAT_DTYPES}, got {hd}")
-    if len(hs) < 1 or hs[-1] < 1:
-        raise ValueError(f"hidden: expected shape [..., H] with H >= 1, got shape {hs}")
-    if wd not in FLOAT_DTYPES:
-        raise TypeError(f"weight: expected a floating dtype in {FLOAT_DTYPES}, got {wd}")
-    if wd != hd:
-        raise TypeError(f"weight: expected the dtype of hidden ({hd}), got {wd}")
-    if len(ws) != 2 or ws[0] < 1:
-        raise ValueError(f"weight: expected shape [V_local, H] with V_local >= 1, got shape {ws}")
-    if ws[1] != hs[-1]:
-        raise ValueError(
-            f"weight: expected shape [V_local, H] with H = hidden.shape[-1] = {hs[-1]}, got shape {ws}"
-        )
-    _check_flag("reduce_hidden_grad", reduce_hidden_grad)
-    _check_flag("sequence_parallel", sequence_parallel)
-    for name, value in (("token_block", token_block), ("vocab_block", vocab_block), ("memory_budget", memory_budget)):
-        _check_block(name, value)
-    w = _world(axis_name) if world is None else world
-    lead = hs[:-1]
-    if sequence_parallel:
-        if axis_name is None:
-            raise ValueError("sequence_parallel: expected False without axis_name (nothing to gather), got True")
-        if not reduce_hidden_grad:
-            raise ValueError(
-                "reduce_hidden_grad: expected True with sequence_parallel=True (the hidden gradient is always "
-                "reduce-scattered to this shard's rows), got False"
-            )
-        if len(hs) < 2:
-            raise ValueError(f"hidden: expected shape [T/W, ..., H] with sequence_parallel=True, got shape {hs}")
-        if len(ts) >= 1 and ts[0] % w:
-            raise ValueError(
-                f"hidden: with sequence_parallel=True expected target's T = {ts[0]} rows divisible by the "
-                f"{w} shards of {axis_name!r} (this shard holds T/W rows of hidden), got target shape {ts}"
-            )
-        lead = (w * hs[0],) + hs[1:-1]
-        if ts != lead:
-            raise ValueError(
-                f"hidden: with sequence_parallel=True expected this shard's T/W = {ts[0] // w if ts else '?'} "
-                f"rows of target's {ts} (hidden shape [T/W, ..., H] with target shape [T, ...]), "
-                f"got hidden shape {hs}"
-            )
-    if ts != lead:
-        raise ValueError(f"target: expected shape {lead} (the leading dims of hidden {hs}), got shape {ts}")
     ks = kd = None
     if keep_mask is not None:
         ks, kd = _describe("keep_mask", keep_mask, "None or a bool jax.Array or numpy array [..., V_local]")
-        if kd != "bool":
-            raise TypeError(f"keep_mask: expected dtype bool, got {kd}")
-        if ks != lead + (ws[0],):
-            raise ValueError(
-                f"keep_mask: expected shape {lead + (ws[0],)} (target's shape + V_local = weight.shape[0]), "
-                f"got shape {ks}"
-            )
-    opt = check_args(
-        logits_shape=lead + (ws[0],), logits_dtype=hd, target_shape=ts, target_dtype=td,
+    for name, value in (("token_block", token_block), ("vocab_block", vocab_block)):
+        _check_block(name, value)
+    w = _world(axis_name) if world is None else world
+    if sequence_parallel is True and axis_name is None and world is None:
+        raise ValueError("sequence_parallel: expected False without axis_name (nothing to gather), got True")
+    opt = check_linear_args(
+        hidden_shape=hs, hidden_dtype=hd, weight_shape=ws, weight_dtype=wd, target_shape=ts, target_dtype=td,
         keep_shape=ks, keep_dtype=kd, temperature=temperature, ignore_index=ignore_index,
-        with_entropy=with_entropy, entropy_grad=entropy_grad,
+        with_entropy=with_entropy, entropy_grad=entropy_grad, reduce_hidden_grad=reduce_hidden_grad,
+        sequence_parallel=sequence_parallel, world_size=w, memory_budget=memory_budget,
     )
     if axis_name is not None:
-        _check_types(hidden, weight, axis_name, reduce_hidden_grad, sequence_parallel)
-    n_rows = int(np.prod(lead, dtype=np.int64))
+        _check_types(hidden, weight, axis_name, opt)
+    n_rows = int(np.prod(ts, dtype=np.int64))
     tc, bv = _plan(n_rows, ws[0], token_block, vocab_block, memory_budget)
-    return _Config(opt, tc, bv, reduce_hidden_grad, sequence_parallel)
+    return _Config(opt, tc, bv)
 
 
-def _check_types(hidden, weight, axis_name, reduce_hidden_grad: bool, sequence_parallel: bool) -> None:
+def _check_types(hidden, weight, axis_name, opt: Options) -> None:
     """Inside shard_map (check_vma on): the varying axes must fit the flags.
 
     The types decide how JAX transposes the caller's graph, so a mismatch
@@ -211,6 +171,7 @@ def _check_types(hidden, weight, axis_name, reduce_hidden_grad: bool, sequence_p
     taken for the whole); refuse it instead.
     """
     names = _names(axis_name)
+    reduce_hidden_grad, sequence_parallel = opt.reduce_hidden_grad, opt.sequence_parallel
     wv, hv = _varying(weight), _varying(hidden)
     if wv is not None and not all(a in wv for a in names):
         raise ValueError(
@@ -360,7 +321,7 @@ def _all_stats(h, w, keep, local, owns, cfg: _Config, cdt, axis_name):
 
 
 def _gather_hidden(h, axis_name, cfg: _Config):
-    if not cfg.sequence_parallel:
+    if not cfg.opt.sequence_parallel:
         return h
     # Sequence parallel: this shard's T/W rows -> all T rows, identical everywhere.
     return lax.all_gather(h, axis_name, axis=0, tiled=True, to="invarying")
@@ -446,10 +407,10 @@ def _op_bwd(axis_name, cfg: _Config, res, cotangents):
     if T:
         dh, dw = _over_blocks(weight.shape[0], cfg.vocab_block, vocab_block, (dh, dw), (h2, weight))
     if axis_name is not None:
-        if cfg.sequence_parallel:
+        if cfg.opt.sequence_parallel:
             full = (hidden.shape[0] * _world(axis_name),) + hidden.shape[1:]
             dh = lax.psum_scatter(dh.reshape(full), axis_name, scatter_dimension=0, tiled=True)
-        elif cfg.reduce_hidden_grad:
+        elif cfg.opt.reduce_hidden_grad:
             dh = lax.psum(dh, axis_name)  # in float32: the partial sums of every shard
     dh = dh.reshape(hidden.shape).astype(hidden.dtype)
     return dh, dw, None, None
@@ -612,11 +573,10 @@ def sharded_linear_logprob_entropy(
     if vocab_axis not in mesh.axis_names:
         raise ValueError(f"vocab_axis: expected one of the mesh axes {tuple(mesh.axis_names)}, got {vocab_axis!r}")
     world = int(mesh.shape[vocab_axis])
-    # The global shapes first (sequence_parallel=False: hidden and target have the same T).
-    _check_flag("sequence_parallel", sequence_parallel)
+    # The global shapes first (world=1: hidden and target have the same T, also with sequence_parallel).
     _validate(hidden, weight, target, keep_mask, axis_name=None, temperature=temperature,
               ignore_index=ignore_index, with_entropy=with_entropy, entropy_grad=entropy_grad,
-              reduce_hidden_grad=True, sequence_parallel=False, token_block=token_block,
+              reduce_hidden_grad=True, sequence_parallel=sequence_parallel, token_block=token_block,
               vocab_block=vocab_block, memory_budget=memory_budget, world=1)
     ws, hs = tuple(weight.shape), tuple(hidden.shape)
     if ws[0] % world:

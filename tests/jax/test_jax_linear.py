@@ -298,12 +298,13 @@ def _shard_map_error(body, in_specs, args, world=2):
 def test_sequence_parallel_rows_not_dividing():
     rng = np.random.default_rng(1)
     h, w = jnp.asarray(rng.normal(size=(4, 8)), jnp.float32), jnp.asarray(rng.normal(size=(20, 8)), jnp.float32)
-    # per shard: 2 rows of hidden, but target has 5 rows (not 2 * 2, and not divisible by 2)
-    for y in (jnp.zeros((5,), jnp.int32), jnp.zeros((6,), jnp.int32)):
+    # per shard: 2 rows of hidden; target's 5 rows do not divide over the 2 shards (the shared message of
+    # dualvp.validation.check_linear_args names sequence_parallel), target's 6 rows are 3 per shard, not 2
+    for n, arg in ((5, "sequence_parallel"), (6, "hidden")):
         msg = _shard_map_error(
             lambda h, w, y: dualvp_jax.linear_logprob_entropy(h, w, y, axis_name="tp", sequence_parallel=True)[0],
-            (P("tp"), P("tp"), P()), (h, w, y))
-        assert msg.startswith("hidden:") and "sequence_parallel" in msg, msg
+            (P("tp"), P("tp"), P()), (h, w, jnp.zeros((n,), jnp.int32)))
+        assert msg.startswith(f"{arg}:") and "expected" in msg, msg
     # global form: T = 5 rows do not divide over 2 shards
     with pytest.raises(ValueError) as info:
         dualvp_jax.sharded_linear_logprob_entropy(jnp.zeros((5, 8)), w, jnp.zeros((5,), jnp.int32), _mesh(2), "tp",
