@@ -21,6 +21,12 @@ float32 accumulators are ``dh [T, H]`` (needed whole anyway for the float32
 reduce over ``axis_name``) and one ``dW_j [vocab_block, H]``; ``dW`` is
 written block by block into its output buffer.
 
+Frozen weight or frozen hidden (``jax.grad`` w.r.t. one of them, under
+``jit``): the backward's unused accumulator is dead code, and XLA drops its
+GEMM (and, for a frozen hidden, the ``psum`` of ``dh``); the compiled HLO then
+has no ``dW`` (resp. ``dh``) dot, pinned by
+``tests/jax/test_jax_linear.py::test_frozen_input_skips_its_gemm``.
+
 Blocks that do not divide the sizes: the last token chunk and the last
 vocabulary block are a separate, smaller block of static shape (never a
 padded or overlapping one), so no padded column or row ever enters a sum.

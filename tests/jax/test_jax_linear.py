@@ -5,6 +5,8 @@ the float64 oracle ``dualvp.reference`` on the full logits, and the chain rule
 ``dh = G @ W``, ``dW = G^T h`` in float64 (``G``: the oracle's logits gradient).
 """
 
+from functools import partial
+
 import numpy as np
 import pytest
 
@@ -363,3 +365,64 @@ def test_no_logits_sized_buffer(dtype):
     unfused_b = _temp_bytes(jax.value_and_grad(unfused, argnums=(0, 1)), h, w)
     assert unfused_b >= T * V * jnp.dtype(_JNP[dtype]).itemsize  # the measurement sees a logits buffer
     assert fused_b < 0.25 * logits_f32, (fused_b, logits_f32)
+
+
+# --- frozen weight / frozen hidden: the dead GEMM is not compiled -------------------
+
+
+def _dot_kinds(fn, h, w, T, V_local, H, blocks):
+    """Output shapes of the dot/convolution ops of the compiled ``fn``, as ``{"logits", "dh", "dW"}`` counts.
+
+    The sizes are chosen disjoint: token blocks (rows), vocab blocks (columns) and H never coincide, so a
+    dot ``[rows, H]`` is a ``dh`` GEMM, ``[cols, H]`` a ``dW`` GEMM and ``[rows, cols]`` a logits block.
+    """
+    import re
+
+    tb, vb = blocks["token_block"], blocks["vocab_block"]
+    rows = {tb, T % tb} - {0}
+    cols = {vb, V_local % vb} - {0}
+    assert not (rows & cols) and H not in rows | cols
+    text = jax.jit(fn).lower(h, w).compile().as_text()
+    kinds = {"logits": 0, "dh": 0, "dW": 0}
+    for shape in re.findall(r"= \w+\[(\d+),(\d+)\]\S* (?:dot|convolution)\(", text):
+        a, b = map(int, shape)
+        kind = "logits" if (a in rows and b in cols) else "dh" if (a in rows and b == H) else \
+            "dW" if (a in cols and b == H) else None
+        assert kind is not None, (a, b)
+        kinds[kind] += 1
+    return kinds
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_frozen_input_skips_its_gemm(world):
+    """jax.grad w.r.t. hidden only (frozen weight) compiles no dW GEMM, w.r.t. weight only no dh GEMM.
+
+    XLA's dead-code elimination drops the unused accumulator of the custom_vjp's backward loops (and, for a
+    frozen hidden, its psum over the axis); this pins it, counted in the compiled HLO.
+    """
+    h, w, y, keep, gl, ge = _problem(37, world, "float32", mask=True, seed=50)
+    hj, wj, yj, kj = _jx(h, "float32"), _jx(w, "float32"), jnp.asarray(y), jnp.asarray(keep)
+
+    def op(h, w, y, k, **kw):
+        return dualvp_jax.linear_logprob_entropy(h, w, y, keep_mask=k, temperature=0.9, **_BLOCKS, **kw)
+
+    if world == 1:
+        f = lambda a, b: op(a, b, yj, kj)  # noqa: E731
+    else:
+        f = jax.shard_map(lambda a, b, y, k: op(a, b, y, k, axis_name="tp"), mesh=_mesh(world),
+                          in_specs=(P(), P("tp"), P(), P(None, "tp")), out_specs=(P(), P()), check_vma=True)
+        f = partial(lambda f, a, b: f(a, b, yj, kj), f)
+
+    def loss(a, b):
+        lp, ent = f(a, b)
+        return jnp.sum(lp * jnp.asarray(gl, jnp.float32)) + jnp.sum(ent * jnp.asarray(ge, jnp.float32))
+
+    count = lambda argnums: _dot_kinds(jax.grad(loss, argnums), hj, wj, 37, _V_LOCAL, _H, _BLOCKS)  # noqa: E731
+    both, dh_only, dw_only = count((0, 1)), count(0), count(1)
+    assert both["dh"] > 0 and both["dW"] > 0, both
+    assert dh_only["dW"] == 0 and dh_only["dh"] == both["dh"], dh_only
+    assert dw_only["dh"] == 0 and dw_only["dW"] == both["dW"], dw_only
+    # the gradient asked for is still right
+    ref = _oracle(h, w, y, gl, ge, keep=keep, temperature=0.9)
+    _check("dh", jax.jit(jax.grad(loss, 0))(hj, wj), ref[2], "float32", "grad")
+    _check("dW", jax.jit(jax.grad(loss, 1))(hj, wj), ref[3], "float32", "grad")
