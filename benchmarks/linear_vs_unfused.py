@@ -1,7 +1,16 @@
 """Fused LM-head op vs the unfused path (matmul + logprob_entropy), side by side in one process.
 
     PYTHONPATH=. python benchmarks/linear_vs_unfused.py [--T 2048 --H 1024 --V 32000 --reps 3]
-        [--dtypes float32 bfloat16] [--out benchmarks/linear_vs_unfused.json]
+        [--dtypes float32 bfloat16] [--impls fused unfused jax-fused] [--out benchmarks/linear_vs_unfused.json]
+
+Implementations: ``fused`` (``dualvp_torch.linear_logprob_entropy``),
+``unfused`` (torch matmul, then ``dualvp_torch.logprob_entropy``) and
+``jax-fused`` (``dualvp_jax.linear_logprob_entropy`` under
+``jax.jit(jax.value_and_grad(loss, (0, 1)))``, the same loss; the inputs are
+placed on the JAX device before the clock starts and the clock stops at
+``block_until_ready``). Its memory is XLA's ``memory_analysis()`` temp bytes
+of the compiled forward + backward (scratch beyond the arguments and the
+returned gradients), not the torch allocation trace.
 
 For each dtype: forward + backward time (median and minimum of ``--reps``
 after one warm-up, the two paths interleaved so that they see the same machine load),
@@ -20,6 +29,7 @@ import json
 import os
 import platform
 import statistics
+import subprocess
 import time
 
 import numpy as np
@@ -64,7 +74,38 @@ def _errors(out, ref) -> dict:
     return res
 
 
-def run(T: int, H: int, V: int, dtype: torch.dtype, reps: int) -> dict:
+def _jax_fused(h0: torch.Tensor, w0: torch.Tensor, y, gl, ge):
+    """``(step, temp_bytes)``: the JAX fused op's forward + backward, compiled, on the same inputs."""
+    import jax
+    import jax.numpy as jnp
+
+    import dualvp_jax
+
+    jdt = {torch.float32: jnp.float32, torch.bfloat16: jnp.bfloat16}[h0.dtype]
+    hj = jnp.asarray(h0.float().numpy()).astype(jdt)
+    wj = jnp.asarray(w0.float().numpy()).astype(jdt)
+    yj, glj, gej = jnp.asarray(y.numpy()), jnp.asarray(gl.numpy()), jnp.asarray(ge.numpy())
+
+    def loss(h, w):
+        lp, en = dualvp_jax.linear_logprob_entropy(h, w, yj)
+        return jnp.sum(lp * glj + en * gej), (lp, en)
+
+    compiled = jax.jit(jax.value_and_grad(loss, (0, 1), has_aux=True)).lower(hj, wj).compile()
+    temp = compiled.memory_analysis().temp_size_in_bytes
+
+    def step(*_):
+        (_, (lp, en)), (dh, dw) = compiled(hj, wj)
+        jax.block_until_ready(dw)
+        return tuple(torch.from_numpy(np.asarray(x.astype(jnp.float32))).to(h0.dtype if i > 1 else torch.float32)
+                     for i, x in enumerate((lp, en, dh, dw)))
+
+    def timed(*_):
+        jax.block_until_ready(compiled(hj, wj))
+
+    return step, timed, temp
+
+
+def run(T: int, H: int, V: int, dtype: torch.dtype, reps: int, impls=("fused", "unfused")) -> dict:
     g = torch.Generator().manual_seed(0)
     # LM-like scale: logits of std ~3 (hidden ~N(0,1), weight ~N(0, 9/H))
     h0 = torch.randn(T, H, generator=g).to(dtype)
@@ -90,10 +131,16 @@ def run(T: int, H: int, V: int, dtype: torch.dtype, reps: int) -> dict:
         return lp.detach(), en.detach(), h.grad, w.grad
 
     paths = {"fused": fused, "unfused": unfused}
+    jax_temp = None
+    if "jax-fused" in impls:
+        jax_step, jax_timed, jax_temp = _jax_fused(h0, w0, y, gl, ge)
+        paths["jax-fused"] = jax_step
+    paths = {k: f for k, f in paths.items() if k in impls}
     outs = {k: f(*leaves()) for k, f in paths.items()}  # warm-up (compilation) and the outputs judged
+    timed = dict(paths, **({"jax-fused": jax_timed} if "jax-fused" in paths else {}))
     times = {k: [] for k in paths}
     for _ in range(reps):
-        for k, f in paths.items():
+        for k, f in timed.items():
             args = leaves()
             t0 = time.perf_counter()
             f(*args)
@@ -101,6 +148,9 @@ def run(T: int, H: int, V: int, dtype: torch.dtype, reps: int) -> dict:
             del args
     peaks = {}
     for k, f in paths.items():
+        if k == "jax-fused":
+            peaks[k] = jax_temp + grads_bytes  # XLA scratch beyond arguments and returned gradients
+            continue
         args = leaves()  # outside the trace: only the step's own allocations count
         peaks[k] = _allocation_peak(lambda: f(*args))
         del args
@@ -122,10 +172,23 @@ def run(T: int, H: int, V: int, dtype: torch.dtype, reps: int) -> dict:
             name: _errors((torch.tensor(r).to(dtype),), (r,))["logprob"]
             for name, r in (("dh", ref[2]), ("dW", ref[3]))
         }
-    res["time_ratio_fused_over_unfused"] = res["fused"]["seconds_median"] / res["unfused"]["seconds_median"]
-    # the fastest run of each is the least disturbed by other jobs on a shared machine
-    res["time_ratio_min_fused_over_min_unfused"] = res["fused"]["seconds_min"] / res["unfused"]["seconds_min"]
+    if "fused" in res and "unfused" in res:
+        res["time_ratio_fused_over_unfused"] = res["fused"]["seconds_median"] / res["unfused"]["seconds_median"]
+        # the fastest run of each is the least disturbed by other jobs on a shared machine
+        res["time_ratio_min_fused_over_min_unfused"] = res["fused"]["seconds_min"] / res["unfused"]["seconds_min"]
+    if "jax-fused" in res and "fused" in res:
+        res["jax-fused"]["memory_source"] = "XLA memory_analysis temp bytes"
+        res["time_ratio_min_jax_fused_over_min_fused"] = res["jax-fused"]["seconds_min"] / res["fused"]["seconds_min"]
+        res["time_ratio_jax_fused_over_fused"] = (res["jax-fused"]["seconds_median"]
+                                                  / res["fused"]["seconds_median"])
     return res
+
+
+def _uptime() -> str:
+    try:
+        return subprocess.run(["uptime"], capture_output=True, text=True, timeout=10).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return ""
 
 
 def main():
@@ -135,21 +198,24 @@ def main():
     ap.add_argument("--V", type=int, default=32000)
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"])
+    ap.add_argument("--impls", nargs="+", default=["fused", "unfused", "jax-fused"],
+                    choices=["fused", "unfused", "jax-fused"])
     ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "linear_vs_unfused.json"))
     a = ap.parse_args()
     result = {
         "T": a.T, "H": a.H, "V_local": a.V, "reps": a.reps, "torch": torch.__version__,
         "threads": torch.get_num_threads(), "machine": platform.processor() or platform.machine(),
-        "loadavg_before": os.getloadavg(),
+        "impls": a.impls, "uptime_before": _uptime(), "loadavg_before": os.getloadavg(),
         "memory_note": "peak of the CPU allocation trace of one forward+backward step "
         "(inputs allocated before the trace) minus the returned gradients dh, dW; as a multiple of B = T * V_local * itemsize",
         "runs": [],
     }
     for name in a.dtypes:
-        r = run(a.T, a.H, a.V, getattr(torch, name), a.reps)
+        r = run(a.T, a.H, a.V, getattr(torch, name), a.reps, a.impls)
         result["runs"].append(r)
         print(json.dumps(r, indent=1), flush=True)
     result["loadavg_after"] = os.getloadavg()
+    result["uptime_after"] = _uptime()
     with open(a.out, "w") as f:
         json.dump(result, f, indent=1)
     print("wrote", a.out)
