@@ -2,7 +2,7 @@
 
 A ``torch.save``'d dict and an ``.npz`` are written here, run through the
 command at ``--tp 2`` (exit 0, the table names the file and its shape); the
-deliberate fault ``DUALVP_TEST_FAULT=grad_tau`` (see test_checks_can_fail)
+deliberate fault ``DUALVP_TEST_FAULT=grad_tau`` (:mod:`dualvp.testing.faults`)
 makes the same file FAIL on the gradient rows; malformed files give an error
 that names what is wrong, before any backend starts.
 """

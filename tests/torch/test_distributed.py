@@ -9,7 +9,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from _torch_sweep import suite as _suite  # noqa: E402
+from ._sweep import suite as _suite  # noqa: E402
 
 @pytest.mark.parametrize("world", [2, 4])
 def test_table_against_reference(world):

@@ -8,8 +8,8 @@ import pytest
 
 pytest.importorskip("torch")
 
-import _disagree  # noqa: E402  (tests/torch is on sys.path under pytest)
-from _torch_sweep import suite  # noqa: E402
+from . import _disagree  # noqa: E402
+from ._sweep import suite  # noqa: E402
 
 NAMES = list(_disagree.SCENARIOS)
 
