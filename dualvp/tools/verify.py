@@ -44,7 +44,7 @@ __all__ = ["run", "compare", "Row", "problem_for", "load_input", "input_problem"
 
 
 def problem_for(args) -> cases.Problem:
-    """The verify problem: a :class:`dualvp.cases.Case` built from the options."""
+    """The verify problem: a :class:`dualvp.testing.cases.Case` built from the options."""
     c = cases.Case(
         name="verify",
         lead=(args.tokens,),

@@ -8,10 +8,6 @@ the gradient rows only; without it, the same run passes. The JAX child is
 started by ``dualvp verify``'s own launcher (:func:`dualvp.tools.verify.start_jax`).
 """
 
-import os
-import subprocess
-import sys
-
 import pytest
 
 pytest.importorskip("torch")
@@ -20,6 +16,8 @@ pytest.importorskip("jax")
 from dualvp import testing  # noqa: E402
 from dualvp.testing import cases, faults  # noqa: E402
 from dualvp.tools import verify  # noqa: E402
+
+from ._cli import run_verify  # noqa: E402
 
 
 @pytest.mark.parametrize("fault", ["", "grad_tau"])
@@ -38,17 +36,13 @@ def test_helper_reports_the_fault(tmp_path, fault):
 
 
 def test_verify_reports_the_fault():
-    env = dict(os.environ, **{faults.ENV: "grad_tau"})
     args = ["--tp", "2", "--tokens", "16", "--vocab", "64", "--temperature", "0.5", "--no-compile"]
-    proc = subprocess.run([sys.executable, "-m", "dualvp", "verify", *args], env=env,
-                          capture_output=True, text=True, timeout=600)
+    proc = run_verify(*args, fault="grad_tau")
     assert proc.returncode == 1, proc.stdout + proc.stderr
     fails = [ln for ln in proc.stdout.splitlines() if ln.rstrip().endswith("FAIL")]
     assert fails and all(" grad " in ln for ln in fails), proc.stdout
     assert any(ln.startswith("jax vs oracle") for ln in fails), proc.stdout
     assert any(ln.startswith("torch vs jax") for ln in fails), proc.stdout
     assert "FAIL:" in proc.stdout
-    ok = subprocess.run([sys.executable, "-m", "dualvp", "verify", *args],
-                        env={k: v for k, v in os.environ.items() if k != faults.ENV},
-                        capture_output=True, text=True, timeout=600)
+    ok = run_verify(*args)
     assert ok.returncode == 0, ok.stdout + ok.stderr

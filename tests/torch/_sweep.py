@@ -1,6 +1,6 @@
 """Scenario sweep of dualvp_torch against the float64 oracle, run inside one rank.
 
-``sweep(rank, world)`` runs every case of :data:`dualvp.cases.CASES` that
+``sweep(rank, world)`` runs every case of :data:`dualvp.testing.cases.CASES` that
 lists ``world`` in its ``worlds``, in every loss mode of :data:`LOSS_MODES`, on
 this rank's shard (``group=None`` when ``world == 1``), and returns a list of
 failure descriptions (empty when everything is within the shared tolerances).
@@ -10,7 +10,6 @@ for W = 2 and 4, so that one spawn per W covers the whole table.
 
 from __future__ import annotations
 
-import numpy as np
 import torch
 
 from dualvp import reference, testing

@@ -1,7 +1,7 @@
 """Ranks that disagree never hang: every rank raises the same error, within seconds.
 
 The rank bodies are in ``_disagree.py``; they run inside the one spawn per W
-of ``_torch_sweep.suite`` (a hang there fails the whole run at its timeout).
+of ``_sweep.suite`` (a hang there fails the whole run at its timeout).
 """
 
 import pytest

@@ -57,7 +57,7 @@ class Impl:
       framework: ``"torch"`` or ``"jax"``: the worker loop that runs it.
       needs: modules that must be importable for it to run.
       build: ``build(ctx) -> forward`` (see the module docstring).
-      about: one line for the docs.
+      about: one line, listed by ``dualvp bench --help``.
       env: extra environment of its worker processes.
       baseline: a baseline the goals compare ``dualvp-torch`` with.
       process_group: needs a ``torch.distributed`` group even at W=1.
