@@ -30,7 +30,9 @@ def _call(backend: str):
             return v
 
         def call(kw):
-            kw = {k: convert(v) for k, v in kw.items()}
+            # eager kernels: validation runs before any kernel, and the valid base
+            # call need not pay a torch.compile
+            kw = {"impl": "eager", **{k: convert(v) for k, v in kw.items()}}
             z = kw.pop("logits")
             if isinstance(z, torch.Tensor) and z.is_floating_point():
                 z.requires_grad_(True)

@@ -44,5 +44,7 @@ def test_verify_reports_the_fault():
     assert any(ln.startswith("jax vs oracle") for ln in fails), proc.stdout
     assert any(ln.startswith("torch vs jax") for ln in fails), proc.stdout
     assert "FAIL:" in proc.stdout
-    ok = run_verify(*args)
+    # without the fault the same problem passes (JAX only: verify with torch
+    # passing is test_verify_input.test_torch_save_file_passes_at_tp2)
+    ok = run_verify(*args, "--backends", "jax")
     assert ok.returncode == 0, ok.stdout + ok.stderr
