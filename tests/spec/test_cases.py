@@ -3,7 +3,8 @@
 import numpy as np
 import pytest
 
-from dualvp import cases
+from dualvp import testing
+from dualvp.testing import cases
 
 
 @pytest.mark.parametrize("c", cases.CASES, ids=lambda c: c.name)
@@ -33,3 +34,13 @@ def test_within_tolerance_detects_errors():
     assert not cases.within_tolerance(np.array([1.0, 0.0, 2.0]), ref, cases.Tolerance(1, 1))
     assert not cases.within_tolerance(np.array([1.1, -np.inf, 2.0]), ref, cases.Tolerance(1e-3, 0))
     assert cases.max_errors(np.array([np.nan]), np.array([1.0]))[0] == float("inf")
+    assert cases.max_errors(np.array([-np.inf, 1.5]), np.array([-np.inf, 1.0])) == (0.5, 0.5)
+    assert not cases.within_tolerance(np.array([1.0, 2.0]), np.array([1.0]), cases.Tolerance(1, 1))
+
+
+def test_old_cases_module_is_an_alias():
+    import dualvp
+    from dualvp import cases as old
+
+    assert old.CASES is cases.CASES and old.tolerance is testing.tolerance and old.make is cases.make
+    assert not hasattr(dualvp, "logprob_entropy")  # the oracle is dualvp.reference only

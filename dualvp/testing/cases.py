@@ -1,0 +1,342 @@
+"""Shared test scenarios and the bad-input table.
+
+One table of named scenarios, used by the tests of every backend and by
+``dualvp verify``; the tolerances and the error metric they are judged with
+live in :mod:`dualvp.testing.metrics` (re-exported here). A :class:`Case` is a recipe; :func:`make` turns it into
+NumPy arrays (full, unsharded logits in float64 *already rounded to the case's
+dtype*, so that the float64 oracle judges exactly the input the backend sees).
+
+Backends shard the arrays themselves: rank ``r`` of ``W`` gets the columns
+``[r*V/W, (r+1)*V/W)`` of ``logits`` and ``keep_mask``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Optional
+
+import numpy as np
+
+from .metrics import TOLERANCES, Tolerance, max_errors, tolerance, within_tolerance
+
+__all__ = [
+    "Case",
+    "Problem",
+    "CASES",
+    "case",
+    "make",
+    "round_to_dtype",
+    "Tolerance",
+    "TOLERANCES",
+    "tolerance",
+    "max_errors",
+    "within_tolerance",
+    "confident_lm_logits",
+    "BadInput",
+    "BAD_INPUTS",
+    "bad_input_base",
+    "make_mask",
+]
+
+_MASKS = ("none", "nucleus", "drop_target", "all_but_target", "random")
+_LOGITS = ("normal", "extreme", "neg_inf", "ties", "dominant", "confident_lm")
+
+
+@dataclass(frozen=True)
+class Case:
+    """A named scenario.
+
+    Attributes:
+      name: unique id (used as the pytest id).
+      lead: leading dims of ``target`` (``logits`` is ``lead + (V,)``);
+        ``(0,)`` is the empty problem.
+      vocab: full vocabulary ``V``; divisible by every ``W`` in ``worlds``.
+      worlds: shard counts the case is meant to run with.
+      dtype: input dtype name: ``float32``, ``bfloat16``, ``float16``,
+        ``float64``.
+      temperature: ``tau``.
+      mask: ``none``, ``nucleus`` (top-p-like sets), ``drop_target`` (nuclei
+        that leave out the target, which the op must keep anyway),
+        ``all_but_target`` (only the target kept), ``random``.
+      logits: ``normal``, ``extreme`` (+-1e4 rows), ``neg_inf`` (banned
+        columns, a whole shard of -inf, a target at -inf), ``ties``,
+        ``dominant`` (one token far above the rest), ``confident_lm``
+        (N(10, 3) with +25 spikes).
+      ignore_frac: fraction of rows whose target is ``ignore_index``.
+      seed: RNG seed.
+    """
+
+    name: str
+    lead: tuple = (6,)
+    vocab: int = 64
+    worlds: tuple = (1, 2, 4, 8)
+    dtype: str = "float32"
+    temperature: float = 1.0
+    mask: str = "none"
+    logits: str = "normal"
+    ignore_frac: float = 0.0
+    seed: int = 0
+    ignore_index: int = -100
+
+    def __post_init__(self):
+        assert self.mask in _MASKS, self.mask
+        assert self.logits in _LOGITS, self.logits
+        assert all(self.vocab % w == 0 for w in self.worlds), (self.name, self.vocab, self.worlds)
+
+
+@dataclass
+class Problem:
+    """Concrete arrays of a case (NumPy; logits as float64 values of the dtype)."""
+
+    case: Case
+    logits: np.ndarray  # [..., V] float64, exactly representable in case.dtype
+    target: np.ndarray  # [...] int64
+    keep_mask: Optional[np.ndarray]  # [..., V] bool or None
+    grad_logprob: np.ndarray  # [...] float64 upstream gradient
+    grad_entropy: np.ndarray  # [...] float64 upstream gradient
+    extra: dict = field(default_factory=dict)
+
+    def shard(self, rank: int, world: int):
+        """Columns of rank ``rank`` of ``world``: ``(logits, keep_mask)``."""
+        v = self.logits.shape[-1] // world
+        sl = slice(rank * v, (rank + 1) * v)
+        km = None if self.keep_mask is None else self.keep_mask[..., sl]
+        return self.logits[..., sl], km
+
+
+def round_to_dtype(x: np.ndarray, dtype: str) -> np.ndarray:
+    """Round float64 values to ``dtype`` and return them as float64."""
+    if dtype == "float64":
+        return np.asarray(x, dtype=np.float64)
+    if dtype == "float32":
+        return np.asarray(x, dtype=np.float32).astype(np.float64)
+    if dtype == "float16":
+        return np.asarray(x, dtype=np.float16).astype(np.float64)
+    if dtype == "bfloat16":
+        # Round to nearest even on the top 16 bits of the float32 pattern;
+        # +-inf and NaN survive (NaN stays NaN).
+        f = np.asarray(x, dtype=np.float32)
+        bits = f.view(np.uint32).astype(np.uint64)
+        rounded = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
+        out = rounded.astype(np.uint32).view(np.float32)
+        out = np.where(np.isfinite(f), out, f)
+        return out.astype(np.float64)
+    raise ValueError(f"dtype: expected one of float64, float32, float16, bfloat16, got {dtype}")
+
+
+def confident_lm_logits(rng: np.random.Generator, shape: tuple, spikes: int = 3) -> np.ndarray:
+    """Logits like a confident LM: N(10, 3) with a few +25 spikes per row."""
+    z = rng.normal(10.0, 3.0, size=shape)
+    if shape[-1] and int(np.prod(shape[:-1])):
+        flat = z.reshape(-1, shape[-1])
+        for row in flat:
+            row[rng.integers(0, shape[-1], size=min(spikes, shape[-1]))] += 25.0
+        z = flat.reshape(shape)
+    return z
+
+
+def _logits(rng, kind: str, shape: tuple, vocab: int, worlds: tuple) -> np.ndarray:
+    if kind == "normal":
+        return rng.normal(0.0, 2.0, size=shape)
+    if kind == "confident_lm":
+        return confident_lm_logits(rng, shape)
+    z = rng.normal(0.0, 2.0, size=shape)
+    flat = z.reshape(-1, vocab)
+    n = flat.shape[0]
+    if kind == "extreme":
+        for i in range(n):
+            flat[i] = [1e4, -1e4, 1e4 - 3.0][i % 3] + rng.normal(0.0, 2.0, size=vocab)
+        if n:
+            flat[0, rng.integers(0, vocab)] = -1e4  # +-1e4 inside one row
+    elif kind == "neg_inf":
+        wmax = max(worlds)
+        vr = vocab // wmax
+        for i in range(n):
+            banned = rng.random(vocab) < 0.3
+            flat[i, banned] = -np.inf
+            if i % 3 == 0:
+                flat[i, :vr] = -np.inf  # a whole (smallest) shard banned
+            flat[i, rng.integers(vr, vocab)] = 1.0  # keep a finite entry
+    elif kind == "ties":
+        for i in range(n):
+            flat[i] = float(i % 3)
+            flat[i, rng.integers(0, vocab, size=2)] = 5.0  # a tied maximum
+    elif kind == "dominant":
+        for i in range(n):
+            flat[i, rng.integers(0, vocab)] += 60.0
+    return flat.reshape(shape)
+
+
+def make_mask(rng: np.random.Generator, kind: str, z: np.ndarray, target: np.ndarray,
+              ignore_index: int = -100) -> Optional[np.ndarray]:
+    """A keep mask of ``kind`` (see :class:`Case` ``mask``) for logits ``z [..., V]``; ``None`` for ``none``."""
+    if kind == "none":
+        return None
+    vocab = z.shape[-1]
+    flat = z.reshape(-1, vocab)
+    y = target.reshape(-1)
+    if kind == "random":
+        keep = rng.random(flat.shape) < 0.5
+    elif kind == "all_but_target":
+        keep = np.zeros(flat.shape, dtype=bool)
+    else:
+        # nucleus: the smallest set of top tokens holding probability >= top_p.
+        keep = np.zeros(flat.shape, dtype=bool)
+        for i, row in enumerate(flat):
+            r = np.where(np.isfinite(row), row, -np.inf)
+            order = np.argsort(-r, kind="stable")
+            p = np.exp(r[order] - r[order[0]]) if np.isfinite(r[order[0]]) else np.ones(vocab)
+            p = p / p.sum()
+            top_p = rng.uniform(0.5, 0.95)
+            n_keep = int(np.searchsorted(np.cumsum(p), top_p) + 1)
+            keep[i, order[: max(1, n_keep)]] = True
+            if kind == "drop_target" and y[i] != ignore_index:
+                keep[i, y[i]] = False
+    return keep.reshape(z.shape)
+
+
+def make(case: Case) -> Problem:
+    """Build the arrays of ``case`` (deterministic in ``case.seed``)."""
+    rng = np.random.default_rng(case.seed)
+    shape = tuple(case.lead) + (case.vocab,)
+    z = _logits(rng, case.logits, shape, case.vocab, case.worlds)
+    target = rng.integers(0, case.vocab, size=case.lead).astype(np.int64)
+    if case.logits == "neg_inf" and target.size:
+        flat_t, flat_z = target.reshape(-1), z.reshape(-1, case.vocab)
+        for i in range(flat_t.size):
+            finite = np.flatnonzero(np.isfinite(flat_z[i]))
+            flat_t[i] = rng.choice(finite)
+        # one target sits on a banned (-inf) column: log-prob -inf, finite grad
+        banned = np.flatnonzero(~np.isfinite(flat_z[0]))
+        if banned.size and case.mask in ("none", "random"):
+            flat_t[0] = banned[-1]
+    if case.ignore_frac > 0 and target.size:
+        ign = rng.random(case.lead) < case.ignore_frac
+        ign.reshape(-1)[0] = True
+        target = np.where(ign, case.ignore_index, target)
+    z = round_to_dtype(z, case.dtype)
+    keep = make_mask(rng, case.mask, z, target, case.ignore_index)
+    gl = rng.normal(size=case.lead)
+    ge = rng.normal(size=case.lead)
+    return Problem(case, z, target, keep, gl, ge)
+
+
+def _c(name, **kw) -> Case:
+    return Case(name=name, **kw)
+
+
+#: The fixed scenario table. Each case runs for every W in its ``worlds``.
+CASES: tuple[Case, ...] = (
+    _c("basic"),
+    _c("empty", lead=(0,)),
+    _c("single_row", lead=(1,)),
+    _c("batch_dims", lead=(2, 3), vocab=48, worlds=(1, 2, 4)),
+    _c("float64", dtype="float64"),
+    _c("bfloat16", dtype="bfloat16"),
+    _c("float16", dtype="float16", worlds=(1, 2, 4)),
+    _c("temp_0.3", temperature=0.3),
+    _c("temp_2.0", temperature=2.0),
+    _c("nucleus", mask="nucleus", seed=1),
+    _c("drop_target", mask="drop_target", seed=2),
+    _c("all_but_target", mask="all_but_target", seed=3),
+    _c("random_mask_temp", mask="random", temperature=0.7, seed=4),
+    _c("ignored_rows", ignore_frac=0.4, seed=5),
+    _c("ignored_masked", ignore_frac=0.4, mask="nucleus", seed=6),
+    _c("extreme", logits="extreme", seed=7),
+    _c("extreme_temp", logits="extreme", temperature=0.3, seed=8),
+    _c("neg_inf", logits="neg_inf", seed=9),
+    _c("neg_inf_masked", logits="neg_inf", mask="nucleus", seed=10),
+    _c("ties", logits="ties", seed=11),
+    _c("dominant", logits="dominant", seed=12),
+    _c("confident_lm", logits="confident_lm", lead=(4, 8), vocab=256, seed=13),
+    _c("confident_lm_bf16", logits="confident_lm", dtype="bfloat16", vocab=256, mask="nucleus", seed=14),
+    _c("everything", lead=(3, 4), vocab=96, worlds=(1, 2, 4), mask="drop_target",
+       temperature=1.7, ignore_frac=0.25, logits="neg_inf", seed=15),
+)
+
+_BY_NAME = {c.name: c for c in CASES}
+assert len(_BY_NAME) == len(CASES), "duplicate case names"
+
+
+def case(name: str, **changes) -> Case:
+    """The case called ``name``, with optional field changes."""
+    return dataclasses.replace(_BY_NAME[name], **changes)
+
+
+# --- bad inputs ---------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class BadInput:
+    """A call that must raise ``error`` with ``arg`` named in the message.
+
+    ``changes`` override the arguments of :func:`bad_input_base`. NumPy arrays
+    are converted to the backend's array type (keeping their dtype); other
+    values (Python lists, strings, numbers) are passed as they are.
+    ``backends`` lists the backends the case applies to.
+    """
+
+    name: str
+    changes: dict
+    error: type
+    arg: str
+    backends: tuple = ("torch", "jax")
+
+
+def bad_input_base() -> dict:
+    """Valid arguments (NumPy) that every :data:`BAD_INPUTS` case starts from."""
+    rng = np.random.default_rng(0)
+    return dict(
+        logits=rng.normal(size=(4, 8)).astype(np.float32),
+        target=np.array([0, 3, 7, -100], dtype=np.int64),
+        keep_mask=None,
+        temperature=1.0,
+        with_entropy=True,
+        entropy_grad=True,
+        ignore_index=-100,
+    )
+
+
+def _z(shape, dtype=np.float32):
+    return np.zeros(shape, dtype=dtype)
+
+
+#: At least 25 invalid calls; both backends must reject each one the same way.
+BAD_INPUTS: tuple[BadInput, ...] = (
+    BadInput("logits_list", {"logits": [[0.0] * 8] * 4}, TypeError, "logits"),
+    BadInput("logits_int", {"logits": np.zeros((4, 8), dtype=np.int32)}, TypeError, "logits"),
+    BadInput("logits_bool", {"logits": np.zeros((4, 8), dtype=bool)}, TypeError, "logits"),
+    BadInput("logits_complex", {"logits": np.zeros((4, 8), dtype=np.complex64)}, TypeError, "logits", ("torch",)),
+    BadInput("logits_scalar", {"logits": np.float32(1.0), "target": np.int64(0)}, ValueError, "logits"),
+    BadInput("logits_empty_vocab", {"logits": _z((4, 0))}, ValueError, "logits"),
+    BadInput("target_float", {"target": np.zeros(4, dtype=np.float32)}, TypeError, "target"),
+    BadInput("target_bool", {"target": np.zeros(4, dtype=bool)}, TypeError, "target"),
+    BadInput("target_list", {"target": [0, 1, 2, 3]}, TypeError, "target"),
+    BadInput("target_too_long", {"target": np.zeros(5, dtype=np.int64)}, ValueError, "target"),
+    BadInput("target_extra_dim", {"target": np.zeros((4, 1), dtype=np.int64)}, ValueError, "target"),
+    BadInput("target_missing_dim", {"logits": _z((2, 4, 8)), "target": np.zeros(8, dtype=np.int64)}, ValueError, "target"),
+    BadInput("lead_dims_swapped", {"logits": _z((2, 3, 8)), "target": np.zeros((3, 2), dtype=np.int64)}, ValueError, "target"),
+    BadInput("target_too_large", {"target": np.array([0, 1, 8, 2], dtype=np.int64)}, ValueError, "target"),
+    BadInput("target_negative", {"target": np.array([0, -1, 2, 3], dtype=np.int64)}, ValueError, "target"),
+    BadInput("keep_mask_float", {"keep_mask": np.ones((4, 8), dtype=np.float32)}, TypeError, "keep_mask"),
+    BadInput("keep_mask_int", {"keep_mask": np.ones((4, 8), dtype=np.int64)}, TypeError, "keep_mask"),
+    BadInput("keep_mask_shape", {"keep_mask": np.ones((4, 7), dtype=bool)}, ValueError, "keep_mask"),
+    BadInput("keep_mask_rows", {"keep_mask": np.ones((8,), dtype=bool)}, ValueError, "keep_mask"),
+    BadInput("temperature_zero", {"temperature": 0.0}, ValueError, "temperature"),
+    BadInput("temperature_negative", {"temperature": -1.0}, ValueError, "temperature"),
+    BadInput("temperature_nan", {"temperature": float("nan")}, ValueError, "temperature"),
+    BadInput("temperature_inf", {"temperature": float("inf")}, ValueError, "temperature"),
+    BadInput("temperature_str", {"temperature": "1.0"}, TypeError, "temperature"),
+    BadInput("temperature_bool", {"temperature": True}, TypeError, "temperature"),
+    BadInput("temperature_array", {"temperature": np.array([1.0, 2.0])}, TypeError, "temperature"),
+    BadInput("ignore_index_float", {"ignore_index": -100.0}, TypeError, "ignore_index"),
+    BadInput("ignore_index_str", {"ignore_index": "-100"}, TypeError, "ignore_index"),
+    BadInput("with_entropy_str", {"with_entropy": "yes"}, TypeError, "with_entropy"),
+    BadInput("with_entropy_int", {"with_entropy": 1}, TypeError, "with_entropy"),
+    BadInput("entropy_grad_none", {"entropy_grad": None}, TypeError, "entropy_grad"),
+    BadInput("group_str", {"group": "world"}, TypeError, "group", ("torch",)),
+    BadInput("group_int", {"group": 0}, TypeError, "group", ("torch",)),
+    BadInput("validate_str", {"validate": "no"}, TypeError, "validate", ("torch",)),
+)
+assert len({b.name for b in BAD_INPUTS}) == len(BAD_INPUTS)
