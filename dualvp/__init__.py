@@ -4,14 +4,13 @@ This package is the specification: the math written once (:mod:`dualvp.spec`),
 the float64 NumPy oracle (:mod:`dualvp.reference`), argument validation
 (:mod:`dualvp.validation`), the spec run over simulated shards
 (:mod:`dualvp.simulate`) and the conformance fixtures every backend is tested
-with (:mod:`dualvp.testing`: cases, tolerances, oracle, backend adapters;
-:mod:`dualvp.cases` is a temporary alias of :mod:`dualvp.testing.cases`).
+with (:mod:`dualvp.testing`: cases, tolerances, oracle, backend adapters).
 The backends live in ``dualvp_torch`` and ``dualvp_jax``; the ``dualvp``
 command (``verify``, ``bench``) in :mod:`dualvp.tools`, which this package
 does not import.
 """
 
-from . import cases, reference, simulate, spec, testing, validation
+from . import reference, simulate, spec, testing, validation
 
 __version__ = "0.1.0"
 
@@ -21,6 +20,5 @@ __all__ = [
     "simulate",
     "validation",
     "testing",
-    "cases",
     "__version__",
 ]

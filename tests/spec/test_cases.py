@@ -38,9 +38,8 @@ def test_within_tolerance_detects_errors():
     assert not cases.within_tolerance(np.array([1.0, 2.0]), np.array([1.0]), cases.Tolerance(1, 1))
 
 
-def test_old_cases_module_is_an_alias():
+def test_oracle_is_exported_only_as_reference():
     import dualvp
-    from dualvp import cases as old
 
-    assert old.CASES is cases.CASES and old.tolerance is testing.tolerance and old.make is cases.make
-    assert not hasattr(dualvp, "logprob_entropy")  # the oracle is dualvp.reference only
+    assert not hasattr(dualvp, "logprob_entropy") and not hasattr(dualvp, "cases")
+
