@@ -49,7 +49,8 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
 import dualvp_jax  # noqa: E402
-from dualvp import cases, reference  # noqa: E402
+from dualvp import reference  # noqa: E402
+from dualvp.testing import cases, metrics  # noqa: E402
 
 _JNP = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 

@@ -2,14 +2,15 @@
 
 This package is the specification: the math written once (:mod:`dualvp.spec`),
 the float64 NumPy oracle (:mod:`dualvp.reference`), argument validation
-(:mod:`dualvp.validation`) and the shared test scenarios (:mod:`dualvp.cases`).
+(:mod:`dualvp.validation`), the spec run over simulated shards
+(:mod:`dualvp.simulate`) and the conformance fixtures every backend is tested
+with (:mod:`dualvp.testing`: cases, tolerances, oracle, backend adapters).
 The backends live in ``dualvp_torch`` and ``dualvp_jax``; the ``dualvp``
 command (``verify``, ``bench``) in :mod:`dualvp.tools`, which this package
 does not import.
 """
 
-from . import cases, reference, simulate, spec, validation
-from .reference import logprob_entropy, logprob_entropy_grad
+from . import reference, simulate, spec, testing, validation
 
 __version__ = "0.1.0"
 
@@ -18,8 +19,6 @@ __all__ = [
     "reference",
     "simulate",
     "validation",
-    "cases",
-    "logprob_entropy",
-    "logprob_entropy_grad",
+    "testing",
     "__version__",
 ]

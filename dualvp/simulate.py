@@ -5,7 +5,8 @@ This is the specification executed exactly as a sharded backend executes it
 finalize, the local gradient), in one process; optionally each shard is
 further split into column blocks whose statistics merge with the same
 :func:`dualvp.spec.reduce_stats` (as the fused LM-head op's vocab chunks do). The tests hold it against :mod:`dualvp.reference`,
-and ``dualvp verify`` reports it as the ``spec`` row.
+and ``dualvp verify`` reports it as the ``spec`` row (through
+:func:`dualvp.testing.run` with backend ``"spec"``).
 """
 
 from __future__ import annotations
@@ -14,10 +15,10 @@ import numpy as np
 
 from . import spec
 
-__all__ = ["logprob_entropy_sharded"]
+__all__ = ["over_shards"]
 
 
-def logprob_entropy_sharded(
+def over_shards(
     logits,
     target,
     world_size: int,

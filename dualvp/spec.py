@@ -1,4 +1,4 @@
-"""The math of DESIGN.md, written once, over an array namespace ``xp``.
+"""The math of docs/design.md, written once, over an array namespace ``xp``.
 
 Every function here is a pure function of arrays. ``xp`` is an array-API
 namespace: ``numpy`` (2.x), ``jax.numpy``, or ``array_api_compat.torch``. The

@@ -34,7 +34,6 @@ and raise ``ValueError``.
 
 from __future__ import annotations
 
-import os
 from functools import partial
 import numpy as np
 
@@ -148,13 +147,6 @@ def _check_varying(logits, axis_name) -> None:
 
 # --- the op -------------------------------------------------------------------
 
-# Test-only hook, read once at import: DUALVP_TEST_FAULT=grad_tau makes the
-# backward forget to divide by the temperature (a plausible bug). The
-# cross-framework tests set it in a child process to prove that they and
-# `dualvp verify` report FAIL. Never set it otherwise.
-_TEST_FAULT = os.environ.get("DUALVP_TEST_FAULT", "")
-
-
 def _compute_dtype(dtype):
     # bf16 / f16 / f32 -> f32; f64 -> f64 (only reachable under jax_enable_x64).
     return jnp.promote_types(dtype, jnp.float32)
@@ -213,8 +205,6 @@ def _op_bwd(axis_name, opt: Options, res, cotangents):
     g_entropy = jnp.asarray(g_entropy, cdt) if opt.need_entropy_grad else None
     g = spec.block_grad(jnp, logits, local, owns, keep, comb, valid, g_logprob, g_entropy, opt.temperature, dtype=cdt)
     g = jnp.where(bad[..., None], jnp.full_like(g, jnp.nan), g)
-    if _TEST_FAULT == "grad_tau":
-        g = g * opt.temperature
     return g.astype(logits.dtype), None, None
 
 

@@ -23,7 +23,7 @@ What it shows, end to end, the way an RL framework uses the op:
   ``dualvp_jax`` (an independent implementation, vocab sharded over ``--tp``
   JAX host devices) and to the float64 NumPy oracle; the worst differences of
   log-prob, entropy and logits gradient are printed and checked against
-  ``dualvp.cases.TOLERANCES``. The gradient is compared at unit upstream
+  ``dualvp.testing.TOLERANCES``. The gradient is compared at unit upstream
   scale (both sides divided by the largest upstream gradient), so that the
   tiny ``1/tokens`` factor of a mean loss cannot hide an error.
 
@@ -158,14 +158,15 @@ def audit(z, y, keep, lp_t, h_t, gl, gh, g_t, temperature, tp):
 
     All arrays are full (gathered) ``[N, L, V]`` / ``[N, L]`` float32 NumPy.
     Returns a dict of worst absolute differences and a pass flag against
-    ``dualvp.cases.TOLERANCES['float32']``.
+    ``dualvp.testing.TOLERANCES['float32']``.
     """
     import jax
     import jax.numpy as jnp
     from jax.sharding import Mesh
 
     import dualvp_jax
-    from dualvp import cases, reference
+    from dualvp import reference
+    from dualvp.testing import metrics
 
     mesh = Mesh(np.array(jax.devices()[:tp]), ("tp",))
     s = 1.0 / max(float(np.abs(gl).max()), float(np.abs(gh).max()), 1e-30)  # unit upstream scale
@@ -180,7 +181,7 @@ def audit(z, y, keep, lp_t, h_t, gl, gh, g_t, temperature, tp):
     lp_r, h_r = reference.logprob_entropy(z, y, keep_mask=keep, temperature=temperature)
     g_r = reference.logprob_entropy_grad(z, y, gl * s, gh * s, keep_mask=keep, temperature=temperature)
     g_ts = g_t.astype(np.float64) * s
-    tol = cases.TOLERANCES["float32"]
+    tol = metrics.TOLERANCES["float32"]
     out = {}
     ok = True
     for name, t, j, r, key in (
@@ -188,13 +189,13 @@ def audit(z, y, keep, lp_t, h_t, gl, gh, g_t, temperature, tp):
         ("entropy", h_t, h_j, h_r, "entropy"),
         ("grad", g_ts, g_j, g_r, "grad"),
     ):
-        out[f"{name}_vs_jax"] = cases.max_errors(t, j)[0]
-        out[f"{name}_vs_f64"] = cases.max_errors(t, r)[0]
-        out[f"jax_{name}_vs_f64"] = cases.max_errors(j, r)[0]
+        out[f"{name}_vs_jax"] = metrics.max_errors(t, j)[0]
+        out[f"{name}_vs_f64"] = metrics.max_errors(t, r)[0]
+        out[f"jax_{name}_vs_f64"] = metrics.max_errors(j, r)[0]
         # Each implementation within the table's bound of the oracle, and the
         # two within the sum of their bounds of each other.
-        ok &= cases.within_tolerance(t, r, tol[key]) and cases.within_tolerance(j, r, tol[key])
-        ok &= cases.within_tolerance(t, j, cases.Tolerance(2 * tol[key].atol, 2 * tol[key].rtol))
+        ok &= metrics.within_tolerance(t, r, tol[key]) and metrics.within_tolerance(j, r, tol[key])
+        ok &= metrics.within_tolerance(t, j, metrics.pair_tolerance("float32", key))
     out["ok"] = bool(ok)
     return out
 
@@ -318,9 +319,9 @@ def plot(history, path: str, args) -> None:
     for key, label, m in (("logprob_vs_jax", "log-prob", "o"), ("entropy_vs_jax", "entropy", "s"),
                           ("grad_vs_jax", "logits grad (unit scale)", "^")):
         ax[2].semilogy([s for s, _ in aud], [max(a[key], 1e-12) for _, a in aud], m + "-", label=label)
-    from dualvp import cases
+    from dualvp.testing import metrics
 
-    atol = min(t.atol for t in cases.TOLERANCES["float32"].values())
+    atol = min(t.atol for t in metrics.TOLERANCES["float32"].values())
     ax[2].axhline(atol, color="red", lw=0.8, ls="--", label=f"tolerance floor (atol {atol:g}, float32)")
     ax[2].set(title="audit: max |torch - dualvp_jax|", xlabel="step")
     ax[2].legend(fontsize=8)
@@ -380,7 +381,7 @@ def main(argv=None) -> int:
           f"log-prob {max(a['logprob_vs_jax'] for a in audits):.1e}, "
           f"entropy {max(a['entropy_vs_jax'] for a in audits):.1e}, "
           f"logits grad {max(a['grad_vs_jax'] for a in audits):.1e} (unit upstream scale); "
-          f"all within dualvp.cases.TOLERANCES: {all(a['ok'] for a in audits)}; "
+          f"all within dualvp.testing.TOLERANCES: {all(a['ok'] for a in audits)}; "
           f"{time.perf_counter() - t0:.0f} s" if audits else f"reward {r0:.3f} -> {r1:.3f}")
     if args.plot:
         plot(history, args.plot, args)

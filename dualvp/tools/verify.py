@@ -12,44 +12,39 @@ the logits, targets and keep mask a user saved from their own run (see
 
 and prints the max abs / rel error of log-prob, entropy and the logits
 gradient for each backend against the oracle and for torch against JAX, with
-PASS/FAIL against :data:`dualvp.cases.TOLERANCES`. Exit status 1 on any FAIL.
+PASS/FAIL against :data:`dualvp.testing.metrics.TOLERANCES`. Exit status 1 on any FAIL.
 
-The backends run in child processes, at the same time: the gloo ranks, and one
-JAX process whose ``XLA_FLAGS`` asks for ``W`` host devices before JAX is
-imported.
+Every backend runs through the shared adapters :func:`dualvp.testing.run`, and
+the oracle and the comparison are :func:`dualvp.testing.oracle` and
+:func:`dualvp.testing.compare`, as in the tests. The torch and JAX backends run
+in child processes, at the same time: the gloo ranks, and one JAX process
+(:func:`start_jax`) whose ``XLA_FLAGS`` asks for ``W`` host devices before JAX
+is imported.
 """
 
 from __future__ import annotations
 
 import os
+import pickle
 import subprocess
 import sys
 import tempfile
 import time
-from typing import NamedTuple, Optional
+from typing import Mapping, Optional
 
 import numpy as np
 
-from dualvp import cases, reference, simulate
+from dualvp import testing
+from dualvp.testing import cases
+from dualvp.testing.metrics import Row, compare, pair_tolerance, tolerance
 
 from ._proc import child_env, start_python
 
-__all__ = ["run", "compare", "Row", "problem_for", "load_input", "input_problem", "torch_outputs", "merge_ranks",
-           "jax_outputs"]
-
-
-class Row(NamedTuple):
-    """One line of the report."""
-
-    check: str
-    quantity: str
-    abs_err: float
-    rel_err: float
-    ok: bool
+__all__ = ["run", "compare", "Row", "problem_for", "load_input", "input_problem", "start_jax", "finish_jax"]
 
 
 def problem_for(args) -> cases.Problem:
-    """The verify problem: a :class:`dualvp.cases.Case` built from the options."""
+    """The verify problem: a :class:`dualvp.testing.cases.Case` built from the options."""
     c = cases.Case(
         name="verify",
         lead=(args.tokens,),
@@ -194,40 +189,11 @@ def input_problem(args) -> cases.Problem:
     z = cases.round_to_dtype(d["logits"], dtype)
     keep = d["keep_mask"]
     if keep is None:
-        keep = cases._mask(rng, args.mask, z, d["target"], -100)
+        keep = cases.make_mask(rng, args.mask, z, d["target"], -100)
     case = cases.Case(name="verify-input", lead=(t,), vocab=v, worlds=(args.tp,), dtype=dtype,
                       temperature=args.temperature, seed=args.seed)
     gl, ge = rng.normal(size=t), rng.normal(size=t)
     return cases.Problem(case, z, d["target"], keep, gl, ge, extra={"keep_mask_from_file": d["keep_mask"] is not None})
-
-
-def _tol_pair(dtype: str, quantity: str) -> cases.Tolerance:
-    # Each backend is within `tol` of the oracle, so the two differ by at most 2 * tol.
-    t = cases.tolerance(dtype, quantity)
-    return cases.Tolerance(2 * t.atol, 2 * t.rtol)
-
-
-def compare(results: dict, oracle: dict, dtype: str) -> list:
-    """Rows for every backend vs the oracle and for each pair of backends.
-
-    Args:
-      results: backend name -> ``{"logprob", "entropy", "grad"}`` NumPy arrays.
-      oracle: the same keys, float64.
-    """
-    rows = []
-    quantities = ("logprob", "entropy", "grad")
-    for name, res in results.items():
-        for q in quantities:
-            a, r = cases.max_errors(res[q], oracle[q])
-            ok = cases.within_tolerance(res[q], oracle[q], cases.tolerance(dtype, q))
-            rows.append(Row(f"{name} vs oracle", q, a, r, ok))
-    if "torch" in results and "jax" in results:
-        for q in quantities:
-            x, y = results["torch"][q], results["jax"][q]
-            a, r = cases.max_errors(x, y)
-            ok = cases.within_tolerance(x, y, _tol_pair(dtype, q))
-            rows.append(Row("torch vs jax", q, a, r, ok))
-    return rows
 
 
 def _progress(step: int, total: int, text: str, t0: Optional[float] = None) -> float:
@@ -239,127 +205,34 @@ def _progress(step: int, total: int, text: str, t0: Optional[float] = None) -> f
     return now
 
 
-def _item(prob: cases.Problem) -> dict:
-    """A picklable description of one problem for a backend run."""
-    c = prob.case
-    return dict(name=c.name, logits=prob.logits, target=prob.target, keep=prob.keep_mask, dtype=c.dtype,
-                temperature=c.temperature, ignore_index=c.ignore_index,
-                grad_logprob=prob.grad_logprob, grad_entropy=prob.grad_entropy)
-
-
-def torch_outputs(rank: int, world: int, items: list) -> list:
-    """On one gloo rank: forward + backward of every item on this rank's shard.
-
-    Returns, per item, ``{"logprob", "entropy", "grad"}`` as float64 NumPy
-    arrays (``grad`` is this rank's ``[..., V/W]`` columns).
-    """
-    import torch
-
-    from dualvp_torch import logprob_entropy
-
-    group = torch.distributed.group.WORLD if world > 1 else None
-    outs = []
-    for it in items:
-        v = it["logits"].shape[-1] // world
-        sl = slice(rank * v, (rank + 1) * v)
-        z = torch.from_numpy(np.ascontiguousarray(it["logits"][..., sl])).to(getattr(torch, it["dtype"]))
-        z.requires_grad_(True)
-        keep = None if it["keep"] is None else torch.from_numpy(np.ascontiguousarray(it["keep"][..., sl]))
-        lp, h = logprob_entropy(z, torch.from_numpy(it["target"]), group=group, keep_mask=keep,
-                                temperature=it["temperature"], ignore_index=it["ignore_index"])
-        gl = torch.from_numpy(it["grad_logprob"]).to(lp.dtype)
-        ge = torch.from_numpy(it["grad_entropy"]).to(h.dtype)
-        torch.autograd.backward([lp, h], [gl, ge])
-        outs.append(dict(logprob=lp.detach().double().numpy(), entropy=h.detach().double().numpy(),
-                         grad=z.grad.double().numpy()))
-    return outs
-
-
-def merge_ranks(per_rank: list) -> list:
-    """Join per-rank :func:`torch_outputs` into full-vocabulary results.
-
-    Every rank holds the same combined statistics, so log-prob and entropy
-    must agree bitwise across ranks; a difference raises.
-    """
-    merged = []
-    for i, first in enumerate(per_rank[0]):
-        for r, outs in enumerate(per_rank[1:], start=1):
-            for q in ("logprob", "entropy"):
-                if not np.array_equal(outs[i][q], first[q], equal_nan=True):
-                    raise RuntimeError(f"torch rank {r} {q} differs from rank 0")
-        merged.append(dict(logprob=first["logprob"], entropy=first["entropy"],
-                           grad=np.concatenate([outs[i]["grad"] for outs in per_rank], axis=-1)))
-    return merged
-
-
-def jax_outputs(item: dict, world: int) -> dict:
-    """``dualvp_jax`` on a mesh of the first ``world`` devices (in this process).
-
-    Float64 items need ``jax_enable_x64``; they run under ``jax.enable_x64``.
-    """
-    import contextlib
-
-    import jax
-    import jax.numpy as jnp
-
-    import dualvp_jax
-
-    x64 = jax.enable_x64(True) if item["dtype"] == "float64" else contextlib.nullcontext()
-    with x64:
-        mesh = jax.make_mesh((world,), ("tp",), devices=jax.devices()[:world])
-        z = jnp.asarray(item["logits"]).astype(getattr(jnp, item["dtype"]))
-        y = jnp.asarray(item["target"])
-        keep = None if item["keep"] is None else jnp.asarray(item["keep"])
-
-        def f(z):
-            return dualvp_jax.sharded_logprob_entropy(z, y, mesh, "tp", keep_mask=keep,
-                                                      temperature=item["temperature"],
-                                                      ignore_index=item["ignore_index"])
-
-        (lp, h), vjp = jax.vjp(f, z)
-        (g,) = vjp((jnp.asarray(item["grad_logprob"]).astype(lp.dtype),
-                    jnp.asarray(item["grad_entropy"]).astype(h.dtype)))
-        return dict(logprob=np.asarray(lp, np.float64), entropy=np.asarray(h, np.float64),
-                    grad=np.asarray(g.astype(jnp.float64 if item["dtype"] == "float64" else jnp.float32),
-                                    np.float64))
-
-
 def _jax_child() -> None:
     # `python -c "from dualvp.tools.verify import _jax_child; _jax_child()" IN OUT WORLD`
-    import pickle
-
     src, dst, world = sys.argv[1], sys.argv[2], int(sys.argv[3])
     with open(src, "rb") as f:
-        item = pickle.load(f)
+        prob = pickle.load(f)
     with open(dst, "wb") as f:
-        pickle.dump(jax_outputs(item, world), f)
+        pickle.dump(testing.run("jax", prob, world), f)
 
 
-def _run_torch(item: dict, args) -> dict:
-    from dualvp_torch.testing import run_ranks
+def start_jax(prob: cases.Problem, world: int, tmp: str, set_vars: Optional[Mapping[str, Optional[str]]] = None):
+    """Start a child process that runs ``prob`` on the JAX backend with ``world`` host devices.
 
-    env = {} if args.compile else {"DUALVP_COMPILE": "0"}
-    per_rank = run_ranks(torch_outputs, args.tp, [item], timeout=args.timeout, env=env)
-    return merge_ranks(per_rank)[0]
-
-
-def _start_jax(item: dict, args, tmp: str) -> tuple:
-    """Start the JAX child process; :func:`_finish_jax` collects its result."""
-    import pickle
-
-    src, dst = os.path.join(tmp, "item.pkl"), os.path.join(tmp, "jax.pkl")
+    JAX reads ``XLA_FLAGS`` once, at import: hence a fresh process. ``tmp``: a
+    directory for the problem and the result files; ``set_vars``: environment
+    changes of the child (``None`` removes a variable). :func:`finish_jax`
+    collects the :class:`dualvp.testing.Outputs`.
+    """
+    src, dst = os.path.join(tmp, "problem.pkl"), os.path.join(tmp, "jax.pkl")
     with open(src, "wb") as f:
-        pickle.dump(item, f)
-    # JAX reads XLA_FLAGS once, at import: the child asks for W host devices.
-    env = child_env(args.tp, {"JAX_PLATFORMS": os.environ.get("JAX_PLATFORMS", "cpu")})
+        pickle.dump(prob, f)
+    env = child_env(world, {"JAX_PLATFORMS": os.environ.get("JAX_PLATFORMS", "cpu"), **(set_vars or {})})
     code = "from dualvp.tools.verify import _jax_child; _jax_child()"
-    proc = start_python(["-c", code, src, dst, str(args.tp)], env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    proc = start_python(["-c", code, src, dst, str(world)], env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     return proc, dst
 
 
-def _finish_jax(started: tuple, timeout: float) -> dict:
-    import pickle
-
+def finish_jax(started: tuple, timeout: float) -> testing.Outputs:
+    """Wait for the child of :func:`start_jax`; its Outputs, or ``RuntimeError`` (failure, timeout)."""
     proc, dst = started
     try:
         _, err = proc.communicate(timeout=timeout)
@@ -385,8 +258,7 @@ def _print_table(rows: list, args, prob: cases.Problem) -> None:
     print(head)
     print("-" * len(head))
     for r in rows:
-        t = (_tol_pair(c.dtype, r.quantity) if r.check == "torch vs jax"
-             else cases.tolerance(c.dtype, r.quantity))
+        t = pair_tolerance(c.dtype, r.quantity) if r.check == "torch vs jax" else tolerance(c.dtype, r.quantity)
         print(f"{r.check:<18} {r.quantity:<9} {r.abs_err:>12.3e} {r.rel_err:>12.3e}  "
               f"{f'{t.atol:.0e} + {t.rtol:.0e}':<28} {'PASS' if r.ok else 'FAIL'}")
 
@@ -415,33 +287,24 @@ def run(args) -> int:
     dtype = prob.case.dtype
 
     t = _progress(2, total, "float64 oracle and the spec over simulated shards")
-    kw = dict(keep_mask=prob.keep_mask, temperature=args.temperature, ignore_index=-100)
-    lp, h = reference.logprob_entropy(prob.logits, prob.target, **kw)
-    g = reference.logprob_entropy_grad(prob.logits, prob.target, prob.grad_logprob, prob.grad_entropy, **kw)
-    oracle = dict(logprob=lp, entropy=h, grad=g)
-    sdt = np.float64 if dtype == "float64" else np.float32
-    s_lp, s_h, s_g = simulate.logprob_entropy_sharded(
-        prob.logits, prob.target, args.tp, grad_logprob=prob.grad_logprob, grad_entropy=prob.grad_entropy,
-        dtype=sdt, **kw)
-    results = {"spec": dict(logprob=s_lp, entropy=s_h, grad=s_g)}
+    oracle = testing.oracle(prob)
+    results = {"spec": testing.run("spec", prob, args.tp)}
     _progress(2, total, "oracle", t)
 
-    item = _item(prob)
     with tempfile.TemporaryDirectory(prefix="dualvp-verify-") as tmp:
         # JAX runs in its own process while the torch ranks run: the two
         # start-ups (imports, compilation) overlap.
-        jax_started = None
-        if "jax" in backends:
-            jax_started = _start_jax(item, args, tmp)
+        jax_started = start_jax(prob, args.tp, tmp) if "jax" in backends else None
         step = 3
         for b in backends:
             where = f"{args.tp} gloo rank(s)" if b == "torch" else f"{args.tp} host device(s)"
             t = _progress(step, total, f"{b} on {where}")
             try:
                 if b == "torch":
-                    results[b] = _run_torch(item, args)
+                    results[b] = testing.run("torch", prob, args.tp, impl=None if args.compile else "eager",
+                                             timeout=args.timeout)
                 else:
-                    results[b] = _finish_jax(jax_started, args.timeout)
+                    results[b] = finish_jax(jax_started, args.timeout)
             except Exception as exc:  # report, and fail the run, instead of a traceback
                 print(f"dualvp verify: {b} backend failed: {exc}", file=sys.stderr)
                 results[b] = None

@@ -13,9 +13,8 @@ import pytest
 pytest.importorskip("torch")
 pytest.importorskip("jax")
 
-from dualvp import cases, reference  # noqa: E402
-from dualvp.tools import verify  # noqa: E402
-from dualvp_torch.testing import run_ranks  # noqa: E402
+from dualvp import testing  # noqa: E402
+from dualvp.testing import cases  # noqa: E402
 
 V = 8
 POISONED = [4, 5, 6]
@@ -35,9 +34,9 @@ def _problem() -> cases.Problem:
     return cases.Problem(c, cases.round_to_dtype(z, "float32"), y, None, rng.normal(size=8), rng.normal(size=8))
 
 
-def _check(out: dict, prob: cases.Problem):
-    lp, h = reference.logprob_entropy(prob.logits, prob.target)
-    g = reference.logprob_entropy_grad(prob.logits, prob.target, prob.grad_logprob, prob.grad_entropy)
+def _check(out: testing.Outputs, prob: cases.Problem):
+    lp, h, g = testing.oracle(prob)
+    out = out._asdict()
     for r in range(8):
         if r in POISONED:
             assert np.isnan(out["logprob"][r]) and np.isnan(out["entropy"][r]), r
@@ -52,17 +51,11 @@ def _check(out: dict, prob: cases.Problem):
             assert cases.within_tolerance(out[q][r], ref[r], cases.tolerance("float32", q)), (q, r)
 
 
-@pytest.mark.parametrize("world", [1, 2])
-def test_jax_rows(world):
+# torch: the compiled kernels at W = 1 (their per-shard non-finite handling), the
+# eager ones at W = 2 (the combine across shards is the same code on both paths;
+# two ranks compiling would cost more than the rest of this file).
+@pytest.mark.parametrize("backend,world,impl", [("jax", 1, None), ("jax", 2, None), ("torch", 1, "compiled"),
+                                                ("torch", 2, "eager")])
+def test_rows(backend, world, impl):
     prob = _problem()
-    _check(verify.jax_outputs(verify._item(prob), world), prob)
-
-
-def test_torch_rows_unsharded():
-    prob = _problem()
-    _check(verify.torch_outputs(0, 1, [verify._item(prob)])[0], prob)
-
-
-def test_torch_rows_two_ranks():
-    prob = _problem()
-    _check(verify.merge_ranks(run_ranks(verify.torch_outputs, 2, [verify._item(prob)], timeout=300))[0], prob)
+    _check(testing.run(backend, prob, world, impl=impl, timeout=300), prob)

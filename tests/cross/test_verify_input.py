@@ -2,14 +2,10 @@
 
 A ``torch.save``'d dict and an ``.npz`` are written here, run through the
 command at ``--tp 2`` (exit 0, the table names the file and its shape); the
-deliberate fault ``DUALVP_TEST_FAULT=grad_tau`` (see test_checks_can_fail)
+deliberate fault ``DUALVP_TEST_FAULT=grad_tau`` (:mod:`dualvp.testing.faults`)
 makes the same file FAIL on the gradient rows; malformed files give an error
 that names what is wrong, before any backend starts.
 """
-
-import os
-import subprocess
-import sys
 
 import numpy as np
 import pytest
@@ -19,13 +15,11 @@ pytest.importorskip("jax")
 
 from dualvp.tools import cli, verify  # noqa: E402
 
+from ._cli import run_verify  # noqa: E402
+
 
 def _verify(*args, fault: str = ""):
-    env = {k: v for k, v in os.environ.items() if k != "DUALVP_TEST_FAULT"}
-    if fault:
-        env["DUALVP_TEST_FAULT"] = fault
-    return subprocess.run([sys.executable, "-m", "dualvp", "verify", *args, "--no-compile"], env=env,
-                          capture_output=True, text=True, timeout=600)
+    return run_verify(*args, "--no-compile", fault=fault)
 
 
 def _saved(seed=0, lead=(2, 6), vocab=64):

@@ -5,7 +5,7 @@ One subprocess (the example spawns its own 2 ranks), eager kernels
 
 * pass every audit: the op's log-prob, entropy and logits gradient on the
   training micro-batch against ``dualvp_jax`` and the float64 oracle, within
-  ``dualvp.cases.TOLERANCES`` (the example exits 1 otherwise);
+  ``dualvp.testing.TOLERANCES`` (the example exits 1 otherwise);
 * learn: with the fixed seed the reward (fraction of multiples of 8, 1/8 for
   a uniform policy) rises well above its start, which needs the log-prob and
   entropy gradients of the op to reach the model through DTensor autograd;

@@ -8,8 +8,9 @@ import jax.numpy as jnp  # noqa: E402
 from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
 
 import dualvp_jax  # noqa: E402
-from dualvp import cases, reference  # noqa: E402
-from _dualvp_jax_testutil import (  # noqa: E402
+from dualvp import reference  # noqa: E402
+from dualvp.testing import cases  # noqa: E402
+from ._helpers import (  # noqa: E402
     check_close, inputs, mesh_1d, mesh_2d, reference_of, sharded_runner,
 )
 
@@ -154,19 +155,7 @@ def test_out_of_range_target_traced_gives_nan_rows_concrete_raises():
         dualvp_jax.logprob_entropy(z, y)
 
 
-# --- validation through the global-array API -------------------------------------------------
-
-_TABLE = [b for b in cases.BAD_INPUTS if "jax" in b.backends]
-
-
-@pytest.mark.parametrize("bad", _TABLE, ids=lambda b: b.name)
-def test_bad_input_sharded_api(bad):
-    kw = cases.bad_input_base()
-    kw.update(bad.changes)
-    kw = {k: jnp.asarray(v) if isinstance(v, (np.ndarray, np.generic)) else v for k, v in kw.items()}
-    with pytest.raises(bad.error) as info:
-        dualvp_jax.sharded_logprob_entropy(kw.pop("logits"), kw.pop("target"), mesh_1d(2, "auto"), "tp", **kw)
-    assert f"{bad.arg}:" in str(info.value) and "expected" in str(info.value)
+# --- validation through the global-array API (the shared bad-input table: tests/cross/test_bad_inputs.py)
 
 
 def test_bad_mesh_arguments():

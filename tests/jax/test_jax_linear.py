@@ -16,7 +16,8 @@ from jax import lax  # noqa: E402
 from jax.sharding import Mesh, PartitionSpec as P  # noqa: E402
 
 import dualvp_jax  # noqa: E402
-from dualvp import cases, reference  # noqa: E402
+from dualvp import reference  # noqa: E402
+from dualvp.testing import cases, metrics  # noqa: E402
 
 _JNP = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 _H = 24
@@ -54,8 +55,8 @@ def _problem(T, world, dtype, *, mask=False, ignore=False, seed=0, lead=None):
 def _check(name, x, ref, dtype, quantity):
     x = np.asarray(jnp.asarray(x, jnp.float32), dtype=np.float64)
     assert x.shape == ref.shape, (name, x.shape, ref.shape)
-    tol = cases.tolerance(dtype, quantity)
-    assert cases.within_tolerance(x, ref, tol), f"{name}: max errors (abs, rel) {cases.max_errors(x, ref)} > {tol}"
+    tol = metrics.tolerance(dtype, quantity)
+    assert metrics.within_tolerance(x, ref, tol), f"{name}: max errors (abs, rel) {metrics.max_errors(x, ref)} > {tol}"
 
 
 def _check_all(out, ref, dtype, with_entropy=True):
@@ -135,8 +136,8 @@ def test_float64_under_x64():
         out = [np.asarray(x) for x in (lp, ent, dh, dw)]
     ref = _oracle(h, w, y, gl, ge, keep=keep, temperature=0.3)
     for name, x, r, q in zip(("logprob", "entropy", "dh", "dW"), out, ref, ("logprob", "entropy", "grad", "grad")):
-        tol = cases.tolerance("float64", q)
-        assert cases.within_tolerance(x, r, tol), f"{name}: {cases.max_errors(x, r)} > {tol}"
+        tol = metrics.tolerance("float64", q)
+        assert metrics.within_tolerance(x, r, tol), f"{name}: {metrics.max_errors(x, r)} > {tol}"
 
 
 def test_last_column_target_counted_once():
@@ -203,7 +204,7 @@ def test_partial_hidden_grad_sums_to_full(world):
     ref = _oracle(h, w, y, gl, ge)
     parts = np.asarray(dh_stack, np.float64).reshape(world, 37, _H)
     # a partial is the contribution of one shard's vocab rows: far from the total
-    assert not cases.within_tolerance(parts[0], ref[2], cases.tolerance("float32", "grad"))
+    assert not metrics.within_tolerance(parts[0], ref[2], metrics.tolerance("float32", "grad"))
     _check_all((lp, ent, parts.sum(axis=0), dw), ref, "float32")
 
 

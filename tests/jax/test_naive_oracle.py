@@ -14,8 +14,9 @@ from jax.sharding import PartitionSpec as P  # noqa: E402
 from jax.test_util import check_grads  # noqa: E402
 
 import dualvp_jax  # noqa: E402
-from dualvp import cases  # noqa: E402
-from _dualvp_jax_testutil import check_close, inputs, mesh_1d, sharded_runner  # noqa: E402
+from dualvp.testing import cases  # noqa: E402
+from dualvp.testing.modes import MODES  # noqa: E402
+from ._helpers import check_close, inputs, mesh_1d, sharded_runner  # noqa: E402
 
 
 def naive(z, y, keep, tau, ignore_index):
@@ -77,38 +78,39 @@ def _problem(seed=0, t=4, v=16, mask=True):
     return z, y, k
 
 
+# (mode of the shared table dualvp.testing.modes, world or None for the unsharded API, temperature)
 _MODES = [
-    dict(world=None, mask=False),
-    dict(world=None, mask=True, temperature=0.7),
-    dict(world=2, mask=True, temperature=1.3),
-    dict(world=4, mask=False, temperature=0.5),
-    dict(world=4, mask=True, entropy_grad=False),
-    dict(world=2, mask=True, with_entropy=False),
+    ("lp+ent+grad", None, 1.0),
+    ("lp+ent+grad.keep", None, 0.7),
+    ("lp+ent+grad.keep", 2, 1.3),
+    ("lp+ent+grad", 4, 0.5),
+    ("lp+ent.keep", 4, 1.0),
+    ("lp.keep", 2, 1.0),
 ]
 
 
-@pytest.mark.parametrize("mode", _MODES, ids=lambda m: "-".join(f"{k}={v}" for k, v in m.items()))
-def test_check_grads_float64(mode):
-    mode = dict(mode)
-    world, mask = mode.pop("world"), mode.pop("mask")
+@pytest.mark.parametrize("mode,world,temperature", _MODES, ids=[f"{m}-W{w}-tau{t}" for m, w, t in _MODES])
+def test_check_grads_float64(mode, world, temperature):
+    m = MODES[mode]
+    opt = dict(m.options(), temperature=temperature)
     with jax.enable_x64(True):
-        z, y, k = _problem(mask=mask)
+        z, y, k = _problem(mask=m.masked)
         if world is None:
             def f(z):
-                return dualvp_jax.logprob_entropy(z, y, keep_mask=k, **mode)
+                return dualvp_jax.logprob_entropy(z, y, keep_mask=k, **opt)
         else:
             mesh = mesh_1d(world, "auto")
 
             def body(z, y, *kk):
-                return dualvp_jax.logprob_entropy(z, y, axis_name="tp", keep_mask=kk[0] if kk else None, **mode)
+                return dualvp_jax.logprob_entropy(z, y, axis_name="tp", keep_mask=kk[0] if kk else None, **opt)
 
             def f(z):
                 args = (y,) + ((k,) if k is not None else ())
                 specs = (P(None, "tp"), P(None)) + ((P(None, "tp"),) if k is not None else ())
-                outs = (P(None), P(None)) if mode.get("with_entropy", True) else (P(None), None)
+                outs = (P(None), P(None)) if m.with_entropy else (P(None), None)
                 return jax.shard_map(body, mesh=mesh, in_specs=specs, out_specs=outs)(z, *args)
 
-        if not mode.get("entropy_grad", True) or not mode.get("with_entropy", True):
+        if not m.entropy_grad or not m.with_entropy:
             # the entropy carries no gradient (or is None): finite differences only see the log-prob
             g = f
             f = lambda z: g(z)[0]  # noqa: E731

@@ -5,8 +5,8 @@ import pytest
 jax = pytest.importorskip("jax")
 import jax.numpy as jnp  # noqa: E402
 
-from dualvp import cases  # noqa: E402
-from _dualvp_jax_testutil import (  # noqa: E402
+from dualvp.testing import cases  # noqa: E402
+from ._helpers import (  # noqa: E402
     check_close, inputs, reference_of, shard_map_runner, sharded_runner, x64_for,
 )
 

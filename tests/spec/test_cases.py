@@ -3,7 +3,8 @@
 import numpy as np
 import pytest
 
-from dualvp import cases
+from dualvp import testing
+from dualvp.testing import cases
 
 
 @pytest.mark.parametrize("c", cases.CASES, ids=lambda c: c.name)
@@ -33,3 +34,12 @@ def test_within_tolerance_detects_errors():
     assert not cases.within_tolerance(np.array([1.0, 0.0, 2.0]), ref, cases.Tolerance(1, 1))
     assert not cases.within_tolerance(np.array([1.1, -np.inf, 2.0]), ref, cases.Tolerance(1e-3, 0))
     assert cases.max_errors(np.array([np.nan]), np.array([1.0]))[0] == float("inf")
+    assert cases.max_errors(np.array([-np.inf, 1.5]), np.array([-np.inf, 1.0])) == (0.5, 0.5)
+    assert not cases.within_tolerance(np.array([1.0, 2.0]), np.array([1.0]), cases.Tolerance(1, 1))
+
+
+def test_oracle_is_exported_only_as_reference():
+    import dualvp
+
+    assert not hasattr(dualvp, "logprob_entropy") and not hasattr(dualvp, "cases")
+

@@ -5,7 +5,8 @@ compute dtype; the accumulation dtype is honoured."""
 import numpy as np
 import pytest
 
-from dualvp import cases, reference, simulate, spec
+from dualvp import reference, simulate, spec, testing
+from dualvp.testing import cases
 
 TOL = cases.Tolerance(1e-10, 1e-12)
 
@@ -17,13 +18,11 @@ def test_blocks_match_oracle(name, world, block):
     c = cases.case(name)
     c = cases.case(name, dtype="float64", vocab=96 if c.vocab <= 96 else 264, worlds=(1, 2, 4))
     prob = cases.make(c)
-    kw = dict(keep_mask=prob.keep_mask, temperature=c.temperature, ignore_index=c.ignore_index)
-    lp, h, g = simulate.logprob_entropy_sharded(
-        prob.logits, prob.target, world, grad_logprob=prob.grad_logprob, grad_entropy=prob.grad_entropy,
-        block=block, **kw,
+    lp, h, g = simulate.over_shards(
+        prob.logits, prob.target, world, keep_mask=prob.keep_mask, temperature=c.temperature,
+        ignore_index=c.ignore_index, grad_logprob=prob.grad_logprob, grad_entropy=prob.grad_entropy, block=block,
     )
-    rlp, rh = reference.logprob_entropy(prob.logits, prob.target, **kw)
-    rg = reference.logprob_entropy_grad(prob.logits, prob.target, prob.grad_logprob, prob.grad_entropy, **kw)
+    rlp, rh, rg = testing.oracle(prob)
     for q, x, ref in (("logprob", lp, rlp), ("entropy", h, rh), ("grad", g, rg)):
         assert cases.within_tolerance(x, ref, TOL), (q, cases.max_errors(x, ref))
 

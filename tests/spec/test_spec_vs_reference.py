@@ -6,7 +6,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
-from dualvp import cases, reference, simulate
+from dualvp import reference, simulate, testing
+from dualvp.testing import cases
 
 # Float64 round-off of spec vs oracle. The oracle forms z / tau before
 # shifting, so its own error is ~ eps64 * |z| / tau (1e4 / 0.3 -> ~1e-11).
@@ -21,13 +22,13 @@ def _spec_case(c: cases.Case) -> cases.Case:
 
 
 def _check(prob: cases.Problem, world: int):
+    # the spec in float64 (the "spec" adapter runs it in the backends' compute dtype)
     c = prob.case
-    kw = dict(keep_mask=prob.keep_mask, temperature=c.temperature, ignore_index=c.ignore_index)
-    lp, h, g = simulate.logprob_entropy_sharded(
-        prob.logits, prob.target, world, grad_logprob=prob.grad_logprob, grad_entropy=prob.grad_entropy, **kw
+    lp, h, g = simulate.over_shards(
+        prob.logits, prob.target, world, keep_mask=prob.keep_mask, temperature=c.temperature,
+        ignore_index=c.ignore_index, grad_logprob=prob.grad_logprob, grad_entropy=prob.grad_entropy,
     )
-    rlp, rh = reference.logprob_entropy(prob.logits, prob.target, **kw)
-    rg = reference.logprob_entropy_grad(prob.logits, prob.target, prob.grad_logprob, prob.grad_entropy, **kw)
+    rlp, rh, rg = testing.oracle(prob)
     tol = cases.Tolerance(ATOL, RTOL)
     for name, x, ref in (("logprob", lp, rlp), ("entropy", h, rh), ("grad", g, rg)):
         assert cases.within_tolerance(x, ref, tol), (name, cases.max_errors(x, ref))
@@ -105,7 +106,7 @@ def _problems(draw):
 def test_property_spec_matches_oracle(p):
     world, z, y, keep, tau, gl, ge = p
     kw = dict(keep_mask=keep, temperature=tau)
-    lp, h, g = simulate.logprob_entropy_sharded(z, y, world, grad_logprob=gl, grad_entropy=ge, **kw)
+    lp, h, g = simulate.over_shards(z, y, world, grad_logprob=gl, grad_entropy=ge, **kw)
     rlp, rh = reference.logprob_entropy(z, y, **kw)
     rg = reference.logprob_entropy_grad(z, y, gl, ge, **kw)
     tol = cases.Tolerance(1e-9, 1e-10)
@@ -118,7 +119,7 @@ def test_property_spec_matches_oracle(p):
 def test_property_invariants(p):
     # Independent of the oracle: probabilities bound the outputs.
     world, z, y, keep, tau, gl, ge = p
-    lp, h, g = simulate.logprob_entropy_sharded(z, y, world, keep_mask=keep, temperature=tau,
+    lp, h, g = simulate.over_shards(z, y, world, keep_mask=keep, temperature=tau,
                                                 grad_logprob=np.ones_like(gl), grad_entropy=None)
     n_finite = np.isfinite(z).sum(-1)
     assert np.all(h >= -1e-12) and np.all(h <= np.log(np.maximum(n_finite, 1)) + 1e-9)

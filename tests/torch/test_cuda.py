@@ -11,7 +11,8 @@ torch = pytest.importorskip("torch")
 if not torch.cuda.is_available():
     pytest.skip("no CUDA device", allow_module_level=True)
 
-from dualvp import cases, reference  # noqa: E402
+from dualvp import reference  # noqa: E402
+from dualvp.testing import cases, metrics  # noqa: E402
 from dualvp_torch import logprob_entropy  # noqa: E402
 
 pytestmark = pytest.mark.cuda
@@ -43,9 +44,9 @@ def _check(case, impl="compiled", inplace=False, rank=0, world=1, group=None, de
     rg = rg[..., rank * v : (rank + 1) * v]
     out = []
     for name, got, ref in (("logprob", lp, rl), ("entropy", h, rh), ("grad", leaf.grad, rg)):
-        if not cases.within_tolerance(_np(got), ref, cases.tolerance(case.dtype, name)):
+        if not metrics.within_tolerance(_np(got), ref, metrics.tolerance(case.dtype, name)):
             out.append(f"{case.name} W={world} rank={rank} {impl} inplace={inplace} {name}: "
-                       f"{cases.max_errors(_np(got), ref)}")
+                       f"{metrics.max_errors(_np(got), ref)}")
     return out
 
 

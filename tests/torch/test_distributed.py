@@ -1,7 +1,7 @@
 """W = 2 and W = 4 real gloo ranks: the case table and the compat layer.
 
 One spawn per W (``dualvp_torch.testing.run_ranks``) runs everything of
-``_torch_sweep.rank_suite``; the tests below (and those of
+``_sweep.rank_suite``; the tests below (and those of
 ``test_torch_rank_disagreement.py``) read its results.
 """
 
@@ -9,7 +9,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from _torch_sweep import suite as _suite  # noqa: E402
+from ._sweep import suite as _suite  # noqa: E402
 
 @pytest.mark.parametrize("world", [2, 4])
 def test_table_against_reference(world):

@@ -6,7 +6,7 @@ distributes it, runs every sub-check of :data:`_CHECKS_1D` / :data:`_CHECKS_2D`
 and returns, per check, either ``None`` (passed), a failure description, or
 (for the error checks) the exception it saw. The tests below read those
 results: numbers against :mod:`dualvp.reference` within
-:data:`dualvp.cases.TOLERANCES`, output and gradient placements, and that
+:data:`dualvp.testing.TOLERANCES`, output and gradient placements, and that
 every bad input raises the same error on every rank.
 """
 
@@ -14,13 +14,13 @@ from __future__ import annotations
 
 import functools
 
-import numpy as np
 import pytest
 
 torch = pytest.importorskip("torch")
 pytest.importorskip("torch.distributed.tensor")
 
-from dualvp import cases, reference  # noqa: E402
+from dualvp import reference  # noqa: E402
+from dualvp.testing import cases  # noqa: E402
 
 _ENV = {"DUALVP_COMPILE": "0"}  # compilation is tested elsewhere; keep the spawns fast
 

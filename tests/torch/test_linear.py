@@ -16,9 +16,10 @@ torch = pytest.importorskip("torch")
 
 from torch.profiler import ProfilerActivity, profile  # noqa: E402
 
-import _linear_ranks  # noqa: E402
+from . import _linear_ranks  # noqa: E402
 from dualvp import reference  # noqa: E402
-from dualvp.cases import Tolerance, max_errors, round_to_dtype, tolerance, within_tolerance  # noqa: E402
+from dualvp.testing.cases import round_to_dtype  # noqa: E402
+from dualvp.testing.metrics import Tolerance, max_errors, tolerance, within_tolerance  # noqa: E402
 from dualvp_torch import kernels, linear_logprob_entropy  # noqa: E402
 from dualvp_torch.linear import tile_shape  # noqa: E402
 from dualvp_torch.testing import run_ranks  # noqa: E402

@@ -6,6 +6,7 @@ torch = pytest.importorskip("torch")
 
 from torch.profiler import ProfilerActivity, profile  # noqa: E402
 
+from dualvp.testing.modes import MODES  # noqa: E402
 from dualvp_torch import kernels, logprob_entropy  # noqa: E402
 
 T, V = 512, 4096  # B = 8 MiB in float32, 4 MiB in bfloat16
@@ -28,20 +29,17 @@ def _peak(sizes):
     return peak
 
 
-MODES = {
-    "logprob_only": dict(with_entropy=False),
-    "entropy_grad": dict(),
-    "mask": dict(mask=True),
-    "mask_temperature_no_entropy_grad": dict(mask=True, temperature=0.7, entropy_grad=False),
-}
+# modes of the shared table (dualvp.testing.modes) whose memory differs
+_MODES = ("lp", "lp+ent+grad", "lp+ent+grad.keep", "lp+ent.keep")
 
 
 def _measure(dtype, mode, inplace=False, impl=None):
-    opt = dict(MODES[mode])
+    m = MODES[mode]
+    opt = dict(m.options(), temperature=0.7)
     g = torch.Generator().manual_seed(0)
     x = torch.randn(T, V, generator=g).to(dtype)
     y = torch.randint(0, V, (T,), generator=g)
-    keep = (torch.rand(T, V, generator=g) < 0.5) if opt.pop("mask", False) else None
+    keep = (torch.rand(T, V, generator=g) < 0.5) if m.masked else None
     B = x.numel() * x.element_size()
     leaf = x.clone().requires_grad_(True)
 
@@ -80,7 +78,7 @@ def _measure(dtype, mode, inplace=False, impl=None):
 
 @pytest.mark.parametrize("impl", ["compiled", "eager"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("mode", list(MODES))
+@pytest.mark.parametrize("mode", _MODES)
 def test_peak_memory(dtype, mode, impl):
     B, fwd_sizes, sizes = _measure(dtype, mode, impl=impl)
     # forward: nothing of [T, V_local] size; compiled: O(T) only; eager: row
@@ -98,7 +96,7 @@ def test_peak_memory(dtype, mode, impl):
 
 
 @pytest.mark.parametrize("impl", ["compiled", "eager"])
-@pytest.mark.parametrize("mode", ["entropy_grad", "mask"])
+@pytest.mark.parametrize("mode", ["lp+ent+grad", "lp+ent+grad.keep"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_inplace_grad_memory(dtype, mode, impl):
     # compiled: one fused kernel reads each element and writes its gradient

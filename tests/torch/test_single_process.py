@@ -10,11 +10,13 @@ torch = pytest.importorskip("torch")
 
 import array_api_compat.torch as xp  # noqa: E402
 
-from dualvp import cases, reference, spec  # noqa: E402
+from dualvp import reference, spec  # noqa: E402
+from dualvp.testing import cases  # noqa: E402
+from dualvp.testing.modes import MODES  # noqa: E402
 from dualvp_torch import kernels, logprob_entropy  # noqa: E402
 from dualvp_torch.function import LogProbEntropyFunction  # noqa: E402
 
-from _torch_sweep import sweep  # noqa: E402
+from ._sweep import sweep  # noqa: E402
 
 
 @pytest.fixture(autouse=True)
@@ -94,24 +96,19 @@ def test_kernels_match_spec(monkeypatch, compiled, mask):
 
 # --- gradcheck ------------------------------------------------------------------------
 
-_GC_MODES = {
-    "logprob_only": dict(with_entropy=False),
-    "entropy_grad": dict(),
-    "mask": dict(mask=True),
-    "temperature": dict(temperature=0.45),
-    "mask_temperature_no_entropy_grad": dict(mask=True, temperature=1.7, entropy_grad=False),
-}
+# (mode of the shared table, temperature)
+_GC_MODES = [("lp", 1.0), ("lp+ent+grad", 1.0), ("lp+ent+grad.keep", 1.0), ("lp+ent+grad", 0.45),
+             ("lp+ent.keep", 1.7)]
 
 
-@pytest.mark.parametrize("mode", list(_GC_MODES))
-def test_gradcheck_float64(mode):
-    opt = dict(_GC_MODES[mode])
-    use_mask = opt.pop("mask", False)
-    z, y, keep = _problem(T=5, V=7, dtype=torch.float64, seed=3, mask=use_mask)
+@pytest.mark.parametrize("mode,temperature", _GC_MODES, ids=[f"{m}-tau{t}" for m, t in _GC_MODES])
+def test_gradcheck_float64(mode, temperature):
+    m = MODES[mode]
+    z, y, keep = _problem(T=5, V=7, dtype=torch.float64, seed=3, mask=m.masked)
     z.requires_grad_(True)
 
     def f(x):
-        lp, h = logprob_entropy(x, y, keep_mask=keep, **opt)
+        lp, h = logprob_entropy(x, y, keep_mask=keep, temperature=temperature, **m.options())
         return (lp,) if h is None or not h.requires_grad else (lp, h)
 
     assert torch.autograd.gradcheck(f, (z,), eps=1e-6, atol=1e-7, rtol=1e-5)
@@ -238,7 +235,7 @@ def test_inplace_grad_matches_and_refuses_when_unsafe(dtype):
         lp.sum().backward()
 
 
-# --- validation (the shared table lives in test_reliability_inputs.py) ------------------
+# --- validation (the shared bad-input table: tests/cross/test_bad_inputs.py) -------------
 
 
 def test_local_validation_errors_name_the_argument():

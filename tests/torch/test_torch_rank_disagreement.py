@@ -1,15 +1,15 @@
 """Ranks that disagree never hang: every rank raises the same error, within seconds.
 
 The rank bodies are in ``_disagree.py``; they run inside the one spawn per W
-of ``_torch_sweep.suite`` (a hang there fails the whole run at its timeout).
+of ``_sweep.suite`` (a hang there fails the whole run at its timeout).
 """
 
 import pytest
 
 pytest.importorskip("torch")
 
-import _disagree  # noqa: E402  (tests/torch is on sys.path under pytest)
-from _torch_sweep import suite  # noqa: E402
+from . import _disagree  # noqa: E402
+from ._sweep import suite  # noqa: E402
 
 NAMES = list(_disagree.SCENARIOS)
 

@@ -68,7 +68,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--quick", action="store_true", help="tiny size, float32, few reps (about a minute)")
     p.add_argument("--sizes", default=None, help="comma list of TxV_local (default 2048x32000,2048x152064)")
     p.add_argument("--dtypes", default=None, help="comma list of float32,bfloat16 (default both)")
-    p.add_argument("--impls", default=None, help=f"comma list of {','.join(IMPLS)} (default all available)")
+    listing = "; ".join(f"{i.name}: {i.about}" for i in IMPLS.values())
+    p.add_argument("--impls", default=None, help=f"comma list of implementations (default all available): {listing}")
     p.add_argument("--modes", default=None, help=f"comma list of {','.join(MODES)} (default all)")
     p.add_argument("--slime-path", default=None, metavar="DIR",
                    help="a slime checkout (DIR/slime/utils/ppo_utils.py) for the 'slime' implementation "

@@ -26,27 +26,11 @@ import os
 import sys
 import types
 from dataclasses import dataclass, field
-from typing import Any, Callable, Mapping, NamedTuple, Optional, Union
+from typing import Any, Callable, Mapping, Optional, Union
+
+from dualvp.testing.modes import MODES, Mode  # the one table of option modes (tests use it too)
 
 __all__ = ["Mode", "MODES", "Context", "Impl", "IMPLS", "BASELINES", "locate", "load_slime_ops"]
-
-
-class Mode(NamedTuple):
-    """What one bench mode computes."""
-
-    with_entropy: bool  # the entropy is returned
-    entropy_grad: bool  # ... and its gradient reaches the logits
-    masked: bool  # the log-prob is under the top-k keep mask
-
-
-MODES: dict[str, Mode] = {
-    "lp": Mode(False, False, False),
-    "lp+ent": Mode(True, False, False),
-    "lp+ent+grad": Mode(True, True, False),
-    "lp.keep": Mode(False, False, True),
-    "lp+ent.keep": Mode(True, False, True),
-    "lp+ent+grad.keep": Mode(True, True, True),
-}
 
 
 @dataclass(frozen=True)
@@ -73,7 +57,7 @@ class Impl:
       framework: ``"torch"`` or ``"jax"``: the worker loop that runs it.
       needs: modules that must be importable for it to run.
       build: ``build(ctx) -> forward`` (see the module docstring).
-      about: one line for the docs.
+      about: one line, listed by ``dualvp bench --help``.
       env: extra environment of its worker processes.
       baseline: a baseline the goals compare ``dualvp-torch`` with.
       process_group: needs a ``torch.distributed`` group even at W=1.
@@ -215,10 +199,10 @@ def _locate_slime(args: argparse.Namespace) -> Union[str, dict]:
         path = os.path.join(os.path.abspath(root), _SLIME_FILE)
         return {"slime_file": path} if os.path.isfile(path) else f"--slime-path: no {_SLIME_FILE} under {root}"
     try:
-        spec = importlib.util.find_spec("slime")
+        found = importlib.util.find_spec("slime")
     except (ImportError, ValueError):
-        spec = None
-    for d in (spec.submodule_search_locations or []) if spec else []:
+        found = None
+    for d in (found.submodule_search_locations or []) if found else []:
         path = os.path.join(d, "utils", "ppo_utils.py")
         if os.path.isfile(path):
             return {"slime_file": path}
@@ -254,10 +238,10 @@ def load_slime_ops(path: str, max_stand_ins: int = 20) -> types.ModuleType:
     stand_ins: list = []
     try:
         for _ in range(max_stand_ins + 1):
-            spec = importlib.util.spec_from_file_location("_dualvp_bench_slime_ppo_utils", path)
-            mod = importlib.util.module_from_spec(spec)
+            loader_spec = importlib.util.spec_from_file_location("_dualvp_bench_slime_ppo_utils", path)
+            mod = importlib.util.module_from_spec(loader_spec)
             try:
-                spec.loader.exec_module(mod)
+                loader_spec.loader.exec_module(mod)
             except ModuleNotFoundError as e:
                 if not e.name or e.name.split(".")[0] == "torch" or e.name in sys.modules:
                     raise

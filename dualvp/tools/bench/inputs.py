@@ -1,16 +1,17 @@
 """The bench's inputs and the float64 oracle it compares every implementation with.
 
-Inputs: confident-LM logits (N(10, 3) with +25 spikes, :func:`dualvp.cases.confident_lm_logits`),
+Inputs: confident-LM logits (N(10, 3) with +25 spikes, :func:`dualvp.testing.cases.confident_lm_logits`),
 targets sampled from the softmax, a top-``TOPK`` keep mask and N(0, 1) upstream
 gradients. Errors: max abs error against :mod:`dualvp.reference` on the
-dtype-rounded logits, non-finite entries matched by :func:`dualvp.cases.max_errors`.
+dtype-rounded logits, non-finite entries matched by :func:`dualvp.testing.max_errors`.
 """
 
 from __future__ import annotations
 
 import numpy as np
 
-from dualvp import cases, reference
+from dualvp import reference
+from dualvp.testing import cases
 
 from .implementations import MODES
 

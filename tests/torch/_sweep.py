@@ -1,7 +1,7 @@
 """Scenario sweep of dualvp_torch against the float64 oracle, run inside one rank.
 
-``sweep(rank, world)`` runs every case of :data:`dualvp.cases.CASES` that
-lists ``world`` in its ``worlds``, in every option mode of :data:`MODES`, on
+``sweep(rank, world)`` runs every case of :data:`dualvp.testing.cases.CASES` that
+lists ``world`` in its ``worlds``, in every loss mode of :data:`LOSS_MODES`, on
 this rank's shard (``group=None`` when ``world == 1``), and returns a list of
 failure descriptions (empty when everything is within the shared tolerances).
 It is used in-process for W = 1 and through ``dualvp_torch.testing.run_ranks``
@@ -10,16 +10,16 @@ for W = 2 and 4, so that one spawn per W covers the whole table.
 
 from __future__ import annotations
 
-import numpy as np
 import torch
 
-from dualvp import cases, reference
+from dualvp import reference, testing
+from dualvp.testing import cases
 from dualvp_torch import logprob_entropy
 
-import _disagree
+from . import _disagree
 
-# (name, with_entropy, entropy_grad, loss terms, inplace_grad)
-MODES = (
+# (name, with_entropy, entropy_grad, terms of the loss: L log-prob, H entropy, inplace_grad)
+LOSS_MODES = (
     ("both", True, True, "LH", False),
     ("logprob_loss_only", True, True, "L", False),
     ("entropy_loss_only", True, True, "H", False),
@@ -67,8 +67,7 @@ def run_case(case, rank: int, world: int, group, mode, failures: list) -> None:
         ignore_index=case.ignore_index,
         inplace_grad=inplace,
     )
-    kw = dict(keep_mask=P.keep_mask, temperature=case.temperature, ignore_index=case.ignore_index)
-    rl, rh = reference.logprob_entropy(P.logits, P.target, **kw)
+    rl, rh, rg = testing.oracle(P, logprob_grad="L" in terms, entropy_grad="H" in terms)
     if lp.dtype != (torch.float64 if dt == torch.float64 else torch.float32) or tuple(lp.shape) != P.target.shape:
         failures.append(f"{tag}: logprob dtype/shape {lp.dtype} {tuple(lp.shape)}")
     if not cases.within_tolerance(_np(lp), rl, cases.tolerance(case.dtype, "logprob")):
@@ -88,9 +87,6 @@ def run_case(case, rank: int, world: int, group, mode, failures: list) -> None:
     if "H" in terms:
         loss = loss + (h * ge).sum()
     loss.backward()
-    ref_gl = P.grad_logprob if "L" in terms else np.zeros_like(P.grad_logprob)
-    ref_ge = P.grad_entropy if "H" in terms else None
-    rg = reference.logprob_entropy_grad(P.logits, P.target, ref_gl, ref_ge, **kw)
     v = zs.shape[-1]
     rg = rg[..., rank * v : (rank + 1) * v]
     if leaf.grad is None or leaf.grad.dtype != dt:
@@ -111,7 +107,7 @@ def sweep(rank: int, world: int, modes=None, case_names=None, compiled_dtypes=No
 
     import torch.distributed as dist
 
-    modes = MODES if modes is None else modes
+    modes = LOSS_MODES if modes is None else modes
     group = dist.group.WORLD if world > 1 else None
     failures: list = []
     for case in cases.CASES:
@@ -168,7 +164,7 @@ def rank_suite(rank: int, world: int, compiled: bool = False) -> dict:
     out["sweep_compiled"] = []
     if compiled:
         out["sweep_compiled"] = sweep(
-            rank, world, modes=(MODES[0], MODES[3]), case_names={"nucleus"}, compiled_dtypes={"float32"}
+            rank, world, modes=(LOSS_MODES[0], LOSS_MODES[3]), case_names={"nucleus"}, compiled_dtypes={"float32"}
         )
     out["agreement"] = _disagree.rank_checks(rank, world)
     out["compat"] = compat_checks(rank, world)

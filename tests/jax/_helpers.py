@@ -12,7 +12,8 @@ import jax.numpy as jnp
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 import dualvp_jax
-from dualvp import cases, reference
+from dualvp import testing
+from dualvp.testing import cases
 
 JNP_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16, "float64": jnp.float64}
 
@@ -50,13 +51,8 @@ def inputs(prob: cases.Problem, dtype: str | None = None):
 
 
 def reference_of(prob: cases.Problem, *, entropy_grad: bool = True):
-    c = prob.case
-    kw = dict(keep_mask=prob.keep_mask, temperature=c.temperature, ignore_index=c.ignore_index)
-    lp, h = reference.logprob_entropy(prob.logits, prob.target, **kw)
-    g = reference.logprob_entropy_grad(
-        prob.logits, prob.target, prob.grad_logprob, prob.grad_entropy if entropy_grad else None, **kw
-    )
-    return lp, h, g
+    """``(logprob, entropy, grad)`` of :func:`dualvp.testing.oracle`."""
+    return tuple(testing.oracle(prob, entropy_grad=entropy_grad))
 
 
 _RUNNERS: dict = {}
@@ -118,7 +114,8 @@ def shard_map_runner(world: int, kind: str, tau: float, ignore_index: int, has_m
 
 
 def check_close(name, x, ref, dtype, quantity):
+    """``x`` (a JAX array) within the shared tolerance of ``ref`` for ``dtype`` / ``quantity``."""
     x = np.asarray(jnp.asarray(x, jnp.float64 if x.dtype == jnp.float64 else jnp.float32), dtype=np.float64)
-    tol = cases.tolerance(dtype, quantity)
-    ok = cases.within_tolerance(x, ref, tol)
-    assert ok, f"{name} {quantity}: max errors (abs, rel) {cases.max_errors(x, ref)} > {tol}"
+    tol = testing.tolerance(dtype, quantity)
+    ok = testing.within_tolerance(x, ref, tol)
+    assert ok, f"{name} {quantity}: max errors (abs, rel) {testing.max_errors(x, ref)} > {tol}"

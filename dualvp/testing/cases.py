@@ -1,7 +1,8 @@
-"""Shared test scenarios and the tolerance table.
+"""Shared test scenarios and the bad-input table.
 
 One table of named scenarios, used by the tests of every backend and by
-``dualvp verify``. A :class:`Case` is a recipe; :func:`make` turns it into
+``dualvp verify``; the tolerances and the error metric they are judged with
+live in :mod:`dualvp.testing.metrics` (re-exported here). A :class:`Case` is a recipe; :func:`make` turns it into
 NumPy arrays (full, unsharded logits in float64 *already rounded to the case's
 dtype*, so that the float64 oracle judges exactly the input the backend sees).
 
@@ -16,6 +17,8 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 import numpy as np
+
+from .metrics import TOLERANCES, Tolerance, max_errors, tolerance, within_tolerance
 
 __all__ = [
     "Case",
@@ -33,6 +36,7 @@ __all__ = [
     "BadInput",
     "BAD_INPUTS",
     "bad_input_base",
+    "make_mask",
 ]
 
 _MASKS = ("none", "nucleus", "drop_target", "all_but_target", "random")
@@ -164,7 +168,9 @@ def _logits(rng, kind: str, shape: tuple, vocab: int, worlds: tuple) -> np.ndarr
     return flat.reshape(shape)
 
 
-def _mask(rng, kind: str, z: np.ndarray, target: np.ndarray, ignore_index: int) -> Optional[np.ndarray]:
+def make_mask(rng: np.random.Generator, kind: str, z: np.ndarray, target: np.ndarray,
+              ignore_index: int = -100) -> Optional[np.ndarray]:
+    """A keep mask of ``kind`` (see :class:`Case` ``mask``) for logits ``z [..., V]``; ``None`` for ``none``."""
     if kind == "none":
         return None
     vocab = z.shape[-1]
@@ -210,7 +216,7 @@ def make(case: Case) -> Problem:
         ign.reshape(-1)[0] = True
         target = np.where(ign, case.ignore_index, target)
     z = round_to_dtype(z, case.dtype)
-    keep = _mask(rng, case.mask, z, target, case.ignore_index)
+    keep = make_mask(rng, case.mask, z, target, case.ignore_index)
     gl = rng.normal(size=case.lead)
     ge = rng.normal(size=case.lead)
     return Problem(case, z, target, keep, gl, ge)
@@ -256,109 +262,6 @@ assert len(_BY_NAME) == len(CASES), "duplicate case names"
 def case(name: str, **changes) -> Case:
     """The case called ``name``, with optional field changes."""
     return dataclasses.replace(_BY_NAME[name], **changes)
-
-
-# --- tolerances ---------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class Tolerance:
-    """``|x - ref| <= atol + rtol * |ref|``, element-wise; inf must match inf."""
-
-    atol: float
-    rtol: float
-
-
-#: Tolerance of a backend's result against the float64 oracle, per input
-#: dtype and quantity. The oracle sees the *same* (already rounded) input, so
-#: these bound the error of the computation only, not of the input rounding.
-#:
-#: Reasoning. All backends compute in float32 for 16/32-bit input (float64 for
-#: float64), with maxima taken on the raw logits and the temperature applied
-#: after the shift, so errors do not grow with ``|z|``:
-#:
-#: * float32 log-prob / entropy: the sums of ``exp`` over up to ~1e5 columns
-#:   carry a relative error of a few ``eps32 * log2(V)`` (pairwise / blocked
-#:   reductions) ~ 1e-6; ``log`` turns it into an absolute error of the same
-#:   size, and ``(z_y - M) / tau`` adds ``eps32 * |z_y - M| / tau``, relative.
-#:   Hence atol 2e-5 plus rtol 2e-5 for large negative log-probs.
-#: * float32 gradient: entries are probabilities (at most ``1/tau`` times the
-#:   upstream gradient, here ~N(0, 1)); each has relative error ~ eps32 *
-#:   (|d| + log S). atol 1e-5 covers rows with temperature 0.3 and extreme logits.
-#: * bfloat16 / float16: the *input* rounding is exact for the oracle, and the
-#:   computation is float32, so log-prob / entropy are as float32. The gradient
-#:   is returned in the input dtype: rounding a value of size <= 1/tau to
-#:   8 bits (bf16) costs 2^-9 relative (float16: 2^-12), hence rtol 8e-3 /
-#:   1e-3 and an atol for the smallest entries.
-#: * float64: round-off of the float64 oracle itself is ~ eps64 * |z| / tau,
-#:   up to ~1e-11 for the +-1e4 rows at tau = 0.3.
-TOLERANCES: dict[str, dict[str, Tolerance]] = {
-    "float64": {
-        "logprob": Tolerance(1e-9, 1e-10),
-        "entropy": Tolerance(1e-9, 1e-10),
-        "grad": Tolerance(1e-10, 1e-9),
-    },
-    "float32": {
-        "logprob": Tolerance(2e-5, 2e-5),
-        "entropy": Tolerance(2e-5, 2e-5),
-        "grad": Tolerance(1e-5, 1e-4),
-    },
-    "bfloat16": {
-        "logprob": Tolerance(2e-5, 2e-5),
-        "entropy": Tolerance(2e-5, 2e-5),
-        "grad": Tolerance(1e-4, 8e-3),
-    },
-    "float16": {
-        "logprob": Tolerance(2e-5, 2e-5),
-        "entropy": Tolerance(2e-5, 2e-5),
-        "grad": Tolerance(1e-4, 1e-3),
-    },
-}
-
-
-def tolerance(dtype: str, quantity: str) -> Tolerance:
-    """Tolerance for ``quantity`` in ``("logprob", "entropy", "grad")``."""
-    return TOLERANCES[dtype][quantity]
-
-
-def max_errors(x, ref) -> tuple[float, float]:
-    """``(max abs error, max rel error)`` over finite reference entries.
-
-    Non-finite entries must agree exactly (``-inf`` with ``-inf``, NaN with
-    NaN); a mismatch counts as an infinite error.
-    """
-    x = np.asarray(x, dtype=np.float64)
-    ref = np.asarray(ref, dtype=np.float64)
-    if x.shape != ref.shape:
-        raise ValueError(f"shape mismatch: {x.shape} vs {ref.shape}")
-    if x.size == 0:
-        return 0.0, 0.0
-    fin = np.isfinite(ref)
-    same_nonfinite = (x == ref) | (np.isnan(x) & np.isnan(ref))
-    if not np.all(same_nonfinite[~fin]):
-        return float("inf"), float("inf")
-    if not fin.any():
-        return 0.0, 0.0
-    err = np.abs(x[fin] - ref[fin])
-    if not np.all(np.isfinite(err)):
-        return float("inf"), float("inf")
-    rel = err / np.maximum(np.abs(ref[fin]), np.finfo(np.float64).tiny)
-    return float(err.max()), float(rel.max())
-
-
-def within_tolerance(x, ref, tol: Tolerance) -> bool:
-    """True when every entry satisfies ``tol`` (non-finite entries must match)."""
-    x = np.asarray(x, dtype=np.float64)
-    ref = np.asarray(ref, dtype=np.float64)
-    if x.shape != ref.shape:
-        return False
-    if x.size == 0:
-        return True
-    fin = np.isfinite(ref)
-    if not np.all(((x == ref) | (np.isnan(x) & np.isnan(ref)))[~fin]):
-        return False
-    err = np.abs(x[fin] - ref[fin])
-    return bool(np.all(err <= tol.atol + tol.rtol * np.abs(ref[fin])))
 
 
 # --- bad inputs ---------------------------------------------------------------

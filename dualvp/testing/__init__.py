@@ -1,0 +1,34 @@
+"""Conformance fixtures: the shared cases, one oracle, one error metric, typed backend adapters.
+
+* :mod:`~dualvp.testing.cases`: the scenario table :data:`CASES`, :func:`make`
+  (a case's NumPy arrays), the bad-input table :data:`BAD_INPUTS`;
+* :mod:`~dualvp.testing.metrics`: :data:`TOLERANCES`, :func:`max_errors` /
+  :func:`within_tolerance` (non-finite entries matched in one place) and
+  :func:`compare` (report rows);
+* :mod:`~dualvp.testing.oracle`: :func:`oracle` (the float64 answer of a
+  problem) and :class:`Outputs`;
+* :mod:`~dualvp.testing.backends`: :func:`run` ``(backend, problem, world) -> Outputs``
+  for ``spec``, ``torch`` and ``jax``;
+* :mod:`~dualvp.testing.modes`: the option modes shared by tests and bench;
+* :mod:`~dualvp.testing.faults`: the deliberate-fault seam (``DUALVP_TEST_FAULT``).
+
+``dualvp verify`` and the test suite both use these; nothing here imports
+torch or JAX until a backend runs.
+"""
+
+from . import backends, cases, faults, metrics, modes
+from .backends import BACKENDS, run, run_all
+from .metrics import QUANTITIES, TOLERANCES, Row, compare, max_errors, pair_tolerance, tolerance, within_tolerance
+from .oracle import Outputs, oracle
+
+__all__ = [
+    "cases", "metrics", "modes", "backends", "faults",
+    "Outputs", "oracle", "run", "run_all", "BACKENDS",
+    "TOLERANCES", "Row", "compare", "failures", "max_errors", "within_tolerance", "tolerance", "pair_tolerance", "QUANTITIES",
+]
+
+
+def failures(problem: cases.Problem, results: dict) -> list:
+    """The failing rows of :func:`compare` of ``results`` (backend -> Outputs) vs the oracle, as text."""
+    rows = compare(results, oracle(problem), problem.case.dtype)
+    return [f"{r.check} {r.quantity}: abs {r.abs_err:.3e} rel {r.rel_err:.3e}" for r in rows if not r.ok]

@@ -1,0 +1,177 @@
+"""Tolerances and the one error metric every check uses.
+
+:func:`max_errors` and :func:`within_tolerance` judge a result against a
+reference element-wise; both go through :func:`_finite_part`, the single place
+where non-finite entries are matched (``-inf`` with ``-inf``, NaN with NaN; any
+other disagreement fails). :func:`compare` turns a set of backend results into
+the report rows of ``dualvp verify`` and the failure lists of the tests.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Mapping, NamedTuple, Optional
+
+import numpy as np
+
+__all__ = [
+    "Tolerance",
+    "TOLERANCES",
+    "tolerance",
+    "pair_tolerance",
+    "max_errors",
+    "within_tolerance",
+    "Row",
+    "compare",
+    "QUANTITIES",
+]
+
+#: The three quantities every backend returns (see :class:`dualvp.testing.Outputs`).
+QUANTITIES = ("logprob", "entropy", "grad")
+
+
+@dataclass(frozen=True)
+class Tolerance:
+    """``|x - ref| <= atol + rtol * |ref|``, element-wise; inf must match inf."""
+
+    atol: float
+    rtol: float
+
+
+#: Tolerance of a backend's result against the float64 oracle, per input
+#: dtype and quantity. The oracle sees the *same* (already rounded) input, so
+#: these bound the error of the computation only, not of the input rounding.
+#:
+#: Reasoning. All backends compute in float32 for 16/32-bit input (float64 for
+#: float64), with maxima taken on the raw logits and the temperature applied
+#: after the shift, so errors do not grow with ``|z|``:
+#:
+#: * float32 log-prob / entropy: the sums of ``exp`` over up to ~1e5 columns
+#:   carry a relative error of a few ``eps32 * log2(V)`` (pairwise / blocked
+#:   reductions) ~ 1e-6; ``log`` turns it into an absolute error of the same
+#:   size, and ``(z_y - M) / tau`` adds ``eps32 * |z_y - M| / tau``, relative.
+#:   Hence atol 2e-5 plus rtol 2e-5 for large negative log-probs.
+#: * float32 gradient: entries are probabilities (at most ``1/tau`` times the
+#:   upstream gradient, here ~N(0, 1)); each has relative error ~ eps32 *
+#:   (|d| + log S). atol 1e-5 covers rows with temperature 0.3 and extreme logits.
+#: * bfloat16 / float16: the *input* rounding is exact for the oracle, and the
+#:   computation is float32, so log-prob / entropy are as float32. The gradient
+#:   is returned in the input dtype: rounding a value of size <= 1/tau to
+#:   8 bits (bf16) costs 2^-9 relative (float16: 2^-12), hence rtol 8e-3 /
+#:   1e-3 and an atol for the smallest entries.
+#: * float64: round-off of the float64 oracle itself is ~ eps64 * |z| / tau,
+#:   up to ~1e-11 for the +-1e4 rows at tau = 0.3.
+TOLERANCES: dict[str, dict[str, Tolerance]] = {
+    "float64": {
+        "logprob": Tolerance(1e-9, 1e-10),
+        "entropy": Tolerance(1e-9, 1e-10),
+        "grad": Tolerance(1e-10, 1e-9),
+    },
+    "float32": {
+        "logprob": Tolerance(2e-5, 2e-5),
+        "entropy": Tolerance(2e-5, 2e-5),
+        "grad": Tolerance(1e-5, 1e-4),
+    },
+    "bfloat16": {
+        "logprob": Tolerance(2e-5, 2e-5),
+        "entropy": Tolerance(2e-5, 2e-5),
+        "grad": Tolerance(1e-4, 8e-3),
+    },
+    "float16": {
+        "logprob": Tolerance(2e-5, 2e-5),
+        "entropy": Tolerance(2e-5, 2e-5),
+        "grad": Tolerance(1e-4, 1e-3),
+    },
+}
+
+
+def tolerance(dtype: str, quantity: str) -> Tolerance:
+    """Tolerance for ``quantity`` in ``("logprob", "entropy", "grad")``."""
+    return TOLERANCES[dtype][quantity]
+
+
+def pair_tolerance(dtype: str, quantity: str) -> Tolerance:
+    """Tolerance between two backends: each is within :func:`tolerance` of the oracle, so twice that."""
+    t = tolerance(dtype, quantity)
+    return Tolerance(2 * t.atol, 2 * t.rtol)
+
+
+def _finite_part(x, ref):
+    """``(x[fin], ref[fin])`` over the finite reference entries, or ``None`` when the two disagree.
+
+    Disagreement: different shapes, or a non-finite reference entry that ``x``
+    does not reproduce exactly (``-inf``/``+inf`` equal, NaN where NaN).
+    """
+    x = np.asarray(x, dtype=np.float64)
+    ref = np.asarray(ref, dtype=np.float64)
+    if x.shape != ref.shape:
+        return None
+    fin = np.isfinite(ref)
+    same_nonfinite = (x == ref) | (np.isnan(x) & np.isnan(ref))
+    if not np.all(same_nonfinite[~fin]):
+        return None
+    return x[fin], ref[fin]
+
+
+def max_errors(x, ref) -> tuple[float, float]:
+    """``(max abs error, max rel error)`` of ``x`` against ``ref`` over the finite reference entries.
+
+    Non-finite entries must agree exactly; a mismatch counts as an infinite
+    error. Different shapes raise ``ValueError``.
+    """
+    if np.shape(x) != np.shape(ref):
+        raise ValueError(f"shape mismatch: {np.shape(x)} vs {np.shape(ref)}")
+    part = _finite_part(x, ref)
+    if part is None:
+        return float("inf"), float("inf")
+    xf, rf = part
+    if xf.size == 0:
+        return 0.0, 0.0
+    err = np.abs(xf - rf)
+    if not np.all(np.isfinite(err)):
+        return float("inf"), float("inf")
+    rel = err / np.maximum(np.abs(rf), np.finfo(np.float64).tiny)
+    return float(err.max()), float(rel.max())
+
+
+def within_tolerance(x, ref, tol: Tolerance) -> bool:
+    """True when every entry satisfies ``tol`` (non-finite entries must match exactly)."""
+    part = _finite_part(x, ref)
+    if part is None:
+        return False
+    xf, rf = part
+    return bool(np.all(np.abs(xf - rf) <= tol.atol + tol.rtol * np.abs(rf)))
+
+
+class Row(NamedTuple):
+    """One comparison: ``check`` (e.g. ``"torch vs oracle"``), ``quantity``, max errors, pass."""
+
+    check: str
+    quantity: str
+    abs_err: float
+    rel_err: float
+    ok: bool
+
+
+def compare(results: Mapping[str, object], oracle, dtype: str, pairs: Optional[tuple] = (("torch", "jax"),)) -> list:
+    """Rows for every backend vs the oracle, then for each pair in ``pairs`` present in ``results``.
+
+    Args:
+      results: backend name -> :class:`dualvp.testing.Outputs` (float64 NumPy arrays).
+      oracle: the :class:`dualvp.testing.Outputs` of :func:`dualvp.testing.oracle`.
+      dtype: the input dtype (selects the tolerances).
+      pairs: backend pairs compared with each other at :func:`pair_tolerance`.
+    """
+    rows = []
+    for name, res in results.items():
+        for q in QUANTITIES:
+            x, r = getattr(res, q), getattr(oracle, q)
+            a, e = max_errors(x, r)
+            rows.append(Row(f"{name} vs oracle", q, a, e, within_tolerance(x, r, tolerance(dtype, q))))
+    for p, o in pairs or ():
+        if p in results and o in results:
+            for q in QUANTITIES:
+                x, y = getattr(results[p], q), getattr(results[o], q)
+                a, e = max_errors(x, y)
+                rows.append(Row(f"{p} vs {o}", q, a, e, within_tolerance(x, y, pair_tolerance(dtype, q))))
+    return rows
