@@ -22,7 +22,8 @@ from typing import Union
 
 from . import backends, cases, faults, metrics, modes
 from .backends import BACKENDS, run, run_all
-from .metrics import LINEAR_QUANTITIES, QUANTITIES, TOLERANCES, Row, compare, max_errors, pair_tolerance, tolerance, within_tolerance
+from .metrics import (LINEAR_QUANTITIES, QUANTITIES, TOLERANCES, Row, compare, max_errors, pair_tolerance, tolerance,
+                      within_tolerance)
 from .oracle import LinearOutputs, Outputs, oracle, oracle_linear
 
 __all__ = [

@@ -231,7 +231,8 @@ def _jax_child() -> None:
         pickle.dump(testing.run("jax", prob, world), f)
 
 
-def start_jax(prob: Union[cases.Problem, cases.LinearProblem], world: int, tmp: str, set_vars: Optional[Mapping[str, Optional[str]]] = None):
+def start_jax(prob: Union[cases.Problem, cases.LinearProblem], world: int, tmp: str,
+              set_vars: Optional[Mapping[str, Optional[str]]] = None):
     """Start a child process that runs ``prob`` on the JAX backend with ``world`` host devices.
 
     JAX reads ``XLA_FLAGS`` once, at import: hence a fresh process. ``tmp``: a
