@@ -6,7 +6,9 @@
   :func:`within_tolerance` (non-finite entries matched in one place) and
   :func:`compare` (report rows);
 * :mod:`~dualvp.testing.oracle`: :func:`oracle` (the float64 answer of a
-  problem) and :class:`Outputs`;
+  problem) and :class:`Outputs`; for the fused LM head (a
+  :class:`~dualvp.testing.cases.LinearProblem` from
+  :func:`~dualvp.testing.cases.make_linear`) :class:`LinearOutputs`;
 * :mod:`~dualvp.testing.backends`: :func:`run` ``(backend, problem, world) -> Outputs``
   for ``spec``, ``torch`` and ``jax``;
 * :mod:`~dualvp.testing.modes`: the option modes shared by tests and bench;
@@ -16,19 +18,23 @@
 torch or JAX until a backend runs.
 """
 
+from typing import Union
+
 from . import backends, cases, faults, metrics, modes
 from .backends import BACKENDS, run, run_all
-from .metrics import QUANTITIES, TOLERANCES, Row, compare, max_errors, pair_tolerance, tolerance, within_tolerance
-from .oracle import Outputs, oracle
+from .metrics import (LINEAR_QUANTITIES, QUANTITIES, TOLERANCES, Row, compare, max_errors, pair_tolerance, tolerance,
+                      within_tolerance)
+from .oracle import LinearOutputs, Outputs, oracle, oracle_linear
 
 __all__ = [
     "cases", "metrics", "modes", "backends", "faults",
-    "Outputs", "oracle", "run", "run_all", "BACKENDS",
+    "Outputs", "LinearOutputs", "oracle", "oracle_linear", "run", "run_all", "BACKENDS",
     "TOLERANCES", "Row", "compare", "failures", "max_errors", "within_tolerance", "tolerance", "pair_tolerance", "QUANTITIES",
+    "LINEAR_QUANTITIES",
 ]
 
 
-def failures(problem: cases.Problem, results: dict) -> list:
+def failures(problem: Union[cases.Problem, cases.LinearProblem], results: dict) -> list:
     """The failing rows of :func:`compare` of ``results`` (backend -> Outputs) vs the oracle, as text."""
     rows = compare(results, oracle(problem), problem.case.dtype)
     return [f"{r.check} {r.quantity}: abs {r.abs_err:.3e} rel {r.rel_err:.3e}" for r in rows if not r.ok]

@@ -14,27 +14,34 @@ vocabulary, for ``dualvp verify`` and the tests alike:
   ``world`` devices of this process (JAX must have been imported with enough
   host devices: ``XLA_FLAGS=--xla_force_host_platform_device_count=W``).
 
+A :class:`~dualvp.testing.cases.LinearProblem` (the fused LM head) runs the
+same way and gives :class:`~dualvp.testing.oracle.LinearOutputs`: torch's
+``dualvp_torch.linear_logprob_entropy`` with each rank's weight rows, the
+hidden states identical on every rank and ``reduce_hidden_grad=True``; JAX's
+``dualvp_jax.sharded_linear_logprob_entropy`` with the weight's rows split
+over the mesh. The ``spec`` backend has no fused form and refuses it.
+
 torch and JAX are imported only when their backend runs.
 """
 
 from __future__ import annotations
 
 import contextlib
-from typing import Optional, Sequence
+from typing import Optional, Sequence, Union
 
 import numpy as np
 
 from .. import simulate
-from .cases import Problem
-from .oracle import Outputs
+from .cases import LinearProblem, Problem
+from .oracle import LinearOutputs, Outputs
 
 __all__ = ["BACKENDS", "run", "run_all", "torch_rank_outputs", "merge_ranks"]
 
 BACKENDS = ("spec", "torch", "jax")
 
 
-def run(backend: str, problem: Problem, world: int, *, impl: Optional[str] = None, timeout: float = 600.0,
-        env: Optional[dict] = None) -> Outputs:
+def run(backend: str, problem: Union[Problem, LinearProblem], world: int, *, impl: Optional[str] = None,
+        timeout: float = 600.0, env: Optional[dict] = None) -> Union[Outputs, LinearOutputs]:
     """Forward + backward of ``problem`` on ``world`` shards of ``backend`` (see the module docstring).
 
     Args:
@@ -50,6 +57,8 @@ def run_all(backend: str, problems: Sequence[Problem], world: int, *, impl: Opti
     """:func:`run` for several problems (one spawn of the torch ranks for all); a list of Outputs."""
     problems = list(problems)
     if backend == "spec":
+        if any(isinstance(p, LinearProblem) for p in problems):
+            raise ValueError("backend: 'spec' has no fused LM-head form; run a LinearProblem on 'torch' or 'jax'")
         return [_spec(p, world) for p in problems]
     if backend == "torch":
         if world == 1:
@@ -61,7 +70,7 @@ def run_all(backend: str, problems: Sequence[Problem], world: int, *, impl: Opti
         from . import faults
 
         faults.install_from_env()
-        return [_jax(p, world) for p in problems]
+        return [(_jax_linear if isinstance(p, LinearProblem) else _jax)(p, world) for p in problems]
     raise ValueError(f"backend: expected one of {BACKENDS}, got {backend!r}")
 
 
@@ -78,7 +87,10 @@ def _spec(p: Problem, world: int) -> Outputs:
 
 
 def torch_rank_outputs(rank: int, world: int, problems: Sequence[Problem], impl: Optional[str] = None) -> list:
-    """On one rank (``group=None`` when ``world == 1``): Outputs of every problem, ``grad`` this rank's columns."""
+    """On one rank (``group=None`` when ``world == 1``): Outputs of every problem, ``grad`` this rank's columns.
+
+    A :class:`LinearProblem` gives :class:`LinearOutputs` with ``dW`` this rank's weight rows.
+    """
     import torch
 
     from dualvp_torch import logprob_entropy
@@ -86,6 +98,9 @@ def torch_rank_outputs(rank: int, world: int, problems: Sequence[Problem], impl:
     group = torch.distributed.group.WORLD if world > 1 else None
     outs = []
     for p in problems:
+        if isinstance(p, LinearProblem):
+            outs.append(_torch_linear(p, rank, world, group, impl))
+            continue
         c = p.case
         zs, ks = p.shard(rank, world)
         z = torch.from_numpy(np.ascontiguousarray(zs)).to(getattr(torch, c.dtype)).requires_grad_(True)
@@ -98,18 +113,44 @@ def torch_rank_outputs(rank: int, world: int, problems: Sequence[Problem], impl:
     return outs
 
 
+def _torch_linear(p: LinearProblem, rank: int, world: int, group, impl: Optional[str]) -> LinearOutputs:
+    """One rank's fused forward + backward: this rank's weight rows, the whole hidden, ``dh`` all-reduced."""
+    import torch
+
+    from dualvp_torch import linear_logprob_entropy
+
+    c = p.case
+    dt = getattr(torch, c.dtype)
+    ws, ks = p.shard(rank, world)
+    h = torch.from_numpy(np.ascontiguousarray(p.hidden)).to(dt).requires_grad_(True)
+    w = torch.from_numpy(np.ascontiguousarray(ws)).to(dt).requires_grad_(True)
+    keep = None if ks is None else torch.from_numpy(np.ascontiguousarray(ks))
+    lp, en = linear_logprob_entropy(h, w, torch.from_numpy(p.target), group=group, keep_mask=keep,
+                                    temperature=c.temperature, ignore_index=c.ignore_index,
+                                    reduce_hidden_grad=True, impl=impl)
+    torch.autograd.backward([lp, en], [torch.from_numpy(p.grad_logprob).to(lp.dtype),
+                                       torch.from_numpy(p.grad_entropy).to(en.dtype)])
+    return LinearOutputs(*(x.detach().double().numpy() for x in (lp, en, h.grad, w.grad)))
+
+
 def merge_ranks(per_rank: Sequence[list]) -> list:
-    """Join per-rank :func:`torch_rank_outputs` into full-vocabulary Outputs.
+    """Join per-rank :func:`torch_rank_outputs` into full-vocabulary Outputs (or LinearOutputs).
 
     Every rank holds the same combined statistics, so log-prob and entropy
-    must agree bitwise across ranks; a difference raises ``RuntimeError``.
+    must agree bitwise across ranks, and so must the all-reduced ``dh`` of a
+    fused problem; a difference raises ``RuntimeError``. ``grad`` columns
+    (``dW`` rows) are joined in rank order.
     """
     merged = []
     for i, first in enumerate(per_rank[0]):
+        linear = isinstance(first, LinearOutputs)
         for r, outs in enumerate(per_rank[1:], start=1):
-            for q in ("logprob", "entropy"):
+            for q in ("logprob", "entropy", "dh") if linear else ("logprob", "entropy"):
                 if not np.array_equal(getattr(outs[i], q), getattr(first, q), equal_nan=True):
                     raise RuntimeError(f"torch rank {r} {q} differs from rank 0")
+        if linear:
+            merged.append(first._replace(dW=np.concatenate([o[i].dW for o in per_rank], axis=0)))
+            continue
         merged.append(Outputs(first.logprob, first.entropy, np.concatenate([o[i].grad for o in per_rank], axis=-1)))
     return merged
 
@@ -141,3 +182,32 @@ def _jax(p: Problem, world: int) -> Outputs:
         (g,) = vjp((jnp.asarray(p.grad_logprob).astype(lp.dtype), jnp.asarray(p.grad_entropy).astype(h.dtype)))
         g = g.astype(jnp.float64 if c.dtype == "float64" else jnp.float32)
         return Outputs(np.asarray(lp, np.float64), np.asarray(h, np.float64), np.asarray(g, np.float64))
+
+
+def _jax_linear(p: LinearProblem, world: int) -> LinearOutputs:
+    import jax
+    import jax.numpy as jnp
+
+    import dualvp_jax
+
+    c = p.case
+    devices = jax.devices()
+    if len(devices) < world:
+        raise RuntimeError(f"world: JAX has {len(devices)} device(s), {world} needed; set XLA_FLAGS="
+                           f"--xla_force_host_platform_device_count={world} before JAX is imported")
+    x64 = jax.enable_x64(True) if c.dtype == "float64" else contextlib.nullcontext()
+    with x64:
+        mesh = jax.make_mesh((world,), ("tp",), devices=devices[:world])
+        dt = getattr(jnp, c.dtype)
+        h, w = jnp.asarray(p.hidden).astype(dt), jnp.asarray(p.weight).astype(dt)
+        y = jnp.asarray(p.target)
+        keep = None if p.keep_mask is None else jnp.asarray(p.keep_mask)
+
+        def f(h, w):
+            return dualvp_jax.sharded_linear_logprob_entropy(h, w, y, mesh, "tp", keep_mask=keep,
+                                                             temperature=c.temperature, ignore_index=c.ignore_index)
+
+        (lp, en), vjp = jax.vjp(f, h, w)
+        dh, dw = vjp((jnp.asarray(p.grad_logprob).astype(lp.dtype), jnp.asarray(p.grad_entropy).astype(en.dtype)))
+        up = jnp.float64 if c.dtype == "float64" else jnp.float32  # bfloat16 -> float32 exactly, then to NumPy
+        return LinearOutputs(*(np.asarray(jnp.asarray(x).astype(up), np.float64) for x in (lp, en, dh, dw)))

@@ -23,6 +23,8 @@ from .metrics import TOLERANCES, Tolerance, max_errors, tolerance, within_tolera
 __all__ = [
     "Case",
     "Problem",
+    "LinearProblem",
+    "make_linear",
     "CASES",
     "case",
     "make",
@@ -103,6 +105,35 @@ class Problem:
         sl = slice(rank * v, (rank + 1) * v)
         km = None if self.keep_mask is None else self.keep_mask[..., sl]
         return self.logits[..., sl], km
+
+
+@dataclass
+class LinearProblem:
+    """Concrete arrays of the fused LM-head op (``z = hidden @ weight^T``), NumPy, values of the dtype.
+
+    The :class:`Case` gives ``lead``, ``vocab`` (weight rows ``V``), ``worlds``,
+    ``dtype``, ``temperature``, ``mask``, ``ignore_frac``, ``seed`` and
+    ``ignore_index``; its ``logits`` kind is not used (the logits are what
+    ``hidden`` and ``weight`` make). Rank ``r`` of ``W`` holds the weight rows
+    ``[r*V/W, (r+1)*V/W)`` and the same columns of ``keep_mask``; ``hidden``
+    is identical on every rank.
+    """
+
+    case: Case
+    hidden: np.ndarray  # [..., H] float64, exactly representable in case.dtype
+    weight: np.ndarray  # [V, H] float64, exactly representable in case.dtype
+    target: np.ndarray  # [...] int64
+    keep_mask: Optional[np.ndarray]  # [..., V] bool or None
+    grad_logprob: np.ndarray  # [...] float64 upstream gradient
+    grad_entropy: np.ndarray  # [...] float64 upstream gradient
+    extra: dict = field(default_factory=dict)
+
+    def shard(self, rank: int, world: int):
+        """Weight rows and keep-mask columns of rank ``rank`` of ``world``: ``(weight [V/W, H], keep_mask)``."""
+        v = self.weight.shape[0] // world
+        sl = slice(rank * v, (rank + 1) * v)
+        km = None if self.keep_mask is None else self.keep_mask[..., sl]
+        return self.weight[sl], km
 
 
 def round_to_dtype(x: np.ndarray, dtype: str) -> np.ndarray:
@@ -220,6 +251,37 @@ def make(case: Case) -> Problem:
     gl = rng.normal(size=case.lead)
     ge = rng.normal(size=case.lead)
     return Problem(case, z, target, keep, gl, ge)
+
+
+def make_linear(case: Case, hidden: int, *, logit_scale: float = 3.0) -> LinearProblem:
+    """The fused problem of ``case`` with hidden size ``hidden`` (deterministic in ``case.seed``).
+
+    ``hidden [..., H] ~ N(0, 1)`` and ``weight [V, H] ~ N(0, (logit_scale / sqrt(H))^2)``,
+    both rounded to ``case.dtype``, so the logits have standard deviation
+    about ``logit_scale`` whatever ``H``; a few weight rows are scaled by 3
+    (frequent tokens: rows with a confident maximum). Targets, ignored rows
+    (``case.ignore_frac``, the first row always) and the keep mask
+    (``case.mask``, built on the float64 logits ``hidden @ weight^T``) as in
+    :func:`make`.
+    """
+    if not (isinstance(hidden, int) and hidden > 0):
+        raise ValueError(f"hidden: expected a positive int, got {hidden!r}")
+    rng = np.random.default_rng(case.seed)
+    lead = tuple(case.lead)
+    h = round_to_dtype(rng.normal(size=lead + (hidden,)), case.dtype)
+    w = rng.normal(scale=logit_scale / np.sqrt(hidden), size=(case.vocab, hidden))
+    w[rng.integers(0, case.vocab, size=max(1, case.vocab // 64))] *= 3.0
+    w = round_to_dtype(w, case.dtype)
+    target = rng.integers(0, case.vocab, size=lead).astype(np.int64)
+    if case.ignore_frac > 0 and target.size:
+        ign = rng.random(lead) < case.ignore_frac
+        ign.reshape(-1)[0] = True
+        target = np.where(ign, case.ignore_index, target)
+    keep = make_mask(rng, case.mask, h @ w.T, target, case.ignore_index) if case.mask != "none" else None
+    # float32 values: the backends take the cotangents in float32, the oracle the same numbers
+    gl = round_to_dtype(rng.normal(size=lead), "float32")
+    ge = round_to_dtype(rng.normal(size=lead), "float32")
+    return LinearProblem(case, h, w, target, keep, gl, ge)
 
 
 def _c(name, **kw) -> Case:

@@ -3,8 +3,10 @@
 ``DUALVP_TEST_FAULT=grad_tau`` in the environment of a process that runs the
 JAX backend through :func:`dualvp.testing.run` makes the JAX backward forget
 the ``1/temperature`` factor (a plausible bug): the fault re-registers the
-custom VJP of :mod:`dualvp_jax.function` with a wrapped backward, so the
-production backward itself carries no test code. Never set it otherwise.
+custom VJPs of :mod:`dualvp_jax.function` (the logits gradient) and of
+:mod:`dualvp_jax.linear` (the fused LM head's ``dh`` and ``dW``) with a
+wrapped backward, so the production backward itself carries no test code.
+Never set it otherwise.
 """
 
 from __future__ import annotations
@@ -28,15 +30,26 @@ def install(name: str) -> None:
     import jax.numpy as jnp
 
     from dualvp_jax import function as f
+    from dualvp_jax import linear as lin
+
+    def times_tau(g, tau):
+        # undo the 1/tau of the correct gradient: the bug being simulated
+        return (g.astype(jnp.promote_types(g.dtype, jnp.float32)) * tau).astype(g.dtype)
 
     backward = f._op_bwd
 
     def grad_tau(axis_name, opt, res, cotangents):
         g, *rest = backward(axis_name, opt, res, cotangents)
-        # undo the 1/tau of the correct gradient: the bug being simulated
-        return ((g.astype(jnp.promote_types(g.dtype, jnp.float32)) * opt.temperature).astype(g.dtype), *rest)
+        return (times_tau(g, opt.temperature), *rest)
+
+    linear_backward = lin._op_bwd
+
+    def linear_grad_tau(axis_name, cfg, res, cotangents):
+        dh, dw, *rest = linear_backward(axis_name, cfg, res, cotangents)
+        return (times_tau(dh, cfg.opt.temperature), times_tau(dw, cfg.opt.temperature), *rest)
 
     f._op.defvjp(f._op_fwd, grad_tau)
+    lin._op.defvjp(lin._op_fwd, linear_grad_tau)
     _installed.add(name)
 
 

@@ -24,10 +24,14 @@ __all__ = [
     "Row",
     "compare",
     "QUANTITIES",
+    "LINEAR_QUANTITIES",
 ]
 
 #: The three quantities every backend returns (see :class:`dualvp.testing.Outputs`).
 QUANTITIES = ("logprob", "entropy", "grad")
+#: The four of the fused LM-head op (see :class:`dualvp.testing.LinearOutputs`).
+LINEAR_QUANTITIES = ("logprob", "entropy", "dh", "dW")
+_LINEAR_GRADS = ("dh", "dW")
 
 
 @dataclass(frozen=True)
@@ -85,14 +89,32 @@ TOLERANCES: dict[str, dict[str, Tolerance]] = {
 }
 
 
-def tolerance(dtype: str, quantity: str) -> Tolerance:
-    """Tolerance for ``quantity`` in ``("logprob", "entropy", "grad")``."""
+def tolerance(dtype: str, quantity: str, ref=None) -> Tolerance:
+    """Tolerance for ``quantity`` in ``("logprob", "entropy", "grad")``, or ``"dh"`` / ``"dW"`` given ``ref``.
+
+    The fused LM-head gradients ``dh = G W`` and ``dW = G^T h`` are derived
+    from the logits gradient's row of :data:`TOLERANCES`, as the fused-op tests
+    (``tests/torch/test_linear.py``) judge them: each entry is a sum of
+    products of logits-gradient entries ``G`` with weight / hidden entries, so
+    the relative part stays that of ``G`` (float32 accumulation everywhere,
+    one final rounding to the dtype) and the absolute part, which covers the
+    entries that cancel to near zero, scales with the size of the products:
+    ``atol = atol_grad * max(1, max |ref|)`` over the finite oracle entries
+    ``ref`` (which must then be given).
+    """
+    if quantity in _LINEAR_GRADS:
+        if ref is None:
+            raise ValueError(f"quantity: {quantity!r} needs the oracle's values (ref) to scale its tolerance")
+        t = TOLERANCES[dtype]["grad"]
+        r = np.abs(np.asarray(ref, dtype=np.float64))
+        r = r[np.isfinite(r)]
+        return Tolerance(t.atol * max(1.0, float(r.max()) if r.size else 1.0), t.rtol)
     return TOLERANCES[dtype][quantity]
 
 
-def pair_tolerance(dtype: str, quantity: str) -> Tolerance:
+def pair_tolerance(dtype: str, quantity: str, ref=None) -> Tolerance:
     """Tolerance between two backends: each is within :func:`tolerance` of the oracle, so twice that."""
-    t = tolerance(dtype, quantity)
+    t = tolerance(dtype, quantity, ref)
     return Tolerance(2 * t.atol, 2 * t.rtol)
 
 
@@ -144,34 +166,42 @@ def within_tolerance(x, ref, tol: Tolerance) -> bool:
 
 
 class Row(NamedTuple):
-    """One comparison: ``check`` (e.g. ``"torch vs oracle"``), ``quantity``, max errors, pass."""
+    """One comparison: ``check`` (e.g. ``"torch vs oracle"``), ``quantity``, max errors, pass, the tolerance used."""
 
     check: str
     quantity: str
     abs_err: float
     rel_err: float
     ok: bool
+    tol: Optional[Tolerance] = None
 
 
 def compare(results: Mapping[str, object], oracle, dtype: str, pairs: Optional[tuple] = (("torch", "jax"),)) -> list:
     """Rows for every backend vs the oracle, then for each pair in ``pairs`` present in ``results``.
 
     Args:
-      results: backend name -> :class:`dualvp.testing.Outputs` (float64 NumPy arrays).
-      oracle: the :class:`dualvp.testing.Outputs` of :func:`dualvp.testing.oracle`.
+      results: backend name -> :class:`dualvp.testing.Outputs` or
+        :class:`dualvp.testing.LinearOutputs` (float64 NumPy arrays), the
+        oracle's type.
+      oracle: the answer of :func:`dualvp.testing.oracle`; its fields are the
+        quantities compared (:data:`QUANTITIES` or :data:`LINEAR_QUANTITIES`).
       dtype: the input dtype (selects the tolerances).
-      pairs: backend pairs compared with each other at :func:`pair_tolerance`.
+      pairs: backend pairs compared with each other at :func:`pair_tolerance`
+        (``dh`` / ``dW`` scaled by the oracle's values).
     """
+    quantities = getattr(oracle, "_fields", QUANTITIES)
     rows = []
     for name, res in results.items():
-        for q in QUANTITIES:
+        for q in quantities:
             x, r = getattr(res, q), getattr(oracle, q)
             a, e = max_errors(x, r)
-            rows.append(Row(f"{name} vs oracle", q, a, e, within_tolerance(x, r, tolerance(dtype, q))))
+            t = tolerance(dtype, q, r)
+            rows.append(Row(f"{name} vs oracle", q, a, e, within_tolerance(x, r, t), t))
     for p, o in pairs or ():
         if p in results and o in results:
-            for q in QUANTITIES:
+            for q in quantities:
                 x, y = getattr(results[p], q), getattr(results[o], q)
                 a, e = max_errors(x, y)
-                rows.append(Row(f"{p} vs {o}", q, a, e, within_tolerance(x, y, pair_tolerance(dtype, q))))
+                t = pair_tolerance(dtype, q, getattr(oracle, q))
+                rows.append(Row(f"{p} vs {o}", q, a, e, within_tolerance(x, y, t), t))
     return rows

@@ -16,6 +16,10 @@ def _parser() -> argparse.ArgumentParser:
     )
     sub = p.add_subparsers(dest="command", required=True)
     v = sub.add_parser("verify", help="check every backend against the float64 oracle and each other")
+    v.add_argument("--op", default="logits", choices=["logits", "linear"],
+                   help="logits: logprob_entropy on vocab-sharded logits (default); linear: the fused LM head "
+                   "linear_logprob_entropy on hidden states [T, H] and the vocab-parallel weight [V, H]")
+    v.add_argument("--hidden", type=int, default=64, help="--op linear: hidden size H")
     v.add_argument("--tp", type=int, default=2, help="tensor-parallel size W (vocab shards)")
     v.add_argument("--input", metavar="FILE", default=None,
                    help="check your own data instead of a random problem: a torch.save'd dict (read with "

@@ -14,6 +14,17 @@ and prints the max abs / rel error of log-prob, entropy and the logits
 gradient for each backend against the oracle and for torch against JAX, with
 PASS/FAIL against :data:`dualvp.testing.metrics.TOLERANCES`. Exit status 1 on any FAIL.
 
+``--op linear`` checks the fused LM head instead: a random
+:class:`dualvp.testing.cases.LinearProblem` (hidden ``[T, H]`` with ``H =
+--hidden``, weight ``[V, H]``, both rounded to the dtype), the float64 oracle
+of ``hidden @ weight^T``, ``dualvp_torch.linear_logprob_entropy`` on ``W``
+gloo ranks (each its weight rows, the same hidden, ``reduce_hidden_grad=True``)
+and ``dualvp_jax.sharded_linear_logprob_entropy`` on ``W`` host devices; the
+rows are log-prob, entropy, ``dh`` and ``dW``, the gradients judged with
+:func:`dualvp.testing.metrics.tolerance` (the logits gradient's tolerance, its
+absolute part scaled by the oracle's largest entry). There is no ``spec`` row
+(the specification has no fused form) and no ``--input``.
+
 Every backend runs through the shared adapters :func:`dualvp.testing.run`, and
 the oracle and the comparison are :func:`dualvp.testing.oracle` and
 :func:`dualvp.testing.compare`, as in the tests. The torch and JAX backends run
@@ -30,7 +41,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from typing import Mapping, Optional
+from typing import Mapping, Optional, Union
 
 import numpy as np
 
@@ -43,10 +54,16 @@ from ._proc import child_env, start_python
 __all__ = ["run", "compare", "Row", "problem_for", "load_input", "input_problem", "start_jax", "finish_jax"]
 
 
-def problem_for(args) -> cases.Problem:
-    """The verify problem: a :class:`dualvp.testing.cases.Case` built from the options."""
+def problem_for(args) -> Union[cases.Problem, cases.LinearProblem]:
+    """The verify problem: a :class:`dualvp.testing.cases.Case` built from the options.
+
+    ``args.op == "linear"``: a :class:`~dualvp.testing.cases.LinearProblem`
+    with ``args.hidden`` columns of hidden state; otherwise a logits
+    :class:`~dualvp.testing.cases.Problem`.
+    """
+    linear = getattr(args, "op", "logits") == "linear"
     c = cases.Case(
-        name="verify",
+        name="verify-linear" if linear else "verify",
         lead=(args.tokens,),
         vocab=args.vocab,
         worlds=(args.tp,),
@@ -57,7 +74,7 @@ def problem_for(args) -> cases.Problem:
         seed=args.seed,
         ignore_frac=0.05,
     )
-    return cases.make(c)
+    return cases.make_linear(c, args.hidden) if linear else cases.make(c)
 
 
 _INPUT_KEYS = ("logits", "target", "keep_mask")
@@ -214,7 +231,8 @@ def _jax_child() -> None:
         pickle.dump(testing.run("jax", prob, world), f)
 
 
-def start_jax(prob: cases.Problem, world: int, tmp: str, set_vars: Optional[Mapping[str, Optional[str]]] = None):
+def start_jax(prob: Union[cases.Problem, cases.LinearProblem], world: int, tmp: str,
+              set_vars: Optional[Mapping[str, Optional[str]]] = None):
     """Start a child process that runs ``prob`` on the JAX backend with ``world`` host devices.
 
     JAX reads ``XLA_FLAGS`` once, at import: hence a fresh process. ``tmp``: a
@@ -245,9 +263,12 @@ def finish_jax(started: tuple, timeout: float) -> testing.Outputs:
         return pickle.load(f)
 
 
-def _print_table(rows: list, args, prob: cases.Problem) -> None:
+def _print_table(rows: list, args, prob: Union[cases.Problem, cases.LinearProblem]) -> None:
     c = prob.case
-    if getattr(args, "input", None):
+    if isinstance(prob, cases.LinearProblem):
+        print(f"dualvp verify --op linear: W={args.tp} T={c.lead[0]} H={prob.hidden.shape[-1]} V={c.vocab} "
+              f"dtype={c.dtype} temperature={args.temperature} mask={args.mask} seed={args.seed}")
+    elif getattr(args, "input", None):
         mask = "from file" if prob.extra.get("keep_mask_from_file") else args.mask
         print(f"dualvp verify: input={args.input} W={args.tp} T={c.lead[0]} V={c.vocab} dtype={c.dtype} "
               f"temperature={args.temperature} mask={mask} seed={args.seed}")
@@ -258,7 +279,9 @@ def _print_table(rows: list, args, prob: cases.Problem) -> None:
     print(head)
     print("-" * len(head))
     for r in rows:
-        t = pair_tolerance(c.dtype, r.quantity) if r.check == "torch vs jax" else tolerance(c.dtype, r.quantity)
+        t = r.tol
+        if t is None:
+            t = pair_tolerance(c.dtype, r.quantity) if r.check == "torch vs jax" else tolerance(c.dtype, r.quantity)
         print(f"{r.check:<18} {r.quantity:<9} {r.abs_err:>12.3e} {r.rel_err:>12.3e}  "
               f"{f'{t.atol:.0e} + {t.rtol:.0e}':<28} {'PASS' if r.ok else 'FAIL'}")
 
@@ -266,7 +289,14 @@ def _print_table(rows: list, args, prob: cases.Problem) -> None:
 def run(args) -> int:
     """Entry point of ``dualvp verify``; returns the exit status."""
     backends = [b for b in args.backends.split(",") if b]
+    linear = getattr(args, "op", "logits") == "linear"
     total = 3 + len(backends)
+    if linear and getattr(args, "input", None):
+        print("dualvp verify: --input holds logits; it cannot be used with --op linear", file=sys.stderr)
+        return 2
+    if linear and args.hidden < 1:
+        print(f"dualvp verify: --hidden must be a positive size, got {args.hidden}", file=sys.stderr)
+        return 2
     if getattr(args, "input", None):
         t = _progress(1, total, f"reading {args.input}")
         try:
@@ -281,14 +311,16 @@ def run(args) -> int:
         if args.vocab % args.tp:
             print(f"dualvp verify: --vocab {args.vocab} is not divisible by --tp {args.tp}", file=sys.stderr)
             return 2
-        t = _progress(1, total, f"building the problem (T={args.tokens}, V={args.vocab})")
+        size = f"T={args.tokens}, H={args.hidden}, V={args.vocab}" if linear else f"T={args.tokens}, V={args.vocab}"
+        t = _progress(1, total, f"building the {'fused LM-head ' if linear else ''}problem ({size})")
         prob = problem_for(args)
     _progress(1, total, "problem", t)
     dtype = prob.case.dtype
 
-    t = _progress(2, total, "float64 oracle and the spec over simulated shards")
+    t = _progress(2, total, "float64 oracle" + ("" if linear else " and the spec over simulated shards"))
     oracle = testing.oracle(prob)
-    results = {"spec": testing.run("spec", prob, args.tp)}
+    # the spec has no fused form: the linear op is judged by the oracle and torch vs JAX
+    results = {} if linear else {"spec": testing.run("spec", prob, args.tp)}
     _progress(2, total, "oracle", t)
 
     with tempfile.TemporaryDirectory(prefix="dualvp-verify-") as tmp:
