@@ -19,7 +19,7 @@ from torch.profiler import ProfilerActivity, profile  # noqa: E402
 from . import _linear_ranks  # noqa: E402
 from dualvp import reference  # noqa: E402
 from dualvp.testing.cases import round_to_dtype  # noqa: E402
-from dualvp.testing.metrics import Tolerance, max_errors, tolerance, within_tolerance  # noqa: E402
+from dualvp.testing.metrics import max_errors, tolerance, within_tolerance  # noqa: E402
 from dualvp_torch import kernels, linear_logprob_entropy  # noqa: E402
 from dualvp_torch.linear import tile_shape  # noqa: E402
 from dualvp_torch.testing import run_ranks  # noqa: E402
@@ -69,11 +69,8 @@ def _oracle(p, *, entropy_grad=True, **kw):
 
 
 def _grad_tol(dtype, ref):
-    # dh and dW are sums of V (or T) terms of gradient-of-logits entries times
-    # hidden / weight entries: the per-entry tolerance of the logits gradient,
-    # with the absolute part scaled by the size of the products.
-    t = tolerance(dtype, "grad")
-    return Tolerance(t.atol * max(1.0, float(np.nanmax(np.abs(ref)))), t.rtol)
+    # the shared rule for dh / dW (dualvp.testing.metrics.tolerance)
+    return tolerance(dtype, "dh", ref)
 
 
 def _assert_close(got, ref, dtype, what):
