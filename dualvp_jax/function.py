@@ -34,6 +34,7 @@ and raise ``ValueError``.
 
 from __future__ import annotations
 
+import math
 import os
 from functools import partial
 import numpy as np
@@ -44,6 +45,8 @@ from jax import lax
 
 from dualvp import spec
 from dualvp.validation import Options, check_args
+
+from . import chunks
 
 __all__ = ["logprob_entropy"]
 
@@ -154,6 +157,11 @@ def _check_varying(logits, axis_name) -> None:
 # `dualvp verify` report FAIL. Never set it otherwise.
 _TEST_FAULT = os.environ.get("DUALVP_TEST_FAULT", "")
 
+# Which forward the statistics take: "" (by platform: row chunks on CPU, the
+# whole shard elsewhere), "whole" or "chunked". Tests and benchmarks set it
+# (then clear jit caches) to compare the two paths on one machine.
+_FORCE_PATH = ""
+
 
 def _compute_dtype(dtype):
     # bf16 / f16 / f32 -> f32; f64 -> f64 (only reachable under jax_enable_x64).
@@ -180,11 +188,40 @@ def _gather(axis_name, stats):
     return lax.all_gather(stats, axis_name, axis=0, to="invarying")
 
 
+def _shard_stats(logits, local, owns, keep, tau, cdt):
+    """``spec.block_stats`` of the whole shard: ``[..., N_STATS]`` in ``cdt``.
+
+    On CPU the rows are processed in bounded chunks (:mod:`dualvp_jax.chunks`):
+    XLA:CPU would otherwise materialise a float32 ``[..., V_local]`` input for
+    each row reduction (up to 6 B of scratch for bfloat16 logits with a keep
+    mask, B = bytes of the logits); chunked, the forward's scratch is about
+    ``3 * chunks.CHUNK_BYTES`` whatever the row count. On other platforms
+    (GPU, TPU) XLA fuses the elementwise work into its reductions itself and a
+    loop of small chunks would only add steps: the whole shard is one call
+    there (not measured on such a machine in this repository).
+    """
+    def whole(z, local, owns, keep):
+        return spec.block_stats(jnp, z, local, owns, keep, tau, dtype=cdt)
+
+    def chunked(z, local, owns, keep):
+        lead, v = z.shape[:-1], z.shape[-1]
+        n = math.prod(lead)
+        flat = (z.reshape(n, v), local.reshape(n), owns.reshape(n), None if keep is None else keep.reshape(n, v))
+        out = chunks.map_row_chunks(whole, flat, chunks.chunk_rows(n, v))
+        return out.reshape(lead + out.shape[-1:])
+
+    if _FORCE_PATH == "whole":
+        return whole(logits, local, owns, keep)
+    if _FORCE_PATH == "chunked":
+        return chunked(logits, local, owns, keep)
+    return lax.platform_dependent(logits, local, owns, keep, cpu=chunked, default=whole)
+
+
 def _forward(logits, target, keep, axis_name, opt: Options):
     cdt = _compute_dtype(logits.dtype)
     tau = opt.temperature
     valid, owns, local, bad = _shard_position(axis_name, opt, target, logits.shape[-1])
-    stats = spec.block_stats(jnp, logits, local, owns, keep, tau, dtype=cdt)
+    stats = _shard_stats(logits, local, owns, keep, tau, cdt)
     comb = spec.finalize(jnp, spec.reduce_stats(jnp, _gather(axis_name, stats), axis=0, temperature=tau), tau)
     logprob, entropy = spec.outputs(jnp, comb, valid, tau)
     nan = jnp.full_like(logprob, jnp.nan)
