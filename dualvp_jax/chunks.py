@@ -39,10 +39,12 @@ __all__ = ["CHUNK_BYTES", "chunk_rows", "map_row_chunks"]
 
 #: Budget, in bytes, of one float32 ``[rows, V_local]`` intermediate of a chunk.
 #: A chunk of the op's statistics holds two or three such buffers at once
-#: (about 3 x 4 MiB = 12 MiB of scratch, whatever ``T``). 4 MiB gives 32 rows at
-#: ``V_local = 32000`` (16 to 32 rows was the measured sweet spot on CPU: fewer
-#: rows pay the loop's per-step overhead, more fall out of cache) and 6 rows
-#: at ``V_local = 152064``.
+#: (about 3 x 2 MiB = 6 MiB of scratch, whatever ``T``; at T = 2048 that is
+#: 0.01-0.05 B, B = bytes of the shard). 2 MiB gives 16 rows at
+#: ``V_local = 32000`` and 3 at ``V_local = 152064``. Measured on a 2-core
+#: CPU, the time hardly moves between 0.5 and 16 MiB (one row per chunk at
+#: 152064 costs no more: the loop's per-step overhead is small next to a
+#: row's work), so the budget is set by the scratch, not by speed.
 CHUNK_BYTES = 2 << 20
 
 

@@ -8,10 +8,21 @@ Forward, per shard (inside ``shard_map``, or unsharded when ``axis_name`` is
     comb  = spec.combine_stats(table)                  O(T), identical on every shard
     logprob, entropy = spec.outputs(comb)
 
+On CPU the shard statistics are computed over bounded blocks of rows
+(:mod:`dualvp_jax.chunks`, about ``3 * chunks.CHUNK_BYTES`` of scratch,
+whatever ``T``): XLA:CPU would otherwise materialise a float32
+``[T, V_local]`` input for each row reduction (1 to 6 B of scratch, B = the
+bytes of the shard). Each block runs ``spec.block_stats`` itself; rows are
+independent, so the result is the same statistics. Other platforms fuse the
+reductions and take the whole shard at once (:func:`_shard_stats`).
+
 Backward: ``spec.grad_logits`` from the saved logits and the O(T) combined
-statistics; no collective (the statistics are already global). Residuals are
+statistics, one fused pass over the shard (read the logits, write the
+gradient); no collective (the statistics are already global). Residuals are
 the caller's logits (a reference, in the caller's dtype), target, keep mask and
 O(T) statistics: nothing of size ``[T, V_local]`` is created for the backward.
+Under ``jit(value_and_grad)`` the peak beyond the inputs is the gradient (1 B)
+plus the chunk scratch (``tests/jax/test_jax_memory.py``).
 
 Varying-manual-axes (``check_vma``): the gathered table and everything
 computed from it (outputs, statistics) is *invariant* over ``axis_name``
