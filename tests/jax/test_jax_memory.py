@@ -141,7 +141,7 @@ def test_chunks_bf16_no_whole_upcast(n):
     z = jax.ShapeDtypeStruct((n, V), jnp.bfloat16)
     k = jax.ShapeDtypeStruct((n, V), jnp.bool_)
     rows = chunks.chunk_rows(n, V)
-    assert 1 < rows < n and (n % rows == 0) == (n == T)
+    assert 1 < rows < n and (n % rows == 0) == (n == T), rows
     f = jax.jit(lambda z, k: chunks.map_row_chunks(_row_stats, (z, k), rows)).lower(z, k).compile()
     B = n * V * 2
     assert f.memory_analysis().temp_size_in_bytes <= SCRATCH_FWD * B, f.memory_analysis().temp_size_in_bytes / B
