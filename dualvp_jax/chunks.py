@@ -38,15 +38,18 @@ from jax import lax
 __all__ = ["CHUNK_BYTES", "chunk_rows", "map_row_chunks"]
 
 #: Budget, in bytes, of one float32 ``[rows, V_local]`` intermediate of a chunk.
-#: A chunk of the op's statistics holds two or three such buffers at once next
-#: to its rows of logits, so about 4 x 512 KiB = 2 MiB is live per chunk: one
-#: core's L2 cache on common server CPUs (measured on a 2-core Xeon with 2 MiB
-#: L2 per core: 4 rows per chunk at ``V_local = 32000`` were ~10 % faster
-#: than 16, 64 rows ~35 % slower). The scratch is then ~1.5 MiB whatever ``T``
-#: (0.002-0.01 B at T = 2048, B = bytes of the shard). 512 KiB gives 4 rows
-#: at ``V_local = 32000`` and 1 row at ``V_local >= 131072`` (the loop's
-#: per-step overhead stays small next to a row's work there).
-CHUNK_BYTES = 512 << 10
+#: A chunk of the op's statistics holds two or three such buffers at once, so
+#: the scratch is about 3 x 2 MiB = 6 MiB whatever ``T`` (0.01-0.03 B at
+#: T = 2048, V_local = 32000, B = bytes of the shard). 2 MiB gives 16 rows at
+#: ``V_local = 32000`` and 3 at ``V_local = 152064``. Measured on a 2-core Xeon
+#: (2 MiB L2 per core): the forward's time moves little between 0.25 and
+#: 16 MiB (4 rows at 32000 were ~10 % faster than 16, 64 rows ~35 % slower;
+#: one row per chunk at 152064 costs no more than 6). Smaller budgets were
+#: not taken because of the 2-device ``shard_map`` case on host devices: there
+#: the process's peak RSS grows beyond the compiled scratch with the number of
+#: loop steps (+0.08 B at 4 rows per chunk, +0.02-0.04 B at 16), while one
+#: device stays within +0.01 B at any budget.
+CHUNK_BYTES = 2 << 20
 
 
 def chunk_rows(n_rows: int, width: int, budget: Optional[int] = None) -> int:
