@@ -41,7 +41,8 @@ __all__ = ["CHUNK_BYTES", "chunk_rows", "map_row_chunks"]
 #: A chunk of the op's statistics holds two or three such buffers at once, so
 #: the scratch is about 3 x 2 MiB = 6 MiB whatever ``T`` (0.01-0.03 B at
 #: T = 2048, V_local = 32000, B = bytes of the shard). 2 MiB gives 16 rows at
-#: ``V_local = 32000`` and 3 at ``V_local = 152064``. Measured on a 2-core Xeon
+#: ``V_local = 32000`` and 4 (the minimum, see :func:`chunk_rows`) at
+#: ``V_local = 152064``. Measured on a 2-core Xeon
 #: (2 MiB L2 per core): the forward's time moves little between 0.25 and
 #: 16 MiB (4 rows at 32000 were ~10 % faster than 16, 64 rows ~35 % slower;
 #: one row per chunk at 152064 costs no more than 6). Smaller budgets were
@@ -56,11 +57,15 @@ def chunk_rows(n_rows: int, width: int, budget: Optional[int] = None) -> int:
     """Rows per chunk so that one float32 ``[rows, width]`` buffer fits ``budget`` bytes.
 
     ``budget`` defaults to :data:`CHUNK_BYTES` (read at call time, i.e. at
-    trace time of the op). At least 1, at most ``n_rows`` (a single chunk: no
-    loop).
+    trace time of the op). A multiple of 4 and at least 4 (so over budget for
+    ``width > budget / 16``): XLA:CPU reduces blocks of 1 or 3 rows along
+    another path, whose float32 entropy was 1 ulp further from float64 than
+    the whole shard's at ``V_local = 152064``; with 4, 8, ... rows the
+    results matched it. At most ``n_rows`` (a single chunk: no loop).
     """
     budget = CHUNK_BYTES if budget is None else budget
-    rows = max(1, int(budget) // max(1, 4 * int(width)))
+    rows = int(budget) // max(1, 4 * int(width))
+    rows = max(4, rows - rows % 4)
     return max(1, min(rows, int(n_rows)))
 
 

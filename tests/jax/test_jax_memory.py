@@ -183,9 +183,10 @@ def test_chunks_rows_in_order(n, rows):
 
 def test_chunk_rows_budget():
     assert chunks.chunk_rows(2048, 32000, budget=2 << 20) == 16
-    assert chunks.chunk_rows(2048, 152064, budget=2 << 20) == 3
+    assert chunks.chunk_rows(2048, 25000, budget=2 << 20) == 20  # 20.97 -> a multiple of 4
+    assert chunks.chunk_rows(2048, 152064, budget=2 << 20) == 4  # 3.4 -> at least 4
     assert chunks.chunk_rows(10, 32000, budget=2 << 20) == 10  # capped at the rows there are
-    assert chunks.chunk_rows(2048, 10 ** 7, budget=2 << 20) == 1  # at least one row
+    assert chunks.chunk_rows(3, 10 ** 7, budget=2 << 20) == 3
     assert chunks.chunk_rows(0, 32000) == 1
 
 
@@ -240,3 +241,28 @@ def test_chunked_vs_reference(case, world, rows_per_chunk):
 def test_whole_shard_path_vs_reference(name, whole_shard):
     case = cases.case(name)
     _check_case(case, max(w for w in case.worlds if w <= 4))
+
+
+def test_chunked_under_vmap(rows_per_chunk):
+    """vmap over a batch of problems, 4-row chunks inside: values and gradients as the oracle."""
+    from dualvp import reference
+
+    probs = [cases.make(cases.case("random_mask_temp", seed=s)) for s in (1, 2, 3)]
+    z = jnp.stack([inputs(p)[0] for p in probs])
+    y = jnp.stack([inputs(p)[1] for p in probs])
+    k = jnp.stack([inputs(p)[2] for p in probs])
+
+    def loss(z, y, k):
+        lp, h = dualvp_jax.logprob_entropy(z, y, keep_mask=k, temperature=0.7)
+        return jnp.sum(lp) + 0.5 * jnp.sum(h), (lp, h)
+
+    (_, (lp, h)), g = jax.jit(jax.vmap(jax.value_and_grad(loss, has_aux=True)))(z, y, k)
+    assert rows_per_chunk
+    for i, p in enumerate(probs):
+        kw = dict(keep_mask=p.keep_mask, temperature=0.7)
+        r_lp, r_h = reference.logprob_entropy(p.logits, p.target, **kw)
+        n = p.target.shape
+        r_g = reference.logprob_entropy_grad(p.logits, p.target, np.ones(n), 0.5 * np.ones(n), **kw)
+        check_close("vmap", lp[i], r_lp, "float32", "logprob")
+        check_close("vmap", h[i], r_h, "float32", "entropy")
+        check_close("vmap", g[i], r_g, "float32", "grad")
