@@ -8,10 +8,21 @@ Forward, per shard (inside ``shard_map``, or unsharded when ``axis_name`` is
     comb  = spec.combine_stats(table)                  O(T), identical on every shard
     logprob, entropy = spec.outputs(comb)
 
+On CPU the shard statistics are computed over bounded blocks of rows
+(:mod:`dualvp_jax.chunks`, about ``3 * chunks.CHUNK_BYTES`` of scratch,
+whatever ``T``): XLA:CPU would otherwise materialise a float32
+``[T, V_local]`` input for each row reduction (1 to 6 B of scratch, B = the
+bytes of the shard). Each block runs ``spec.block_stats`` itself; rows are
+independent, so the result is the same statistics. Other platforms fuse the
+reductions and take the whole shard at once (:func:`_shard_stats`).
+
 Backward: ``spec.grad_logits`` from the saved logits and the O(T) combined
-statistics; no collective (the statistics are already global). Residuals are
+statistics, one fused pass over the shard (read the logits, write the
+gradient); no collective (the statistics are already global). Residuals are
 the caller's logits (a reference, in the caller's dtype), target, keep mask and
 O(T) statistics: nothing of size ``[T, V_local]`` is created for the backward.
+Under ``jit(value_and_grad)`` the peak beyond the inputs is the gradient (1 B)
+plus the chunk scratch (``tests/jax/test_jax_memory.py``).
 
 Varying-manual-axes (``check_vma``): the gathered table and everything
 computed from it (outputs, statistics) is *invariant* over ``axis_name``
@@ -34,6 +45,7 @@ and raise ``ValueError``.
 
 from __future__ import annotations
 
+import math
 from functools import partial
 import numpy as np
 
@@ -43,6 +55,8 @@ from jax import lax
 
 from dualvp import spec
 from dualvp.validation import Options, check_args
+
+from . import chunks
 
 __all__ = ["logprob_entropy"]
 
@@ -147,6 +161,12 @@ def _check_varying(logits, axis_name) -> None:
 
 # --- the op -------------------------------------------------------------------
 
+# Which forward the statistics take: "" (by platform: row chunks on CPU, the
+# whole shard elsewhere), "whole" or "chunked". Tests and benchmarks set it
+# (then clear jit caches) to compare the two paths on one machine.
+_FORCE_PATH = ""
+
+
 def _compute_dtype(dtype):
     # bf16 / f16 / f32 -> f32; f64 -> f64 (only reachable under jax_enable_x64).
     return jnp.promote_types(dtype, jnp.float32)
@@ -172,11 +192,40 @@ def _gather(axis_name, stats):
     return lax.all_gather(stats, axis_name, axis=0, to="invarying")
 
 
+def _shard_stats(logits, local, owns, keep, tau, cdt):
+    """``spec.block_stats`` of the whole shard: ``[..., N_STATS]`` in ``cdt``.
+
+    On CPU the rows are processed in bounded chunks (:mod:`dualvp_jax.chunks`):
+    XLA:CPU would otherwise materialise a float32 ``[..., V_local]`` input for
+    each row reduction (up to 6 B of scratch for bfloat16 logits with a keep
+    mask, B = bytes of the logits); chunked, the forward's scratch is about
+    ``3 * chunks.CHUNK_BYTES`` whatever the row count. On other platforms
+    (GPU, TPU) XLA fuses the elementwise work into its reductions itself and a
+    loop of small chunks would only add steps: the whole shard is one call
+    there (not measured on such a machine in this repository).
+    """
+    def whole(z, local, owns, keep):
+        return spec.block_stats(jnp, z, local, owns, keep, tau, dtype=cdt)
+
+    def chunked(z, local, owns, keep):
+        lead, v = z.shape[:-1], z.shape[-1]
+        n = math.prod(lead)
+        flat = (z.reshape(n, v), local.reshape(n), owns.reshape(n), None if keep is None else keep.reshape(n, v))
+        out = chunks.map_row_chunks(whole, flat, chunks.chunk_rows(n, v))
+        return out.reshape(lead + out.shape[-1:])
+
+    if _FORCE_PATH == "whole":
+        return whole(logits, local, owns, keep)
+    if _FORCE_PATH == "chunked":
+        return chunked(logits, local, owns, keep)
+    return lax.platform_dependent(logits, local, owns, keep, cpu=chunked, default=whole)
+
+
 def _forward(logits, target, keep, axis_name, opt: Options):
     cdt = _compute_dtype(logits.dtype)
     tau = opt.temperature
     valid, owns, local, bad = _shard_position(axis_name, opt, target, logits.shape[-1])
-    stats = spec.block_stats(jnp, logits, local, owns, keep, tau, dtype=cdt)
+    stats = _shard_stats(logits, local, owns, keep, tau, cdt)
     comb = spec.finalize(jnp, spec.reduce_stats(jnp, _gather(axis_name, stats), axis=0, temperature=tau), tau)
     logprob, entropy = spec.outputs(jnp, comb, valid, tau)
     nan = jnp.full_like(logprob, jnp.nan)

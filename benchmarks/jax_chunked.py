@@ -1,0 +1,240 @@
+"""Side by side, in one process: dualvp_jax's row-chunked forward vs a previous revision.
+
+The previous revision's ``dualvp_jax/function.py`` (default ``8479dda``, the
+last one with the whole-shard forward) is taken with ``git show`` into a
+temporary directory and imported under its own module name; it shares
+``dualvp.spec`` and ``dualvp.validation`` with the current tree (unchanged
+between the two).
+
+For every (V_local, dtype, mode, world) both implementations are compiled as
+``jax.jit(jax.value_and_grad(loss))`` with
+``loss = sum(gl * logprob) + sum(gh * entropy)`` (the entropy term only in the
+modes that have it), unsharded (``axis_name=None``) or inside a
+``jax.shard_map`` over ``world`` host devices with ``check_vma`` on. Reported,
+with ``B`` = bytes of one logits shard:
+
+- ``temp_B``: ``memory_analysis().temp_size_in_bytes / B`` of the compiled
+  value-and-gradient (per device), i.e. the scratch beyond the arguments and
+  the gradient output; ``fwd_temp_B``: the same for the forward alone.
+- ``peak_B``: peak extra resident memory of one call (``VmHWM`` after, reset
+  through ``/proc/self/clear_refs``, minus ``VmRSS`` before) over
+  ``world * B``: the gradient (1 B) is included.
+- ``time_s``: median wall time of ``--reps`` calls; the two implementations
+  alternate call by call so that they see the same machine load. ``cpu_s``:
+  the median process CPU time of the same calls (all threads), less
+  sensitive than wall time to other work on a shared machine.
+- ``all_gathers``: all-gather ops in the compiled HLO (forward + backward).
+- ``max_diff``: largest absolute difference between the two implementations'
+  log-prob, entropy and gradient (float32).
+
+Modes: ``lp`` (log-prob only), ``ent`` (log-prob and entropy, both
+differentiated), ``keep`` (``ent`` under a 50 % keep mask).
+
+Usage::
+
+    python benchmarks/jax_chunked.py --T 2048 --V 32000 --out benchmarks/jax_chunked_T2048_V32000.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import gc
+import importlib.util
+import json
+import os
+import re
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+MODES = {"lp": (False, False), "ent": (True, False), "keep": (True, True)}  # (with entropy, masked)
+
+
+def _status_kb(field):
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError(field)
+
+
+def _trim():
+    gc.collect()
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except OSError:
+        pass
+
+
+def _peak_extra(call):
+    """Peak extra RSS of ``call()`` in bytes (the result is dropped afterwards)."""
+    _trim()
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+    before = _status_kb("VmRSS")
+    out = call()
+    peak = _status_kb("VmHWM")
+    del out
+    return max(0, peak - before)
+
+
+def _load_old(rev):
+    src = subprocess.run(["git", "-C", HERE, "show", f"{rev}:dualvp_jax/function.py"], check=True,
+                         capture_output=True, text=True).stdout
+    d = tempfile.mkdtemp(prefix="dualvp_old_")
+    path = os.path.join(d, "dualvp_jax_old_function.py")
+    with open(path, "w") as f:
+        f.write(src)
+    spec = importlib.util.spec_from_file_location("dualvp_jax_old_function", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--T", type=int, default=2048)
+    ap.add_argument("--V", type=int, nargs="+", default=[32000], help="V_local values")
+    ap.add_argument("--dtypes", default="float32,bfloat16")
+    ap.add_argument("--modes", default="lp,ent,keep")
+    ap.add_argument("--worlds", default="1,2")
+    ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--old-rev", default="8479dda")
+    ap.add_argument("--out", default=None)
+    a = ap.parse_args(argv)
+    worlds = [int(w) for w in a.worlds.split(",")]
+    flag = f"--xla_force_host_platform_device_count={max(worlds)}"
+    if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
+        os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + flag).strip()
+    sys.path.insert(0, HERE)
+    import numpy as np
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import NamedSharding, PartitionSpec as P
+
+    from dualvp_jax import chunks
+    import dualvp_jax.function as new
+
+    old = _load_old(a.old_rev)
+    impls = {"old": old, "new": new}
+    meshes = {w: jax.make_mesh((w,), ("tp",)) for w in worlds if w > 1}
+    rows = []
+    uptime0 = open("/proc/loadavg").read().split()[:3]
+
+    for V in a.V:
+        for dname in a.dtypes.split(","):
+            dt = jnp.dtype(dname)
+            for world in worlds:
+                rng = np.random.default_rng(0)
+                z_np = (rng.standard_normal((a.T, world * V), dtype=np.float32) * 3.0)
+                y_np = rng.integers(0, world * V, a.T).astype(np.int32)
+                y_np[::17] = -100
+                k_np = rng.random((a.T, world * V), dtype=np.float32) < 0.5
+                gl_np = rng.standard_normal(a.T).astype(np.float32)
+                gh_np = rng.standard_normal(a.T).astype(np.float32)
+                mesh = meshes.get(world)
+                put = (lambda x, s: jax.device_put(x, NamedSharding(mesh, s))) if mesh else (lambda x, s: jnp.asarray(x))
+                z = put(jnp.asarray(z_np, dt) if mesh is None else z_np.astype(dt), P(None, "tp"))
+                del z_np
+                keep = put(k_np, P(None, "tp"))
+                del k_np
+                y, gl, gh = (put(x, P(None)) for x in (y_np, gl_np, gh_np))
+                B = a.T * V * dt.itemsize
+                for mode in a.modes.split(","):
+                    with_ent, masked = MODES[mode]
+                    k = keep if masked else None
+                    fns, fwds, rec = {}, {}, {}
+                    for name, mod in impls.items():
+
+                        def body(z, y, gl, gh, *kk, mod=mod):
+                            lp, h = mod.logprob_entropy(z, y, axis_name="tp" if mesh else None,
+                                                        keep_mask=kk[0] if kk else None, with_entropy=with_ent)
+                            return lp, (h if with_ent else jnp.zeros_like(lp))
+
+                        def outs(z, y, gl, gh, k, body=body):
+                            extra = () if k is None else (k,)
+                            if mesh is None:
+                                return body(z, y, gl, gh, *extra)
+                            specs = (P(None, "tp"), P(None), P(None), P(None)) + ((P(None, "tp"),) if k is not None else ())
+                            return jax.shard_map(body, mesh=mesh, in_specs=specs, out_specs=(P(None), P(None)))(
+                                z, y, gl, gh, *extra)
+
+                        def loss(z, y, gl, gh, k, outs=outs):
+                            lp, h = outs(z, y, gl, gh, k)
+                            return jnp.sum(gl * lp) + (jnp.sum(gh * h) if with_ent else 0.0), (lp, h)
+
+                        vg = jax.jit(jax.value_and_grad(loss, has_aux=True))
+                        fw = jax.jit(outs)
+                        comp = vg.lower(z, y, gl, gh, k).compile()
+                        fcomp = fw.lower(z, y, gl, gh, k).compile()
+                        ma, fma = comp.memory_analysis(), fcomp.memory_analysis()
+                        hlo = comp.as_text()
+                        fns[name] = comp
+                        rec[name] = {
+                            "temp_B": ma.temp_size_in_bytes / B,
+                            "out_B": ma.output_size_in_bytes / B,
+                            "fwd_temp_B": fma.temp_size_in_bytes / B,
+                            "all_gathers": len(re.findall(r"\ball-gather(?:-start)?\(", hlo)),
+                            "times": [],
+                            "cpu_times": [],
+                        }
+                        jax.block_until_ready(comp(z, y, gl, gh, k))  # warm-up
+                    res = {}
+                    for name, comp in fns.items():
+                        rec[name]["peak_B"] = _peak_extra(
+                            lambda comp=comp: jax.block_until_ready(comp(z, y, gl, gh, k))) / (world * B)
+                        (_, (lp, h)), g = comp(z, y, gl, gh, k)
+                        res[name] = [np.asarray(jnp.asarray(x, jnp.float32)) for x in (lp, h, g)]
+                        del lp, h, g
+                    for _ in range(a.reps):
+                        for name, comp in fns.items():
+                            c0, t0 = time.process_time(), time.perf_counter()
+                            jax.block_until_ready(comp(z, y, gl, gh, k))
+                            rec[name]["times"].append(time.perf_counter() - t0)
+                            rec[name]["cpu_times"].append(time.process_time() - c0)
+                    diff = [float(np.max(np.abs(np.nan_to_num(u - v)))) if u.size else 0.0
+                            for u, v in zip(res["old"], res["new"])]
+                    del res
+                    row = {"V_local": V, "dtype": dname, "mode": mode, "world": world, "B": B,
+                           "chunk_rows": chunks.chunk_rows(a.T, V), "max_diff_lp_h_g": diff}
+                    for name in impls:
+                        r = rec[name]
+                        r["time_s"] = statistics.median(r["times"])
+                        r["cpu_s"] = statistics.median(r["cpu_times"])
+                        row[name] = r
+                    row["time_ratio"] = row["new"]["time_s"] / row["old"]["time_s"]
+                    row["cpu_ratio"] = row["new"]["cpu_s"] / row["old"]["cpu_s"]
+                    rows.append(row)
+                    print(f"V={V} {dname:8s} {mode:4s} W={world}  old {row['old']['time_s']:.3f}s "
+                          f"peak {row['old']['peak_B']:.2f}B temp {row['old']['temp_B']:.3f}B | new "
+                          f"{row['new']['time_s']:.3f}s peak {row['new']['peak_B']:.2f}B temp "
+                          f"{row['new']['temp_B']:.3f}B fwd {row['new']['fwd_temp_B']:.3f}B | ratio "
+                          f"{row['time_ratio']:.2f} (cpu {row['cpu_ratio']:.2f}) gathers {row['new']['all_gathers']} diff "
+                          f"{max(diff):.2e}", flush=True)
+                    del fns
+                del z, keep
+                _trim()
+    ratios = [r["time_ratio"] for r in rows]
+    cpu_ratios = [r["cpu_ratio"] for r in rows]
+    summary = {"time_ratio_max": max(ratios), "time_ratio_median": statistics.median(ratios),
+               "cpu_ratio_max": max(cpu_ratios), "cpu_ratio_median": statistics.median(cpu_ratios),
+               "peak_B_new_max": max(r["new"]["peak_B"] for r in rows),
+               "temp_B_new_max": max(r["new"]["temp_B"] for r in rows),
+               "fwd_temp_B_new_max": max(r["new"]["fwd_temp_B"] for r in rows)}
+    meta = {"T": a.T, "old_rev": a.old_rev, "jax": jax.__version__, "backend": jax.default_backend(),
+            "cpus": os.cpu_count(), "chunk_bytes": chunks.CHUNK_BYTES, "reps": a.reps,
+            "loadavg_start": uptime0, "loadavg_end": open("/proc/loadavg").read().split()[:3]}
+    print(json.dumps(summary))
+    print("loadavg start", uptime0, "end", meta["loadavg_end"])
+    if a.out:
+        with open(a.out, "w") as f:
+            json.dump({"meta": meta, "summary": summary, "rows": rows}, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,268 @@
+"""Memory of dualvp_jax on XLA:CPU, and the row-chunked forward that keeps it small.
+
+The byte counts come from the compiled programs (``memory_analysis()`` of
+``jax.jit(...).lower(...).compile()``): nothing is run, so the real bench size
+(T = 2048, V_local = 32000) costs only compile time. ``B`` is the bytes of one
+logits shard. The scratch bounds below are about twice what the chunked
+forward needs and far below one full-size copy, so each of the pitfalls of
+:mod:`dualvp_jax.chunks` makes a test fail if it comes back:
+
+- the float32 upcast of the whole bfloat16 array hoisted out of the loop
+  (``optimization_barrier`` removed): +2 B;
+- a padded / concatenated remainder chunk (``lax.map(batch_size=...)``): +1 B;
+- the whole-shard forward (no chunks): up to +6 B in bfloat16 with a mask.
+
+The accumulator pitfall (a carry built with ``jnp.zeros`` under ``shard_map``)
+is a trace-time error: the shard_map cases would not compile.
+
+The second half checks the chunked path's values: every shared case at
+W = 1, 2, 4 with 4 rows per chunk (so most have an overlapping last chunk)
+against the float64 oracle, and the whole-shard path (the one other platforms
+take) on a subset.
+"""
+
+import re
+
+import numpy as np
+import pytest
+
+jax = pytest.importorskip("jax")
+import jax.numpy as jnp  # noqa: E402
+from jax import lax  # noqa: E402
+from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
+
+import dualvp_jax  # noqa: E402
+import dualvp_jax.function as fn_mod  # noqa: E402
+from dualvp import cases  # noqa: E402
+from dualvp_jax import chunks  # noqa: E402
+from _dualvp_jax_testutil import (  # noqa: E402
+    check_close, inputs, mesh_1d, reference_of, sharded_runner, x64_for,
+)
+
+T, V = 2048, 32000  # rows, columns per shard (the bench size)
+MODES = {"lp": (False, False), "ent": (True, False), "keep": (True, True)}  # (with entropy, masked)
+SCRATCH_VG = 0.05  # value_and_grad: scratch beyond arguments and the gradient output, in B
+SCRATCH_FWD = 0.1  # forward alone
+
+pytestmark = pytest.mark.skipif(jax.default_backend() != "cpu", reason="the chunked path is the CPU one")
+
+
+def _specs(dtype, world, masked):
+    mesh = mesh_1d(world) if world > 1 else None
+    sh = (lambda s: NamedSharding(mesh, s)) if mesh else (lambda s: None)
+    z = jax.ShapeDtypeStruct((T, world * V), dtype, sharding=sh(P(None, "tp")))
+    y = jax.ShapeDtypeStruct((T,), jnp.int32, sharding=sh(P(None)))
+    k = jax.ShapeDtypeStruct((T, world * V), jnp.bool_, sharding=sh(P(None, "tp"))) if masked else None
+    return mesh, z, y, k
+
+
+def _outputs_fn(mesh, with_ent, masked):
+    """``(z, y, k) -> (logprob, entropy)``, unsharded or inside a check_vma shard_map."""
+
+    def body(z, y, *k):
+        lp, h = dualvp_jax.logprob_entropy(z, y, axis_name="tp" if mesh else None,
+                                           keep_mask=k[0] if k else None, with_entropy=with_ent)
+        return lp, (h if with_ent else jnp.zeros_like(lp))
+
+    def outs(z, y, k):
+        extra = (k,) if masked else ()
+        if mesh is None:
+            return body(z, y, *extra)
+        in_specs = (P(None, "tp"), P(None)) + ((P(None, "tp"),) if masked else ())
+        return jax.shard_map(body, mesh=mesh, in_specs=in_specs, out_specs=(P(None), P(None)))(z, y, *extra)
+
+    return outs
+
+
+def _loss_fn(outs):
+    def loss(z, y, k):
+        lp, h = outs(z, y, k)
+        return jnp.sum(lp) + 0.5 * jnp.sum(h)
+
+    return loss
+
+
+def _gathers(compiled) -> int:
+    return len(re.findall(r"\ball-gather(?:-start)?\(", compiled.as_text()))
+
+
+@pytest.mark.parametrize("world", [1, 2])
+@pytest.mark.parametrize("mode", list(MODES))
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_value_and_grad_scratch(dtype, mode, world):
+    """jit(value_and_grad): the gradient (1 B) and a few MiB of chunk scratch, no [T, V_local] copy."""
+    with_ent, masked = MODES[mode]
+    mesh, z, y, k = _specs(jnp.dtype(dtype), world, masked)
+    B = T * V * jnp.dtype(dtype).itemsize
+    outs = _outputs_fn(mesh, with_ent, masked)
+    vg = jax.jit(jax.value_and_grad(_loss_fn(outs))).lower(z, y, k).compile()
+    ma = vg.memory_analysis()
+    assert ma.temp_size_in_bytes <= SCRATCH_VG * B, (ma.temp_size_in_bytes / B, "B of scratch")
+    # the outputs are the loss and the gradient shard, nothing saved on the side
+    assert ma.output_size_in_bytes <= 1.001 * B, ma.output_size_in_bytes / B
+    fw = jax.jit(outs).lower(z, y, k).compile()
+    assert fw.memory_analysis().temp_size_in_bytes <= SCRATCH_FWD * B, fw.memory_analysis().temp_size_in_bytes / B
+    # one all-gather of O(T) statistics per call (forward), none in the backward
+    assert _gathers(vg) == _gathers(fw) == (1 if world > 1 else 0)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_backward_alone_is_one_pass_without_collective(dtype):
+    """The vjp closure compiled by itself (2 shards, keep mask): the gradient buffer only, no all-gather."""
+    mesh, z, y, k = _specs(jnp.dtype(dtype), 2, True)
+    B = T * V * jnp.dtype(dtype).itemsize
+    outs = _outputs_fn(mesh, True, True)
+    zz = jnp.zeros(z.shape, z.dtype, device=z.sharding)
+    yy = jnp.zeros(y.shape, y.dtype, device=y.sharding)
+    kk = jnp.ones(k.shape, k.dtype, device=k.sharding)
+    _, vjp = jax.vjp(lambda z: outs(z, yy, kk), zz)
+    ct = (jnp.ones((T,), jnp.float32, device=y.sharding),) * 2
+    bwd = jax.jit(lambda f, ct: f(ct)).lower(vjp, ct).compile()
+    assert _gathers(bwd) == 0
+    assert bwd.memory_analysis().temp_size_in_bytes <= SCRATCH_VG * B, bwd.memory_analysis().temp_size_in_bytes / B
+    del zz, kk, vjp
+
+
+# --- dualvp_jax.chunks by itself ------------------------------------------------
+
+
+def _row_stats(z, keep):
+    # A stand-in for the op's statistics: float32 work on every element, row reductions.
+    zf = z.astype(jnp.float32)
+    m = jnp.max(zf, axis=-1)
+    s = jnp.sum(jnp.exp(zf - m[:, None]), axis=-1)
+    mk = jnp.max(jnp.where(keep, zf, -jnp.inf), axis=-1)
+    return jnp.stack([m, s, mk], axis=-1)
+
+
+@pytest.mark.parametrize("n", [T, T - 5])  # a multiple of the chunk rows, and one with a remainder
+def test_chunks_bf16_no_whole_upcast(n):
+    """bfloat16 rows: no hoisted float32 copy of the array, no padded remainder."""
+    z = jax.ShapeDtypeStruct((n, V), jnp.bfloat16)
+    k = jax.ShapeDtypeStruct((n, V), jnp.bool_)
+    rows = chunks.chunk_rows(n, V)
+    assert 1 < rows < n and (n % rows == 0) == (n == T), rows
+    f = jax.jit(lambda z, k: chunks.map_row_chunks(_row_stats, (z, k), rows)).lower(z, k).compile()
+    B = n * V * 2
+    assert f.memory_analysis().temp_size_in_bytes <= SCRATCH_FWD * B, f.memory_analysis().temp_size_in_bytes / B
+
+
+def test_chunks_under_shard_map():
+    """Inside shard_map (check_vma on) over 2 devices: traces, and the scratch stays per chunk."""
+    mesh = mesh_1d(2)
+    z = jax.ShapeDtypeStruct((T, 2 * V), jnp.bfloat16, sharding=NamedSharding(mesh, P(None, "tp")))
+    k = jax.ShapeDtypeStruct((T, 2 * V), jnp.bool_, sharding=NamedSharding(mesh, P(None, "tp")))
+
+    def body(z, k):
+        st = chunks.map_row_chunks(_row_stats, (z, k), chunks.chunk_rows(T, V))
+        return lax.all_gather(st, "tp", axis=0, to="invarying").sum(0)
+
+    sm = jax.shard_map(body, mesh=mesh, in_specs=(P(None, "tp"), P(None, "tp")), out_specs=P())
+    f = jax.jit(sm).lower(z, k).compile()
+    assert f.memory_analysis().temp_size_in_bytes <= SCRATCH_FWD * T * V * 2
+
+
+@pytest.mark.parametrize("n,rows", [(1, 1), (7, 1), (7, 3), (8, 4), (9, 4), (10, 9), (5, 5), (5, 8)])
+def test_chunks_rows_in_order(n, rows):
+    """Every row once, in order, including the overlapping last chunk; equal to the unchunked call."""
+    rng = np.random.default_rng(n * 10 + rows)
+    z = jnp.asarray(rng.standard_normal((n, 5)).astype(np.float32)).astype(jnp.bfloat16)
+    k = jnp.asarray(rng.random((n, 5)) < 0.5)
+    ids = jnp.arange(n, dtype=jnp.int32)
+
+    def f(z, k, ids):
+        return _row_stats(z, k), ids * 2
+
+    (st, got_ids) = jax.jit(lambda *a: chunks.map_row_chunks(f, a, rows))(z, k, ids)
+    np.testing.assert_array_equal(np.asarray(got_ids), 2 * np.arange(n))
+    zf = np.asarray(z, np.float32)
+    np.testing.assert_array_equal(np.asarray(st[:, 0]), zf.max(-1))
+    np.testing.assert_array_equal(np.asarray(st[:, 2]), np.where(np.asarray(k), zf, -np.inf).max(-1))
+    np.testing.assert_allclose(np.asarray(st[:, 1]), np.exp(zf - zf.max(-1, keepdims=True)).sum(-1), rtol=1e-6)
+
+
+def test_chunk_rows_budget():
+    assert chunks.chunk_rows(2048, 32000, budget=2 << 20) == 16
+    assert chunks.chunk_rows(2048, 25000, budget=2 << 20) == 20  # 20.97 -> a multiple of 4
+    assert chunks.chunk_rows(2048, 152064, budget=2 << 20) == 4  # 3.4 -> at least 4
+    assert chunks.chunk_rows(10, 32000, budget=2 << 20) == 10  # capped at the rows there are
+    assert chunks.chunk_rows(3, 10 ** 7, budget=2 << 20) == 3
+    assert chunks.chunk_rows(0, 32000) == 1
+
+
+# --- values of the chunked (and the whole-shard) path ----------------------------
+
+
+@pytest.fixture
+def rows_per_chunk(monkeypatch):
+    """Traces made here use 4 rows per chunk; jit caches are cleared before and after."""
+    jax.clear_caches()
+    calls = []
+
+    def four(n, width, budget=None):
+        calls.append(n)
+        return max(1, min(4, n))
+
+    monkeypatch.setattr(chunks, "chunk_rows", four)
+    yield calls
+    jax.clear_caches()
+
+
+@pytest.fixture
+def whole_shard(monkeypatch):
+    """Traces made here take the whole-shard forward (the non-CPU path)."""
+    jax.clear_caches()
+    monkeypatch.setattr(fn_mod, "_FORCE_PATH", "whole")
+    yield
+    jax.clear_caches()
+
+
+_CHUNK_PARAMS = [pytest.param(c, w, id=f"{c.name}-W{w}") for c in cases.CASES for w in (1, 2, 4) if w in c.worlds]
+
+
+def _check_case(case, world):
+    prob = cases.make(case)
+    refs = reference_of(prob)
+    with x64_for(case.dtype):
+        z, y, k, gl, ge = inputs(prob)
+        out = sharded_runner(world, "explicit", case.temperature, case.ignore_index, k is not None)(z, y, k, gl, ge)
+        for name, x, ref in zip(("logprob", "entropy", "grad"), out, refs):
+            check_close(case.name, x, ref, case.dtype, name)
+
+
+@pytest.mark.parametrize("case,world", _CHUNK_PARAMS)
+def test_chunked_vs_reference(case, world, rows_per_chunk):
+    _check_case(case, world)
+    # traced here, through the chunked path (the primal and the vjp forward)
+    assert rows_per_chunk and set(rows_per_chunk) == {int(np.prod(case.lead))}
+
+
+@pytest.mark.parametrize("name", ["basic", "bfloat16", "everything", "neg_inf_masked", "float64"])
+def test_whole_shard_path_vs_reference(name, whole_shard):
+    case = cases.case(name)
+    _check_case(case, max(w for w in case.worlds if w <= 4))
+
+
+def test_chunked_under_vmap(rows_per_chunk):
+    """vmap over a batch of problems, 4-row chunks inside: values and gradients as the oracle."""
+    from dualvp import reference
+
+    probs = [cases.make(cases.case("random_mask_temp", seed=s)) for s in (1, 2, 3)]
+    z = jnp.stack([inputs(p)[0] for p in probs])
+    y = jnp.stack([inputs(p)[1] for p in probs])
+    k = jnp.stack([inputs(p)[2] for p in probs])
+
+    def loss(z, y, k):
+        lp, h = dualvp_jax.logprob_entropy(z, y, keep_mask=k, temperature=0.7)
+        return jnp.sum(lp) + 0.5 * jnp.sum(h), (lp, h)
+
+    (_, (lp, h)), g = jax.jit(jax.vmap(jax.value_and_grad(loss, has_aux=True)))(z, y, k)
+    assert rows_per_chunk
+    for i, p in enumerate(probs):
+        kw = dict(keep_mask=p.keep_mask, temperature=0.7)
+        r_lp, r_h = reference.logprob_entropy(p.logits, p.target, **kw)
+        n = p.target.shape
+        r_g = reference.logprob_entropy_grad(p.logits, p.target, np.ones(n), 0.5 * np.ones(n), **kw)
+        check_close("vmap", lp[i], r_lp, "float32", "logprob")
+        check_close("vmap", h[i], r_h, "float32", "entropy")
+        check_close("vmap", g[i], r_g, "float32", "grad")
