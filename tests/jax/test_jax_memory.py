@@ -33,9 +33,9 @@ from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
 
 import dualvp_jax  # noqa: E402
 import dualvp_jax.function as fn_mod  # noqa: E402
-from dualvp import cases  # noqa: E402
+from dualvp.testing import cases  # noqa: E402
 from dualvp_jax import chunks  # noqa: E402
-from _dualvp_jax_testutil import (  # noqa: E402
+from ._helpers import (  # noqa: E402
     check_close, inputs, mesh_1d, reference_of, sharded_runner, x64_for,
 )
 
