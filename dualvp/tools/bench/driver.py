@@ -63,9 +63,18 @@ ERROR_METHOD = (
 # --------------------------------------------------------------------------- options
 
 
+_DEFAULT_OUT = "bench-results/bench.json"
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """The ``dualvp bench`` options."""
     p.add_argument("--quick", action="store_true", help="tiny size, float32, few reps (about a minute)")
+    p.add_argument("--op", default="logits", choices=["logits", "linear"],
+                   help="logits: the op on logits shards (default); linear: the fused LM-head op vs its baselines "
+                        "(dualvp.tools.bench.linear; uses --T, --hidden, --V, --dtypes, --impls, --reps, --slime-path, --out)")
+    p.add_argument("--T", type=int, default=2048, help="--op linear: tokens")
+    p.add_argument("--hidden", type=int, default=1024, help="--op linear: hidden size H")
+    p.add_argument("--V", type=int, default=32000, help="--op linear: V_local, rows of the weight shard")
     p.add_argument("--sizes", default=None, help="comma list of TxV_local (default 2048x32000,2048x152064)")
     p.add_argument("--dtypes", default=None, help="comma list of float32,bfloat16 (default both)")
     listing = "; ".join(f"{i.name}: {i.about}" for i in IMPLS.values())
@@ -80,7 +89,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "(default 2,4; 'none' to skip)")
     p.add_argument("--gloo-size", default=None, help="TxV_local of the gloo run (default 256x4096)")
     p.add_argument("--err-rows", type=int, default=256, help="rows whose gradient is compared with float64")
-    p.add_argument("--out", default="bench-results/bench.json", help="JSON path; the PNG goes next to it")
+    p.add_argument("--out", default=_DEFAULT_OUT, help="JSON path; the PNG goes next to it")
     p.add_argument("--png", default=None, help="chart path (default: --out with .png)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--report", default=None, metavar="JSON",
@@ -446,6 +455,12 @@ def run(args) -> int:
         with open(args.report) as f:
             print(report.markdown_report(json.load(f)))
         return 0
+    if args.op == "linear":
+        from . import linear
+
+        if args.out == _DEFAULT_OUT:
+            args.out = "bench-results/bench_linear.json"
+        return linear.run_args(args)
     try:
         plan = _plan(args)
     except ValueError as e:

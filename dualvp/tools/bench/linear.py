@@ -1,16 +1,26 @@
-"""Fused LM-head op vs the unfused path (matmul + logprob_entropy), side by side in one process.
+"""``dualvp bench --op linear``: the fused LM-head op against its baselines, side by side in one process.
 
-    PYTHONPATH=. python benchmarks/linear_vs_unfused.py [--T 2048 --H 1024 --V 32000 --reps 3]
-        [--dtypes float32 bfloat16] [--impls fused unfused jax-fused] [--out benchmarks/linear_vs_unfused.json]
+    python -m dualvp bench --op linear [--T 2048 --hidden 1024 --V 32000 --reps 3]
+        [--dtypes float32,bfloat16] [--impls fused,unfused,...] [--slime-path DIR] [--out FILE.json]
 
-Implementations: ``fused`` (``dualvp_torch.linear_logprob_entropy``),
-``unfused`` (torch matmul, then ``dualvp_torch.logprob_entropy``) and
-``jax-fused`` (``dualvp_jax.linear_logprob_entropy`` under
-``jax.jit(jax.value_and_grad(loss, (0, 1)))``, the same loss; the inputs are
-placed on the JAX device before the clock starts and the clock stops at
-``block_until_ready``). Its memory is XLA's ``memory_analysis()`` temp bytes
-of the compiled forward + backward (scratch beyond the arguments and the
-returned gradients), not the torch allocation trace.
+Implementations (``--impls``, default all that can run):
+
+* ``fused``: ``dualvp_torch.linear_logprob_entropy``;
+* ``unfused``: torch matmul, then ``dualvp_torch.logprob_entropy``;
+* ``unfused-naive``: torch matmul, then ``log_softmax`` + ``gather`` and the
+  entropy ``-(p * log p).sum``, autograd (what a first implementation does);
+* ``unfused-slime``: torch matmul, then slime's fused op (``--slime-path``
+  DIR holding ``slime/utils/ppo_utils.py``, or an importable ``slime``;
+  skipped otherwise; no slime code is in this repository);
+* ``torch-linear-ce``: ``torch.nn.functional.linear_cross_entropy``
+  (``reduction="none"``): log-prob only (no entropy), so only its log-prob
+  term is differentiated and its entropy error is not reported;
+* ``jax-fused``: ``dualvp_jax.linear_logprob_entropy`` under
+  ``jax.jit(jax.value_and_grad(loss, (0, 1)))``, the same loss; the inputs are
+  placed on the JAX device before the clock starts and the clock stops at
+  ``block_until_ready``. Its memory is XLA's ``memory_analysis()`` temp bytes
+  of the compiled forward + backward (scratch beyond the arguments and the
+  returned gradients), not the torch allocation trace.
 
 For each dtype: forward + backward time (median and minimum of ``--reps``
 after one warm-up, the two paths interleaved so that they see the same machine load),
@@ -24,7 +34,7 @@ The machine load (``os.getloadavg``) is recorded before and after.
 
 from __future__ import annotations
 
-import argparse
+import importlib.util
 import json
 import os
 import platform
@@ -69,6 +79,8 @@ def _errors(out, ref) -> dict:
     names = ("logprob", "entropy", "dh", "dW")
     res = {}
     for name, x, r in zip(names, out, ref):
+        if x is None:  # not computed by this implementation (torch-linear-ce: no entropy)
+            continue
         err = np.abs(x.double().numpy() - r)
         res[name] = {"max_abs": float(err.max()), "max_abs_over_max_ref": float(err.max() / np.abs(r).max())}
     return res
@@ -105,7 +117,15 @@ def _jax_fused(h0: torch.Tensor, w0: torch.Tensor, y, gl, ge):
     return step, timed, temp
 
 
-def run(T: int, H: int, V: int, dtype: torch.dtype, reps: int, impls=("fused", "unfused")) -> dict:
+IMPLS = ("fused", "unfused", "unfused-naive", "unfused-slime", "torch-linear-ce", "jax-fused")
+
+
+def _naive(z, y):
+    lsm = torch.log_softmax(z.float(), dim=-1)
+    return lsm.gather(-1, y[:, None])[:, 0], -(lsm.exp() * lsm).sum(-1)
+
+
+def run(T: int, H: int, V: int, dtype: torch.dtype, reps: int, impls=("fused", "unfused"), slime=None) -> dict:
     g = torch.Generator().manual_seed(0)
     # LM-like scale: logits of std ~3 (hidden ~N(0,1), weight ~N(0, 9/H))
     h0 = torch.randn(T, H, generator=g).to(dtype)
@@ -130,7 +150,24 @@ def run(T: int, H: int, V: int, dtype: torch.dtype, reps: int, impls=("fused", "
         (lp * gl + en * ge).sum().backward()
         return lp.detach(), en.detach(), h.grad, w.grad
 
-    paths = {"fused": fused, "unfused": unfused}
+    def unfused_naive(h, w):
+        lp, en = _naive(h @ w.t(), y)
+        (lp * gl + en * ge).sum().backward()
+        return lp.detach(), en.detach(), h.grad, w.grad
+
+    def unfused_slime(h, w):
+        lp, en = slime.calculate_log_probs_and_entropy(h @ w.t(), y, torch.distributed.group.WORLD, with_entropy=True)
+        (lp.reshape(-1) * gl + en * ge).sum().backward()
+        return lp.detach().reshape(-1).float(), en.detach().float(), h.grad, w.grad
+
+    def linear_ce(h, w):
+        lp = -torch.nn.functional.linear_cross_entropy(h, w, y, reduction="none")
+        (lp * gl).sum().backward()
+        return lp.detach().float(), None, h.grad, w.grad
+
+    paths = {"fused": fused, "unfused": unfused, "unfused-naive": unfused_naive, "torch-linear-ce": linear_ce}
+    if slime is not None:
+        paths["unfused-slime"] = unfused_slime
     jax_temp = None
     if "jax-fused" in impls:
         jax_step, jax_timed, jax_temp = _jax_fused(h0, w0, y, gl, ge)
@@ -155,6 +192,7 @@ def run(T: int, H: int, V: int, dtype: torch.dtype, reps: int, impls=("fused", "
         peaks[k] = _allocation_peak(lambda: f(*args))
         del args
     ref = _oracle(h0, w0, y, gl, ge)
+    ref_lp_only = _oracle(h0, w0, y, gl, torch.zeros_like(ge))  # the gradients of a log-prob-only loss
     res = {"dtype": str(dtype).replace("torch.", ""), "B_bytes": B}
     for k in paths:
         extra = peaks[k] - grads_bytes
@@ -164,7 +202,7 @@ def run(T: int, H: int, V: int, dtype: torch.dtype, reps: int, impls=("fused", "
             "seconds_all": times[k],
             "peak_alloc_bytes": peaks[k],
             "peak_extra_beyond_grads_over_B": extra / B,
-            "errors_vs_float64": _errors(outs[k], ref),
+            "errors_vs_float64": _errors(outs[k], ref_lp_only if k == "torch-linear-ce" else ref),
         }
     if dtype != torch.float32:
         # The floor for gradients returned in a 16-bit dtype: the float64 oracle rounded once to it.
@@ -191,35 +229,59 @@ def _uptime() -> str:
         return ""
 
 
-def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--T", type=int, default=2048)
-    ap.add_argument("--H", type=int, default=1024)
-    ap.add_argument("--V", type=int, default=32000)
-    ap.add_argument("--reps", type=int, default=3)
-    ap.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"])
-    ap.add_argument("--impls", nargs="+", default=["fused", "unfused", "jax-fused"],
-                    choices=["fused", "unfused", "jax-fused"])
-    ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "linear_vs_unfused.json"))
-    a = ap.parse_args()
+def _one_rank_group() -> None:
+    import torch.distributed as dist
+
+    from dualvp_torch.testing import free_port
+
+    if not dist.is_initialized():
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+
+
+def run_args(args) -> int:
+    """``dualvp bench --op linear`` (the bench's parsed arguments); returns the exit status."""
+    from .implementations import _locate_slime, load_slime_ops
+
+    dtypes = (args.dtypes or "float32,bfloat16").split(",")
+    impls = (args.impls or ",".join(IMPLS)).split(",")
+    bad = [i for i in impls if i not in IMPLS]
+    if bad:
+        print(f"dualvp bench: --impls with --op linear: expected a subset of {','.join(IMPLS)}, got {bad}")
+        return 2
+    slime = None
+    if "unfused-slime" in impls:
+        found = _locate_slime(args)
+        if isinstance(found, str):
+            print(f"skipping unfused-slime: {found}")
+            impls.remove("unfused-slime")
+        else:
+            slime = load_slime_ops(found["slime_file"])
+            _one_rank_group()  # slime's op all-reduces over its group, even at W = 1
+    if "jax-fused" in impls and importlib.util.find_spec("jax") is None:
+        print("skipping jax-fused: jax is not installed")
+        impls.remove("jax-fused")
+    T, H, V = (64, 32, 1000) if args.quick else (args.T, args.hidden, args.V)
+    reps = args.reps or (1 if args.quick else 3)
     result = {
-        "T": a.T, "H": a.H, "V_local": a.V, "reps": a.reps, "torch": torch.__version__,
+        "T": T, "H": H, "V_local": V, "reps": reps, "torch": torch.__version__,
         "threads": torch.get_num_threads(), "machine": platform.processor() or platform.machine(),
-        "impls": a.impls, "uptime_before": _uptime(), "loadavg_before": os.getloadavg(),
+        "impls": impls, "uptime_before": _uptime(), "loadavg_before": os.getloadavg(),
         "memory_note": "peak of the CPU allocation trace of one forward+backward step "
         "(inputs allocated before the trace) minus the returned gradients dh, dW; as a multiple of B = T * V_local * itemsize",
         "runs": [],
     }
-    for name in a.dtypes:
-        r = run(a.T, a.H, a.V, getattr(torch, name), a.reps, a.impls)
+    for name in dtypes:
+        r = run(T, H, V, getattr(torch, name), reps, impls, slime)
         result["runs"].append(r)
-        print(json.dumps(r, indent=1), flush=True)
+        for k in impls:
+            e = r[k]["errors_vs_float64"]
+            errs = "  ".join(f"{q} {e[q]['max_abs']:.1e}" for q in ("logprob", "entropy", "dh", "dW") if q in e)
+            print(f"{name:9s} {k:16s} {r[k]['seconds_median']:8.3f} s  extra {r[k]['peak_extra_beyond_grads_over_B']:6.3f} B"
+                  f"  {errs}", flush=True)
     result["loadavg_after"] = os.getloadavg()
     result["uptime_after"] = _uptime()
-    with open(a.out, "w") as f:
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+    with open(args.out, "w") as f:
         json.dump(result, f, indent=1)
-    print("wrote", a.out)
-
-
-if __name__ == "__main__":
-    main()
+    print("wrote", args.out)
+    return 0
