@@ -46,14 +46,20 @@ def _kind(x) -> str:
     return f"{type(x).__name__} {x!r}"[:200]
 
 
+def _check_tensors(*expected) -> None:
+    """``TypeError`` naming the first ``(name, x, what)`` whose ``x`` is not a tensor (``None`` passes for keep_mask)."""
+    for name, x, what in expected:
+        if not isinstance(x, torch.Tensor) and not (name == "keep_mask" and x is None):
+            raise TypeError(f"{name}: expected {what}, got {_kind(x)}")
+
+
 def _local_checks(logits, target, keep_mask, temperature, ignore_index, with_entropy, entropy_grad, inplace_grad):
     """Every local (rank-private, host-only) check; returns the :class:`~dualvp.validation.Options`."""
-    if not isinstance(logits, torch.Tensor):
-        raise TypeError(f"logits: expected a torch.Tensor [..., V_local] of a floating dtype, got {_kind(logits)}")
-    if not isinstance(target, torch.Tensor):
-        raise TypeError(f"target: expected an integer torch.Tensor [...], got {_kind(target)}")
-    if keep_mask is not None and not isinstance(keep_mask, torch.Tensor):
-        raise TypeError(f"keep_mask: expected None or a bool torch.Tensor [..., V_local], got {_kind(keep_mask)}")
+    _check_tensors(
+        ("logits", logits, "a torch.Tensor [..., V_local] of a floating dtype"),
+        ("target", target, "an integer torch.Tensor [...]"),
+        ("keep_mask", keep_mask, "None or a bool torch.Tensor [..., V_local]"),
+    )
     opt = validation.check_args(
         logits_shape=tuple(logits.shape),
         logits_dtype=_dtype_name(logits.dtype),

@@ -79,6 +79,7 @@ from torch.autograd.function import once_differentiable
 from dualvp import spec, validation
 
 from . import collectives, kernels
+from .function import _check_tensors, _dtype_name, _kind
 
 __all__ = ["linear_logprob_entropy", "tile_shape", "default_budget", "MIN_SIDE", "MIN_BUDGET", "BUDGET_FRACTION"]
 
@@ -114,16 +115,6 @@ def tile_shape(n_rows: int, v_local: int, budget: int, elem_bytes: int) -> tuple
 
 def _ranges(n: int, step: int):
     return [(i, min(n, i + step)) for i in range(0, n, step)]
-
-
-def _dtype_name(dtype) -> str:
-    return str(dtype).replace("torch.", "")
-
-
-def _kind(x) -> str:
-    if isinstance(x, torch.Tensor):
-        return f"tensor of dtype {_dtype_name(x.dtype)} and shape {tuple(x.shape)}"
-    return f"{type(x).__name__} {x!r}"[:200]
 
 
 def _up(x: torch.Tensor, cdt: torch.dtype) -> torch.Tensor:
@@ -325,14 +316,12 @@ class LinearLogProbEntropyFunction(torch.autograd.Function):
 
 
 def _local_checks(hidden, weight, target, keep_mask, world, kw) -> validation.Options:
-    if not isinstance(hidden, torch.Tensor):
-        raise TypeError(f"hidden: expected a torch.Tensor [..., H] of a floating dtype, got {_kind(hidden)}")
-    if not isinstance(weight, torch.Tensor):
-        raise TypeError(f"weight: expected a torch.Tensor [V_local, H] of hidden's dtype, got {_kind(weight)}")
-    if not isinstance(target, torch.Tensor):
-        raise TypeError(f"target: expected an integer torch.Tensor [...], got {_kind(target)}")
-    if keep_mask is not None and not isinstance(keep_mask, torch.Tensor):
-        raise TypeError(f"keep_mask: expected None or a bool torch.Tensor [..., V_local], got {_kind(keep_mask)}")
+    _check_tensors(
+        ("hidden", hidden, "a torch.Tensor [..., H] of a floating dtype"),
+        ("weight", weight, "a torch.Tensor [V_local, H] of hidden's dtype"),
+        ("target", target, "an integer torch.Tensor [...]"),
+        ("keep_mask", keep_mask, "None or a bool torch.Tensor [..., V_local]"),
+    )
     opt = validation.check_linear_args(
         hidden_shape=tuple(hidden.shape),
         hidden_dtype=_dtype_name(hidden.dtype),

@@ -155,6 +155,19 @@ def merge_ranks(per_rank: Sequence[list]) -> list:
     return merged
 
 
+@contextlib.contextmanager
+def _jax_mesh(dtype: str, world: int):
+    """A ``("tp",)`` mesh of the first ``world`` devices, with jax_enable_x64 scoped to float64 problems."""
+    import jax
+
+    devices = jax.devices()
+    if len(devices) < world:
+        raise RuntimeError(f"world: JAX has {len(devices)} device(s), {world} needed; set XLA_FLAGS="
+                           f"--xla_force_host_platform_device_count={world} before JAX is imported")
+    with jax.enable_x64(True) if dtype == "float64" else contextlib.nullcontext():
+        yield jax.make_mesh((world,), ("tp",), devices=devices[:world])
+
+
 def _jax(p: Problem, world: int) -> Outputs:
     import jax
     import jax.numpy as jnp
@@ -162,14 +175,7 @@ def _jax(p: Problem, world: int) -> Outputs:
     import dualvp_jax
 
     c = p.case
-    devices = jax.devices()
-    if len(devices) < world:
-        raise RuntimeError(f"world: JAX has {len(devices)} device(s), {world} needed; set XLA_FLAGS="
-                           f"--xla_force_host_platform_device_count={world} before JAX is imported")
-    # float64 input needs jax_enable_x64, scoped to this call
-    x64 = jax.enable_x64(True) if c.dtype == "float64" else contextlib.nullcontext()
-    with x64:
-        mesh = jax.make_mesh((world,), ("tp",), devices=devices[:world])
+    with _jax_mesh(c.dtype, world) as mesh:
         z = jnp.asarray(p.logits).astype(getattr(jnp, c.dtype))
         y = jnp.asarray(p.target)
         keep = None if p.keep_mask is None else jnp.asarray(p.keep_mask)
@@ -191,13 +197,7 @@ def _jax_linear(p: LinearProblem, world: int) -> LinearOutputs:
     import dualvp_jax
 
     c = p.case
-    devices = jax.devices()
-    if len(devices) < world:
-        raise RuntimeError(f"world: JAX has {len(devices)} device(s), {world} needed; set XLA_FLAGS="
-                           f"--xla_force_host_platform_device_count={world} before JAX is imported")
-    x64 = jax.enable_x64(True) if c.dtype == "float64" else contextlib.nullcontext()
-    with x64:
-        mesh = jax.make_mesh((world,), ("tp",), devices=devices[:world])
+    with _jax_mesh(c.dtype, world) as mesh:
         dt = getattr(jnp, c.dtype)
         h, w = jnp.asarray(p.hidden).astype(dt), jnp.asarray(p.weight).astype(dt)
         y = jnp.asarray(p.target)
