@@ -1,33 +1,78 @@
 #!/usr/bin/env bash
-# The CUDA/NCCL path on one GPU machine, in under 8 minutes: CUDA tests,
-# side-by-side bench (vs slime's op when SLIME_PATH holds a checkout with
-# slime/utils/ppo_utils.py), the cost of validate=True, and an NCCL run of
-# the shared cases when two or more GPUs exist (tests/torch/test_cuda.py). Figures go to $OUT_DIR
-# (default gpu-results/): one log per step plus JSON where a step makes it.
+# The CUDA/NCCL path on one GPU machine, in under 8 minutes: the op's CUDA
+# tests (pytest -m cuda tests/torch: tests/torch/test_cuda.py), `dualvp
+# verify --device cuda`, `dualvp bench --device cuda` (vs slime's op when
+# SLIME_PATH holds a checkout with slime/utils/ppo_utils.py), the per-call
+# cost of validate=True (benchmarks/validate_cost.py), and, while time is
+# left, the tests of the --device cuda commands (pytest -m cuda tests/tools),
+# verify --op linear and benchmarks/vs_slime.py at T=16384, V_local=19008.
+# With two or more GPUs verify also runs on NCCL ranks (the tests do too).
+# Figures go to $OUT_DIR (default gpu-results/): summary.txt, one log per
+# step, bench_cuda.json / .md, validate_cost.jsonl, vs_slime_cuda.json.
 #
-# usage: [SLIME_PATH=DIR] [OUT_DIR=DIR] bash scripts/gpu-check.sh
+# Every step has its own timeout and the whole run a deadline (GPU_CHECK_BUDGET
+# seconds, default 450, kill grace included): a step is cut to the time left,
+# and an extra step that would not get 30 s is skipped. Without CUDA the
+# script stops after the env step, exit 2.
+#
+# usage: [SLIME_PATH=DIR] [OUT_DIR=DIR] [GPU_CHECK_BUDGET=S] bash scripts/gpu-check.sh
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out=${OUT_DIR:-gpu-results}
 mkdir -p "$out"
+: > "$out/summary.txt"
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
+deadline=$((SECONDS + ${GPU_CHECK_BUDGET:-450}))
+grace=10
 rc=0
-step() {  # step NAME SECONDS CMD...
+say() { echo "$*" | tee -a "$out/summary.txt"; }
+step() {  # step NAME SECONDS CMD...: run with a timeout cut to the deadline; a failure sets rc=1
   local name=$1 secs=$2; shift 2
-  echo "== $name" | tee -a "$out/summary.txt"
+  local left=$((deadline - SECONDS - grace))
+  [ "$secs" -gt "$left" ] && secs=$left
+  if [ "$secs" -lt 5 ]; then say "== $name: not run, out of time"; rc=1; return 1; fi
+  say "== $name (timeout ${secs} s)"
   local t0=$SECONDS
-  timeout "$secs" "$@" > "$out/$name.log" 2>&1
+  timeout -k "$grace" "$secs" "$@" > "$out/$name.log" 2>&1
   local r=$?
-  echo "   rc=$r in $((SECONDS - t0)) s" | tee -a "$out/summary.txt"
+  say "   rc=$r in $((SECONDS - t0)) s$([ "$r" -eq 124 ] && echo ', timed out')"
   tail -n 5 "$out/$name.log" | sed 's/^/   /' | tee -a "$out/summary.txt"
   [ "$r" -eq 0 ] || rc=1
+  return "$r"
 }
-step env 30 bash -c 'nvidia-smi; python -c "import torch; print(torch.__version__, torch.version.cuda, torch.cuda.device_count(), torch.cuda.get_device_name(0))"'
-step tests 240 python -m pytest -q -x -p no:cacheprovider -m cuda tests
-slime=()
+extra() {  # extra NAME SECONDS CMD...: a step that runs only if 30 s or more are left
+  if [ $((deadline - SECONDS - grace)) -lt 30 ]; then say "== $1: skipped, under 30 s left"; return 0; fi
+  step "$@"
+}
+
+if ! step env 30 bash -c 'nvidia-smi || echo "(no nvidia-smi)"
+  python -c "import sys, torch
+print(\"torch\", torch.__version__, \"CUDA\", torch.version.cuda, \"GPUs\", torch.cuda.device_count())
+if not torch.cuda.is_available():
+    sys.exit(\"gpu-check: no CUDA device (torch.cuda.is_available() is False); nothing here can run\")
+print(torch.cuda.get_device_name(0))"'; then
+  say "gpu-check: stopped: the env step failed (no CUDA?); see $out/env.log"
+  exit 2
+fi
+gpus=$(python -c "import torch; print(torch.cuda.device_count())")
+
+step tests 150 python -m pytest -q -p no:cacheprovider -m cuda tests/torch
+step verify 60 python -m dualvp verify --device cuda --tp 1
+if [ "$gpus" -ge 2 ]; then
+  step verify_nccl 90 python -m dualvp verify --device cuda --tp "$([ "$gpus" -ge 4 ] && echo 4 || echo 2)"
+fi
+slime=()  # expanded as ${slime[@]+...}: an empty array is fine under set -u on any bash
 [ -n "${SLIME_PATH:-}" ] && slime=(--slime-path "$SLIME_PATH")
-step bench 150 python benchmarks/vs_slime.py --device cuda "${slime[@]}" --T 16384 --V 19008 \
-  --dtypes float32,bfloat16 --rounds 2 --reps 5 --out "$out/bench_cuda.json"
-step validate_cost 60 bash -c "python benchmarks/validate_cost.py --device cuda --T 16384 --V 19008 > $out/validate_cost.jsonl; cat $out/validate_cost.jsonl"
-echo "gpu-check: rc=$rc; figures in $out/" | tee -a "$out/summary.txt"
+# 4096 x 32000: the inputs and the float64 oracle are made on the CPU, which bounds the size here
+step bench 150 python -m dualvp bench --device cuda ${slime[@]+"${slime[@]}"} --sizes 4096x32000 --dtypes float32,bfloat16 \
+  --modes lp,lp+ent+grad,lp+ent+grad.keep --impls dualvp-torch,dualvp-torch-inplace,torch-eager,slime \
+  --reps 5 --out "$out/bench_cuda.json" \
+  && python -m dualvp bench --report "$out/bench_cuda.json" > "$out/bench_cuda.md"
+step validate_cost 45 bash -c "python benchmarks/validate_cost.py --device cuda --T 16384 --V 19008 \
+  > $out/validate_cost.jsonl && cat $out/validate_cost.jsonl"
+extra tests_cli 150 python -m pytest -q -p no:cacheprovider -m cuda tests/tools
+extra verify_linear 60 python -m dualvp verify --device cuda --tp 1 --op linear --hidden 256
+extra vs_slime 120 python benchmarks/vs_slime.py --device cuda ${slime[@]+"${slime[@]}"} --T 16384 --V 19008 \
+  --dtypes float32,bfloat16 --rounds 2 --reps 5 --out "$out/vs_slime_cuda.json"
+say "gpu-check: rc=$rc in $SECONDS s; figures in $out/"
 exit $rc

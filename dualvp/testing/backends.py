@@ -9,7 +9,9 @@ vocabulary, for ``dualvp verify`` and the tests alike:
   in float32 (float64 for float64 input), in this process;
 * ``"torch"``: ``dualvp_torch.logprob_entropy`` in this process for
   ``world == 1`` (no group), else on ``world`` real gloo ranks
-  (``dualvp_torch.testing.run_ranks``, one spawn for all problems);
+  (``dualvp_torch.testing.run_ranks``, one spawn for all problems); with
+  ``device="cuda"`` the tensors live on the GPU (rank ``r`` on ``cuda:r``)
+  and ``world > 1`` runs on NCCL, one GPU per rank;
 * ``"jax"``: ``dualvp_jax.sharded_logprob_entropy`` on a mesh of the first
   ``world`` devices of this process (JAX must have been imported with enough
   host devices: ``XLA_FLAGS=--xla_force_host_platform_device_count=W``).
@@ -41,31 +43,38 @@ BACKENDS = ("spec", "torch", "jax")
 
 
 def run(backend: str, problem: Union[Problem, LinearProblem], world: int, *, impl: Optional[str] = None,
-        timeout: float = 600.0, env: Optional[dict] = None) -> Union[Outputs, LinearOutputs]:
+        timeout: float = 600.0, env: Optional[dict] = None, device: str = "cpu") -> Union[Outputs, LinearOutputs]:
     """Forward + backward of ``problem`` on ``world`` shards of ``backend`` (see the module docstring).
 
     Args:
       impl: torch only: ``None`` (``DUALVP_COMPILE`` decides), ``"compiled"`` or ``"eager"``.
       timeout: torch with ``world > 1``: wall-clock limit of the gloo ranks, seconds.
       env: torch with ``world > 1``: extra environment variables of the ranks.
+      device: torch only: ``"cpu"`` (gloo ranks) or ``"cuda"`` (NCCL ranks, one GPU each; the caller
+        checks that ``world`` GPUs exist). The other backends run on the host.
     """
-    return run_all(backend, [problem], world, impl=impl, timeout=timeout, env=env)[0]
+    return run_all(backend, [problem], world, impl=impl, timeout=timeout, env=env, device=device)[0]
 
 
 def run_all(backend: str, problems: Sequence[Problem], world: int, *, impl: Optional[str] = None,
-            timeout: float = 600.0, env: Optional[dict] = None) -> list:
+            timeout: float = 600.0, env: Optional[dict] = None, device: str = "cpu") -> list:
     """:func:`run` for several problems (one spawn of the torch ranks for all); a list of Outputs."""
     problems = list(problems)
+    if device not in ("cpu", "cuda"):
+        raise ValueError(f"device: expected 'cpu' or 'cuda', got {device!r}")
+    if device != "cpu" and backend != "torch":
+        raise ValueError(f"device: only the torch backend runs on {device!r}; {backend!r} runs on the host")
     if backend == "spec":
         if any(isinstance(p, LinearProblem) for p in problems):
             raise ValueError("backend: 'spec' has no fused LM-head form; run a LinearProblem on 'torch' or 'jax'")
         return [_spec(p, world) for p in problems]
     if backend == "torch":
         if world == 1:
-            return torch_rank_outputs(0, 1, problems, impl)
+            return torch_rank_outputs(0, 1, problems, impl, device)
         from dualvp_torch.testing import run_ranks
 
-        return merge_ranks(run_ranks(torch_rank_outputs, world, problems, impl, timeout=timeout, env=env))
+        return merge_ranks(run_ranks(torch_rank_outputs, world, problems, impl, device, timeout=timeout, env=env,
+                                     backend="nccl" if device == "cuda" else "gloo"))
     if backend == "jax":
         from . import faults
 
@@ -86,35 +95,47 @@ def _spec(p: Problem, world: int) -> Outputs:
     return Outputs(*(np.asarray(x, np.float64) for x in (lp, h, g)))
 
 
-def torch_rank_outputs(rank: int, world: int, problems: Sequence[Problem], impl: Optional[str] = None) -> list:
+def torch_rank_outputs(rank: int, world: int, problems: Sequence[Problem], impl: Optional[str] = None,
+                       device: str = "cpu") -> list:
     """On one rank (``group=None`` when ``world == 1``): Outputs of every problem, ``grad`` this rank's columns.
 
+    ``device="cuda"``: the rank's tensors on ``cuda:rank`` (``world > 1``, NCCL) or the current
+    CUDA device (``world == 1``); the outputs come back to the host as float64 NumPy.
     A :class:`LinearProblem` gives :class:`LinearOutputs` with ``dW`` this rank's weight rows.
     """
     import torch
 
     from dualvp_torch import logprob_entropy
 
+    if device == "cuda" and world > 1:
+        torch.cuda.set_device(rank)  # before the first NCCL collective: one GPU per rank
+    dev = torch.device("cuda", torch.cuda.current_device()) if device == "cuda" else torch.device("cpu")
+
+    def put(a, dtype=None):
+        return torch.from_numpy(np.ascontiguousarray(a)).to(device=dev, dtype=dtype)
+
     group = torch.distributed.group.WORLD if world > 1 else None
     outs = []
     for p in problems:
         if isinstance(p, LinearProblem):
-            outs.append(_torch_linear(p, rank, world, group, impl))
+            outs.append(_torch_linear(p, rank, world, group, impl, put))
             continue
         c = p.case
         zs, ks = p.shard(rank, world)
-        z = torch.from_numpy(np.ascontiguousarray(zs)).to(getattr(torch, c.dtype)).requires_grad_(True)
-        keep = None if ks is None else torch.from_numpy(np.ascontiguousarray(ks))
-        lp, h = logprob_entropy(z, torch.from_numpy(p.target), group=group, keep_mask=keep,
+        z = put(zs, getattr(torch, c.dtype)).requires_grad_(True)
+        keep = None if ks is None else put(ks)
+        lp, h = logprob_entropy(z, put(p.target), group=group, keep_mask=keep,
                                 temperature=c.temperature, ignore_index=c.ignore_index, impl=impl)
-        torch.autograd.backward([lp, h], [torch.from_numpy(p.grad_logprob).to(lp.dtype),
-                                          torch.from_numpy(p.grad_entropy).to(h.dtype)])
-        outs.append(Outputs(lp.detach().double().numpy(), h.detach().double().numpy(), z.grad.double().numpy()))
+        torch.autograd.backward([lp, h], [put(p.grad_logprob, lp.dtype), put(p.grad_entropy, h.dtype)])
+        outs.append(Outputs(*(x.detach().double().cpu().numpy() for x in (lp, h, z.grad))))
     return outs
 
 
-def _torch_linear(p: LinearProblem, rank: int, world: int, group, impl: Optional[str]) -> LinearOutputs:
-    """One rank's fused forward + backward: this rank's weight rows, the whole hidden, ``dh`` all-reduced."""
+def _torch_linear(p: LinearProblem, rank: int, world: int, group, impl: Optional[str], put) -> LinearOutputs:
+    """One rank's fused forward + backward: this rank's weight rows, the whole hidden, ``dh`` all-reduced.
+
+    ``put(array, dtype=None)``: the array as a tensor on the rank's device.
+    """
     import torch
 
     from dualvp_torch import linear_logprob_entropy
@@ -122,15 +143,14 @@ def _torch_linear(p: LinearProblem, rank: int, world: int, group, impl: Optional
     c = p.case
     dt = getattr(torch, c.dtype)
     ws, ks = p.shard(rank, world)
-    h = torch.from_numpy(np.ascontiguousarray(p.hidden)).to(dt).requires_grad_(True)
-    w = torch.from_numpy(np.ascontiguousarray(ws)).to(dt).requires_grad_(True)
-    keep = None if ks is None else torch.from_numpy(np.ascontiguousarray(ks))
-    lp, en = linear_logprob_entropy(h, w, torch.from_numpy(p.target), group=group, keep_mask=keep,
+    h = put(p.hidden, dt).requires_grad_(True)
+    w = put(ws, dt).requires_grad_(True)
+    keep = None if ks is None else put(ks)
+    lp, en = linear_logprob_entropy(h, w, put(p.target), group=group, keep_mask=keep,
                                     temperature=c.temperature, ignore_index=c.ignore_index,
                                     reduce_hidden_grad=True, impl=impl)
-    torch.autograd.backward([lp, en], [torch.from_numpy(p.grad_logprob).to(lp.dtype),
-                                       torch.from_numpy(p.grad_entropy).to(en.dtype)])
-    return LinearOutputs(*(x.detach().double().numpy() for x in (lp, en, h.grad, w.grad)))
+    torch.autograd.backward([lp, en], [put(p.grad_logprob, lp.dtype), put(p.grad_entropy, en.dtype)])
+    return LinearOutputs(*(x.detach().double().cpu().numpy() for x in (lp, en, h.grad, w.grad)))
 
 
 def merge_ranks(per_rank: Sequence[list]) -> list:

@@ -3,6 +3,8 @@
 Both tools run backends in fresh Python processes: JAX reads ``XLA_FLAGS``
 (the number of host devices) once, at import, and each benchmark worker must
 own its process so that the peak memory it reports is its own.
+:func:`cuda_problem` is the check both run before starting any child when
+``--device cuda`` is asked for.
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ import subprocess
 import sys
 from typing import Mapping, Optional, Sequence
 
-__all__ = ["child_env", "start_python"]
+__all__ = ["child_env", "start_python", "cuda_problem"]
 
 # The directory that holds this `dualvp` package: children import the same code
 # as the parent, also when the parent runs from a checkout via PYTHONPATH.
@@ -42,3 +44,25 @@ def child_env(host_devices: int = 1, set_vars: Optional[Mapping[str, Optional[st
 def start_python(args: Sequence[str], env: Mapping[str, str], **popen) -> subprocess.Popen:
     """``python args...`` with this interpreter; ``popen``: :class:`subprocess.Popen` options."""
     return subprocess.Popen([sys.executable, *args], env=dict(env), text=True, **popen)
+
+
+def cuda_problem(ranks: int = 1) -> Optional[str]:
+    """Why ``ranks`` torch processes (one GPU each) cannot run on CUDA here, or ``None`` when they can.
+
+    Checked in the parent before anything is spawned, so that ``--device
+    cuda`` on a machine without enough GPUs fails at once with this message.
+    ``torch.cuda.is_available`` / ``device_count`` do not create a CUDA
+    context in the parent.
+    """
+    try:
+        import torch
+    except ImportError:
+        return "--device cuda needs torch, which is not importable"
+    if not torch.cuda.is_available():
+        return (f"--device cuda: no CUDA device (torch {torch.__version__}, built with CUDA "
+                f"{torch.version.cuda}, torch.cuda.is_available() is False)")
+    n = torch.cuda.device_count()
+    if n < ranks:
+        return (f"--device cuda: this machine has {n} GPU(s); --tp {ranks} needs {ranks} "
+                f"(one NCCL rank per GPU)")
+    return None

@@ -35,6 +35,9 @@ def _parser() -> argparse.ArgumentParser:
                    help="keep mask to build (with --input: only when the file has no keep_mask)")
     v.add_argument("--seed", type=int, default=0)
     v.add_argument("--backends", default="torch,jax", help="comma-separated subset of torch,jax")
+    v.add_argument("--device", default="cpu", choices=["cpu", "cuda"],
+                   help="where the torch backend runs: cpu (gloo ranks) or cuda (W=1 in this process, W>1 on "
+                   "W NCCL ranks, one GPU each; fails at once without enough GPUs); JAX stays on CPU host devices")
     v.add_argument("--no-compile", dest="compile", action="store_false",
                    help="torch: use the eager row-chunked path instead of torch.compile")
     v.add_argument("--timeout", type=float, default=300.0, help="seconds before a backend run is killed")

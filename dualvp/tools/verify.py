@@ -25,6 +25,12 @@ rows are log-prob, entropy, ``dh`` and ``dW``, the gradients judged with
 absolute part scaled by the oracle's largest entry). There is no ``spec`` row
 (the specification has no fused form) and no ``--input``.
 
+``--device cuda`` runs the torch backend on the GPU: in this process for
+``W = 1``, else on ``W`` NCCL ranks, one GPU each (``dualvp.testing.run``
+with ``device="cuda"``); the spec and JAX stay on the host (JAX on its CPU
+host devices). Without CUDA, or with fewer than ``W`` GPUs, it exits 2
+before anything starts (:func:`dualvp.tools._proc.cuda_problem`).
+
 Every backend runs through the shared adapters :func:`dualvp.testing.run`, and
 the oracle and the comparison are :func:`dualvp.testing.oracle` and
 :func:`dualvp.testing.compare`, as in the tests. The torch and JAX backends run
@@ -49,7 +55,7 @@ from dualvp import testing
 from dualvp.testing import cases
 from dualvp.testing.metrics import Row, compare, pair_tolerance, tolerance
 
-from ._proc import child_env, start_python
+from ._proc import child_env, cuda_problem, start_python
 
 __all__ = ["run", "compare", "Row", "problem_for", "load_input", "input_problem", "start_jax", "finish_jax"]
 
@@ -275,6 +281,9 @@ def _print_table(rows: list, args, prob: Union[cases.Problem, cases.LinearProble
     else:
         print(f"dualvp verify: W={args.tp} T={c.lead[0]} V={c.vocab} dtype={c.dtype} "
               f"temperature={args.temperature} mask={args.mask} seed={args.seed}")
+    if getattr(args, "device", "cpu") == "cuda":
+        print(f"device: torch on CUDA ({'1 GPU, in this process' if args.tp == 1 else f'{args.tp} NCCL ranks'}); "
+              "everything else on the CPU (JAX on host devices)")
     head = f"{'check':<18} {'quantity':<9} {'max abs err':>12} {'max rel err':>12}  {'tolerance (abs + rel*|ref|)':<28} result"
     print(head)
     print("-" * len(head))
@@ -297,6 +306,14 @@ def run(args) -> int:
     if linear and args.hidden < 1:
         print(f"dualvp verify: --hidden must be a positive size, got {args.hidden}", file=sys.stderr)
         return 2
+    device = getattr(args, "device", "cpu")
+    if device == "cuda":
+        # before reading, building or starting anything: a missing GPU is the first thing to know
+        why = cuda_problem(args.tp) if "torch" in backends else \
+            f"--device cuda runs the torch backend on the GPU; --backends {args.backends} has no torch"
+        if why:
+            print(f"dualvp verify: {why}", file=sys.stderr)
+            return 2
     if getattr(args, "input", None):
         t = _progress(1, total, f"reading {args.input}")
         try:
@@ -329,12 +346,17 @@ def run(args) -> int:
         jax_started = start_jax(prob, args.tp, tmp) if "jax" in backends else None
         step = 3
         for b in backends:
-            where = f"{args.tp} gloo rank(s)" if b == "torch" else f"{args.tp} host device(s)"
+            if b != "torch":
+                where = f"{args.tp} host device(s)" + (" (CPU)" if device == "cuda" else "")
+            elif device == "cuda":
+                where = "1 GPU (in this process)" if args.tp == 1 else f"{args.tp} NCCL rank(s), one GPU each"
+            else:
+                where = f"{args.tp} gloo rank(s)"
             t = _progress(step, total, f"{b} on {where}")
             try:
                 if b == "torch":
                     results[b] = testing.run("torch", prob, args.tp, impl=None if args.compile else "eager",
-                                             timeout=args.timeout)
+                                             timeout=args.timeout, device=device)
                 else:
                     results[b] = finish_jax(jax_started, args.timeout)
             except Exception as exc:  # report, and fail the run, instead of a traceback

@@ -9,6 +9,14 @@ times), prints the table while it runs, and writes a JSON file and a PNG
 chart (:mod:`.report`). Then the implementations marked ``gloo`` run on W
 gloo ranks to count their collectives per call.
 
+``--device cuda`` (W = 1 on one GPU): the torch workers run on the GPU
+(timers read after ``torch.cuda.synchronize()``, memory from
+``torch.cuda.max_memory_allocated``: :data:`CUDA_MEMORY_METHOD`); the JAX
+implementations run only when JAX has a GPU backend (checked once in a probe
+process), else they are skipped with a one-line note; the gloo collectives
+run is CPU-only and is skipped. Without CUDA the command exits 2 before it
+starts anything.
+
 Timing: wall clock of forward and backward separately, median over ``reps``
 calls after the first call (reported apart as ``first_call_s``: it includes
 compilation) and ``warmup`` untimed calls. ``fwdbwd_s`` is the median of the
@@ -39,7 +47,7 @@ from . import report
 from .implementations import IMPLS, MODES, locate
 from .inputs import TOPK, Oracle, errors, make_inputs, round_logits
 
-__all__ = ["add_arguments", "run", "run_workers", "MEMORY_METHOD"]
+__all__ = ["add_arguments", "run", "run_workers", "MEMORY_METHOD", "CUDA_MEMORY_METHOD"]
 
 MEMORY_METHOD = (
     "peak extra RSS of one forward+backward in the implementation's own process: "
@@ -49,6 +57,12 @@ MEMORY_METHOD = (
     "B = bytes of the logits (shard) in their dtype. dualvp-torch-inplace gets non-leaf logits "
     "(a copy made by an autograd node before the measured call, as an LM head's output exists "
     "before the op); its gradient overwrites them."
+)
+CUDA_MEMORY_METHOD = (
+    "peak extra CUDA memory of one forward+backward in the implementation's own process: after "
+    "gc.collect() and torch.cuda.synchronize(), torch.cuda.reset_peak_memory_stats(); extra = "
+    "torch.cuda.max_memory_allocated() after the call (synchronized) - torch.cuda.memory_allocated() before it. "
+    "Inputs are allocated before; the returned gradient counts; as a multiple of B. JAX on a GPU: not measured."
 )
 TIMING_METHOD = (
     "wall clock (perf_counter), median of reps after the first call and warm-up; first_call_s "
@@ -69,6 +83,9 @@ _DEFAULT_OUT = "bench-results/bench.json"
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """The ``dualvp bench`` options."""
     p.add_argument("--quick", action="store_true", help="tiny size, float32, few reps (about a minute)")
+    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"],
+                   help="cpu, or cuda: W=1 on one GPU (torch workers on the GPU, memory from "
+                        "torch.cuda.max_memory_allocated; JAX only if it has a GPU backend; no gloo run)")
     p.add_argument("--op", default="logits", choices=["logits", "linear"],
                    help="logits: the op on logits shards (default); linear: the fused LM-head op vs its baselines "
                         "(dualvp.tools.bench.linear; uses --T, --hidden, --V, --dtypes, --impls, --reps, --slime-path, --out)")
@@ -123,6 +140,7 @@ class _Plan:
     reps: Optional[int]
     warmup: int
     quick: bool
+    device: str = "cpu"
     gloo_impls: list = field(default_factory=list)
 
     def reps_for(self, T: int, V: int) -> int:
@@ -144,20 +162,43 @@ def _plan(args) -> _Plan:
         if bad:
             raise ValueError(f"unknown {name} {bad}; expected {list(allowed)}")
     found = {i: locate(IMPLS[i], args) for i in impls}
+    device = getattr(args, "device", "cpu")
+    if device == "cuda":
+        jax_impls = [i for i in impls if IMPLS[i].framework == "jax" and isinstance(found[i], dict)]
+        why = _jax_gpu_problem() if jax_impls else None
+        for i in jax_impls if why else ():
+            found[i] = why
     run_impls = [i for i in impls if isinstance(found[i], dict)]
     plan = _Plan(
         sizes=sizes, dtypes=dtypes, modes=modes, impls=run_impls,
         skipped={i: why for i, why in found.items() if isinstance(why, str)},
         options={i: found[i] for i in run_impls},
-        worlds=[] if args.worlds == "none" else [int(w) for w in _split(args.worlds, ["2"] if q else ["2", "4"])],
+        # the collectives run is gloo on the CPU: not part of a --device cuda run
+        worlds=[] if args.worlds == "none" or device == "cuda" else
+        [int(w) for w in _split(args.worlds, ["2"] if q else ["2", "4"])],
         gloo_size=_size(args.gloo_size or ("32x512" if q else "256x4096")),
-        reps=args.reps, warmup=args.warmup or 0, quick=q,
+        reps=args.reps, warmup=args.warmup or 0, quick=q, device=device,
     )
     # dualvp on gloo ranks runs eager: the collectives are outside the compiled kernels
     dualvp_run = any(i.startswith("dualvp-torch") for i in run_impls)
     plan.gloo_impls = [i for i in IMPLS if IMPLS[i].gloo and (i in run_impls or
                                                                (i == "dualvp-torch-eager" and dualvp_run))]
     return plan
+
+
+def _jax_gpu_problem() -> Optional[str]:
+    """``None`` when JAX has a GPU backend here, else why not (probed in a child: JAX would
+    otherwise take GPU memory in this process for the whole run)."""
+    code = "import jax; print(len(jax.devices('gpu')))"
+    try:
+        p = subprocess.run([sys.executable, "-c", code], env=_proc.child_env(1, {"JAX_PLATFORMS": "cuda"}),
+                           capture_output=True, text=True, timeout=120)
+    except subprocess.TimeoutExpired:
+        return "jax GPU probe timed out (120 s)"
+    if p.returncode == 0:
+        return None
+    last = (p.stderr.strip().splitlines() or ["?"])[-1][:200]
+    return f"jax has no GPU backend (jax.devices('gpu') failed: {last})"
 
 
 # --------------------------------------------------------------------------- environment
@@ -215,6 +256,7 @@ def _machine() -> dict:
 
 def _meta(args, plan: _Plan) -> dict:
     argv = sys.argv[2:] if sys.argv[1:2] == ["bench"] else sys.argv[1:]
+    cuda = plan.device == "cuda"
     return {
         "command": "python -m dualvp bench " + " ".join(argv),
         "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
@@ -225,21 +267,27 @@ def _meta(args, plan: _Plan) -> dict:
         "modes": plan.modes,
         "impls": plan.impls,
         "skipped": plan.skipped,
-        "memory_method": MEMORY_METHOD,
-        "timing_method": TIMING_METHOD,
+        "device": plan.device,
+        "memory_method": CUDA_MEMORY_METHOD if cuda else MEMORY_METHOD,
+        "timing_method": TIMING_METHOD + ("; on the GPU torch.cuda.synchronize() before every clock read" if cuda
+                                          else ""),
         "error_method": ERROR_METHOD,
         "inputs": f"confident-LM logits N(10,3) + three +25 spikes per row; target sampled from softmax; "
                   f"keep mask = top-{TOPK} (+ target); upstream grads N(0,1); seed {args.seed}",
-        "notes": "CPU only; the machine may be shared, so timings are noisy.",
+        "notes": ("one GPU (W=1), inputs made and oracle run on the CPU; no gloo collectives run" if cuda else
+                  "CPU only; the machine may be shared, so timings are noisy."),
     }
 
 
 # --------------------------------------------------------------------------- workers
 
 
-def _worker_env(impl: str) -> dict:
-    # one host device for JAX in the workers, whatever the caller set
-    return _proc.child_env(1, {"DUALVP_COMPILE": None, **IMPLS[impl].env,
+def _worker_env(impl: str, device: str = "cpu") -> dict:
+    # one host device for JAX in the workers, whatever the caller set; JAX on the GPU only for
+    # --device cuda, and then without preallocating most of the GPU's memory
+    gpu = {"JAX_PLATFORMS": "cuda", "XLA_PYTHON_CLIENT_PREALLOCATE": "false"} if device == "cuda" else \
+        {"JAX_PLATFORMS": "cpu"}
+    return _proc.child_env(1, {"DUALVP_COMPILE": None, **gpu, **IMPLS[impl].env,
                                "PYTHONWARNINGS": os.environ.get("PYTHONWARNINGS", "ignore")})
 
 
@@ -273,7 +321,8 @@ def run_workers(jobs: list[dict], work: str, timeout: float, on_record: Callable
         with open(path, "w") as f:
             json.dump(job, f)
         log = open(os.path.join(work, f"worker_{job['impl']}_{i}.log"), "w")
-        p = _proc.start_python(["-m", "dualvp.tools.bench.worker", path], _worker_env(job["impl"]),
+        p = _proc.start_python(["-m", "dualvp.tools.bench.worker", path],
+                               _worker_env(job["impl"], job.get("device", "cpu")),
                                stdout=subprocess.PIPE, stderr=log)
         procs.append((p, log, job))
     errs: list[str] = []
@@ -329,7 +378,7 @@ class _Run:
         """The job file of one worker (see :mod:`.worker`)."""
         job = dict(impl=impl, T=T, V=V, dtype=dtype, modes=self.plan.modes, reps=self.plan.reps_for(T, V),
                    warmup=self.plan.warmup, data_dir=data_dir, out_dir=out_dir, err_rows=self.args.err_rows,
-                   options=self.plan.options.get(impl, {}), port=None)
+                   options=self.plan.options.get(impl, {}), port=None, device=self.plan.device)
         job.update(overrides)
         if job["port"] is None and IMPLS[impl].process_group:
             job["port"] = _free_port()
@@ -356,6 +405,8 @@ def _bench_impl(run: _Run, impl: str, T: int, V: int, dtype: str, ddir: str, ora
 
     def on_record(rec, job):
         got.append(rec)
+        if rec.get("gpu") and not run.doc["meta"]["machine"]["gpu"]:
+            run.doc["meta"]["machine"]["gpu"] = rec["gpu"]
         report.progress(f"  {impl} {T}x{V} {dtype} {rec['mode']}: f+b {rec['fwdbwd_s']:.3f}s")
 
     errs = run_workers([run.job(impl, T, V, dtype, ddir, outd)], run.work, run.args.worker_timeout, on_record)
@@ -423,7 +474,7 @@ def _bench_gloo(run: _Run, W: int) -> None:
         os.makedirs(outd)
         port = _free_port()
         jobs = [run.job(impl, gT, V, "float32", ddir, outd, world=W, rank=r, port=port, threads=1, reps=1,
-                        warmup=0, err_rows=gT) for r in range(W)]
+                        warmup=0, err_rows=gT, device="cpu") for r in range(W)]
         got: dict = {}
 
         def on_record(rec, job, got=got):
@@ -455,6 +506,13 @@ def run(args) -> int:
         with open(args.report) as f:
             print(report.markdown_report(json.load(f)))
         return 0
+    if getattr(args, "device", "cpu") == "cuda":
+        # before planning (which may probe JAX in a child) or starting any worker
+        why = _proc.cuda_problem(1) or ("--op linear runs on the CPU only (it has no --device cuda yet)"
+                                        if args.op == "linear" else None)
+        if why:
+            print(f"dualvp bench: {why}", file=sys.stderr)
+            return 2
     if args.op == "linear":
         from . import linear
 
@@ -468,6 +526,8 @@ def run(args) -> int:
         return 2
     for impl, why in plan.skipped.items():
         print(f"skipping {impl}: {why}")
+    if plan.device == "cuda" and args.worlds != "none":
+        print("skipping the collectives run: it runs on gloo ranks on the CPU (use --device cpu)")
     out_png = args.png or os.path.splitext(args.out)[0] + ".png"
     doc = {"meta": _meta(args, plan), "results": [], "collectives": [], "failures": []}
     run_ = _Run(args, plan, doc, tempfile.mkdtemp(prefix="dualvp-bench-"), time.monotonic())
@@ -487,6 +547,7 @@ def run(args) -> int:
     note = report.chart(doc, out_png)
     report.print_goals(doc)
     print(f"\nwrote {args.out}" + (f" and {out_png}" if note is None else f" ({note})"))
-    print(f"memory: {MEMORY_METHOD}")
-    print("timings are wall clock on a CPU that may be shared with other work: expect noise.")
+    print(f"memory: {doc['meta']['memory_method']}")
+    print("timings are wall clock" + (" after torch.cuda.synchronize()." if plan.device == "cuda" else
+                                      " on a CPU that may be shared with other work: expect noise."))
     return 1 if doc["failures"] else 0

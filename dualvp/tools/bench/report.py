@@ -145,7 +145,7 @@ def chart(doc: dict, path: str) -> Optional[str]:
     width = 0.8 / max(1, len(impls))
     for j, g in enumerate(groups):
         for row_i, (field, label, log) in enumerate(
-            (("fwdbwd_s", "fwd+bwd seconds (median)", True), ("peak_extra_B", "peak extra RSS / B", False),
+            (("fwdbwd_s", "fwd+bwd seconds (median)", True), ("peak_extra_B", "peak extra memory / B", False),
              ("grad_err", "max abs grad error vs float64", True))
         ):
             ax = axes[row_i][j]
@@ -159,7 +159,7 @@ def chart(doc: dict, path: str) -> Optional[str]:
                     elif field == "grad_err":
                         ys.append((r.get("errors") or {}).get("grad", np.nan) or np.nan)
                     else:
-                        ys.append(r[field])
+                        ys.append(np.nan if r[field] is None else r[field])  # None: not measured
                 ax.bar(np.arange(len(modes)) + (k - (len(impls) - 1) / 2) * width, ys, width, label=impl)
             ax.set_xticks(np.arange(len(modes)))
             ax.set_xticklabels(modes, rotation=30, ha="right", fontsize=7)
@@ -260,7 +260,7 @@ def markdown_report(doc: dict) -> str:
     present = [i for i in _SECONDS_ORDER if any(i in m for d in by.values() for m in d.values())]
     m = doc["meta"]
     out = [f"Command: `{m['command']}`  ", f"Machine: {m['machine'].get('cpu')}, {m['machine'].get('cpus')} CPUs, "
-           f"no GPU; torch {m['machine'].get('torch')}, jax {m['machine'].get('jax')}; git {m.get('git')}; "
+           f"{m['machine'].get('gpu') or 'no GPU'}; torch {m['machine'].get('torch')}, jax {m['machine'].get('jax')}; git {m.get('git')}; "
            f"{m.get('date')}.", ""]
     for (T, V, dt), modes in sorted(by.items(), key=lambda kv: (kv[0][0], kv[0][1], kv[0][2] != "float32")):
         out.append(f"**T={T}, V_local={V}, {dt}**: forward+backward seconds (median), speed-up of dualvp-torch, "

@@ -28,6 +28,14 @@ repetitions. For each mode the worker:
 Each line printed to stdout that starts with ``@@`` is a JSON progress record
 for the parent; everything else is passed through as log.
 
+With ``"device": "cuda"`` in the job the torch loop puts the inputs on the
+GPU, calls ``torch.cuda.synchronize()`` before it reads each timer, and
+measures memory with :class:`CudaPeak` (``torch.cuda.reset_peak_memory_stats``,
+then ``max_memory_allocated`` after the call minus ``memory_allocated``
+before it) instead of the RSS; the JAX loop runs on JAX's default device
+(the parent sets ``JAX_PLATFORMS``), which blocks on its results already, and
+reports no memory on a GPU (XLA's peak counter cannot be reset).
+
 With ``world > 1`` the worker is one rank of a gloo group (rank, world and port
 in the job): it takes its contiguous vocab shard, and counts the collectives
 issued per forward and per backward by wrapping the ``torch.distributed``
@@ -110,6 +118,45 @@ class PeakRSS:
         else:
             self.peak = _status_kb("VmHWM") * 1024
         self.extra = max(0, self.peak - self.before)
+        return False
+
+
+class CudaPeak:
+    """Peak extra CUDA memory of a block: ``max_memory_allocated`` after minus ``memory_allocated`` before.
+
+    The caching allocator's peak is reset on entry (after a synchronize, so
+    no earlier kernel is still freeing); the exit synchronizes before it reads.
+    """
+
+    method = "cuda-max_memory_allocated"
+
+    def __init__(self, torch):
+        self.torch = torch
+
+    def __enter__(self):
+        gc.collect()
+        self.torch.cuda.synchronize()
+        self.before = self.torch.cuda.memory_allocated()
+        self.torch.cuda.reset_peak_memory_stats()
+        return self
+
+    def __exit__(self, *exc):
+        self.torch.cuda.synchronize()
+        self.peak = self.torch.cuda.max_memory_allocated()
+        self.extra = max(0, self.peak - self.before)
+        return False
+
+
+class NoPeak:
+    """No memory measurement (JAX on a GPU: XLA's ``peak_bytes_in_use`` cannot be reset between calls)."""
+
+    method = "not measured (JAX on a GPU: no resettable peak counter)"
+    extra = None
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
         return False
 
 
@@ -264,6 +311,8 @@ def run_torch(job: dict, data: dict) -> None:
     impl = IMPLS[job["impl"]]
     torch.set_num_threads(int(job.get("threads") or torch.get_num_threads()))
     world, rank = job.get("world", 1), job.get("rank", 0)
+    cuda = job.get("device", "cpu") == "cuda"
+    dev = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
     group = None
     counter = None
     if world > 1 or impl.process_group:
@@ -273,7 +322,7 @@ def run_torch(job: dict, data: dict) -> None:
             counter = CollectiveCounter()
         os.environ["MASTER_ADDR"] = "127.0.0.1"
         os.environ["MASTER_PORT"] = str(job["port"])
-        dist.init_process_group("gloo", rank=rank, world_size=world)
+        dist.init_process_group("nccl" if cuda else "gloo", rank=rank, world_size=world)
         group = dist.group.WORLD
 
     dt = {"float32": torch.float32, "bfloat16": torch.bfloat16}[job["dtype"]]
@@ -282,16 +331,19 @@ def run_torch(job: dict, data: dict) -> None:
     forward = impl.build(Context(torch, group=group, rank=rank, world=world, vocab_start=lo,
                                  options=job.get("options") or {}))
     sl = slice(lo, lo + v_local)
-    z = torch.from_numpy(np.ascontiguousarray(data.pop("logits")[:, sl])).to(dt)
+    z = torch.from_numpy(np.ascontiguousarray(data.pop("logits")[:, sl])).to(device=dev, dtype=dt)
     keep_full = data.pop("keep")
-    keep_t = torch.from_numpy(np.ascontiguousarray(keep_full[:, sl]))
+    keep_t = torch.from_numpy(np.ascontiguousarray(keep_full[:, sl])).to(dev)
     del keep_full
-    y = torch.from_numpy(data["target"])
-    gl = torch.from_numpy(data["gl"]).float()
-    gh = torch.from_numpy(data["gh"]).float()
+    y = torch.from_numpy(data["target"]).to(dev)
+    gl = torch.from_numpy(data["gl"]).float().to(dev)
+    gh = torch.from_numpy(data["gh"]).float().to(dev)
     logits = _TorchLogits(torch, z, impl.nonleaf_logits)
     _trim()
     B = z.numel() * z.element_size()
+    # on a GPU: wait for the queue before each clock read, and the caching allocator's peak as the memory
+    sync = torch.cuda.synchronize if cuda else None
+    peak = (lambda: CudaPeak(torch)) if cuda else PeakRSS
 
     for i, name in enumerate(job["modes"]):
         mode = MODES[name]
@@ -307,13 +359,15 @@ def run_torch(job: dict, data: dict) -> None:
                 loss = loss + (h.float() * gh).sum()
             loss.backward()
 
-        rec, out = _measure(job, name, fwd, bwd, logits.reset, counter, B)
+        rec, out = _measure(job, name, fwd, bwd, logits.reset, counter, B, sync=sync, peak=peak)
+        if cuda:
+            rec["gpu"] = torch.cuda.get_device_name(dev)
         lp, h = out
         np.savez(
             os.path.join(job["out_dir"], f"out_{i}_r{rank}.npz"),
-            lp=lp.detach().double().numpy(),
-            h=(h.detach().double().numpy() if h is not None else np.zeros(0)),
-            g=logits.grad()[: job["err_rows"]].float().numpy(),
+            lp=lp.detach().double().cpu().numpy(),
+            h=(h.detach().double().cpu().numpy() if h is not None else np.zeros(0)),
+            g=logits.grad()[: job["err_rows"]].float().cpu().numpy(),
         )
         del out, lp, h
         logits.reset()
@@ -374,7 +428,8 @@ def run_jax(job: dict, data: dict) -> None:
             g.block_until_ready()
             state["g"] = g
 
-        rec, out = _measure(job, mode, fwd, bwd, lambda: state.pop("g", None), None, B)
+        rec, out = _measure(job, mode, fwd, bwd, lambda: state.pop("g", None), None, B,
+                            peak=NoPeak if job.get("device", "cpu") == "cuda" else PeakRSS)
         outs = out[0]
         np.savez(
             os.path.join(job["out_dir"], f"out_{i}_r0.npz"),
@@ -386,16 +441,25 @@ def run_jax(job: dict, data: dict) -> None:
         emit("result", **rec)
 
 
-def _measure(job, mode, fwd, bwd, clear, counter, B) -> tuple:
+def _measure(job, mode, fwd, bwd, clear, counter, B, sync=None, peak=PeakRSS) -> tuple:
     """Time and measure ``bwd(fwd())`` for one mode; ``clear()`` runs after every call.
 
+    ``sync()`` (if given) runs before every clock read, so that a GPU's queued
+    work is inside the interval it belongs to; ``peak()`` is the memory
+    context manager (its ``extra``: bytes, or ``None`` when not measured).
     Returns the record for the parent and the outputs of the last timed call.
     """
-    t0 = time.perf_counter()
+
+    def clock() -> float:
+        if sync is not None:
+            sync()
+        return time.perf_counter()
+
+    t0 = clock()
     out = fwd()
-    t1 = time.perf_counter()
+    t1 = clock()
     bwd(out)
-    t2 = time.perf_counter()
+    t2 = clock()
     del out
     clear()
     first = {"fwd": t1 - t0, "bwd": t2 - t1}
@@ -422,13 +486,13 @@ def _measure(job, mode, fwd, bwd, clear, counter, B) -> tuple:
         if out is not None:
             del out
             clear()
-        with PeakRSS() as pk:
+        with peak() as pk:
             c0 = time.process_time()
-            t0 = time.perf_counter()
+            t0 = clock()
             out = fwd()
-            t1 = time.perf_counter()
+            t1 = clock()
             bwd(out)
-            t2 = time.perf_counter()
+            t2 = clock()
             c1 = time.process_time()
         tf.append(t1 - t0)
         tb.append(t2 - t1)
@@ -451,9 +515,10 @@ def _measure(job, mode, fwd, bwd, clear, counter, B) -> tuple:
         "cpu_fwdbwd_s": statistics.median(cpu),
         "reps": len(tfb),
         "B": B,
-        "peak_extra_bytes": max(peaks),
-        "peak_extra_B": max(peaks) / B,
-        "memory_method": PeakRSS.method,
+        "peak_extra_bytes": None if None in peaks else max(peaks),
+        "peak_extra_B": None if None in peaks else max(peaks) / B,
+        "memory_method": pk.method,
+        "device": job.get("device", "cpu"),
     }
     if coll is not None:
         rec["collectives"] = coll
