@@ -375,7 +375,9 @@ def block_grad(
     else:
         zk = _kept_logits(xp, z, keep, is_y)
         q = xp.exp((zk - _finite_or_zero(xp, comb.mk)[..., None]) / tau - comb.log_sk[..., None])
-    gl = xp.where(valid, g_logprob, xp.zeros_like(g_logprob))[..., None]
+    # The 1 / tau is folded into the per-row coefficients (O(T) work): no
+    # whole-block division after the sum, which a compiler may not fuse.
+    gl = (xp.where(valid, g_logprob, xp.zeros_like(g_logprob)) / tau)[..., None]
     # Rows that are not valid get no log-prob term at all (not 0 * q, which is
     # NaN when their kept set is empty).
     g = xp.where(valid[..., None], gl * (xp.astype(is_y, z.dtype) - q), 0.0)
@@ -383,8 +385,8 @@ def block_grad(
         # p == 0 (banned column) contributes 0, not 0 * inf; a NaN p (a row
         # holding NaN) propagates, as the policy says.
         dh = xp.where(p == 0, 0.0, p * (comb.c[..., None] - d))
-        g = g + g_entropy[..., None] * dh
-    return g / tau
+        g = g + (g_entropy / tau)[..., None] * dh
+    return g
 
 
 def shard_stats(xp, z, local, owns, keep=None, temperature=1.0, **kw):

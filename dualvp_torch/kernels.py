@@ -184,13 +184,27 @@ def chunk_rows(
 # --- the stages: spec functions over torch -------------------------------------------
 
 
+def _as_bool(keep: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+    # The compiled CPU stages receive the bool mask as its uint8 view
+    # (:func:`_mask_arg`) and compare it here, inside the graph.
+    return keep if keep is None or keep.dtype == torch.bool else keep != 0
+
+
+def _mask_arg(keep: Optional[torch.Tensor], z: torch.Tensor) -> Optional[torch.Tensor]:
+    # Inductor's CPU code loads a bool tensor lane by lane (VecMask::from
+    # bool*), a uint8 tensor as one vector load: masked statistics at T=2048,
+    # V_local=32000 took 0.45-0.56 s from the bool mask and 0.25-0.30 s from
+    # its uint8 view (the same bytes; no copy).
+    return keep.view(torch.uint8) if keep is not None and z.device.type == "cpu" else keep
+
+
 def _stats_stage(z, local, owns, keep: Optional[torch.Tensor], tau, acc_dtype: Optional[torch.dtype] = None):
-    return spec.block_stats(xp, z, local, owns, keep, tau, dtype=tau.dtype, acc_dtype=acc_dtype)
+    return spec.block_stats(xp, z, local, owns, _as_bool(keep), tau, dtype=tau.dtype, acc_dtype=acc_dtype)
 
 
 def _grad_stage(z, local, owns, keep: Optional[torch.Tensor], M, log_s, c, mk, log_sk, valid, gl, ge, tau):
     comb = spec.Combined(M=M, log_s=log_s, c=c, mk=mk, log_sk=log_sk, zy=None)
-    g = spec.block_grad(xp, z, local, owns, keep, comb, valid, gl, ge, tau, dtype=tau.dtype)
+    g = spec.block_grad(xp, z, local, owns, _as_bool(keep), comb, valid, gl, ge, tau, dtype=tau.dtype)
     return xp.astype(g, z.dtype)
 
 
@@ -202,6 +216,18 @@ def _grad_inplace_stage(z, local, owns, keep: Optional[torch.Tensor], M, log_s, 
 
 _state: dict = {"failed": False}
 _lock = threading.Lock()
+
+
+# Each stage is meant to be one fused pass over the shard. Inductor splits a
+# pointwise expression into a stored intermediate once it reads more than
+# ``realize_*acc_reads_threshold`` buffers (12 on CPU) or exceeds an op count
+# (100 inside a node; more with dynamic shapes' index arithmetic): the masked
+# gradient with entropy reads 13 ([T] statistics and upstream gradients), and
+# was then written as a float32 [T, V_local] buffer before its cast to the
+# input dtype (2 B extra for bfloat16, tests/torch/test_memory_compat.py). The
+# thresholds exist against exponential recomputation in deep graphs; these
+# graphs are a few dozen ops deep.
+_INDUCTOR_OPTIONS = {"realize_acc_reads_threshold": 64, "realize_opcount_threshold": 400}
 
 
 def _compiled(fn: Callable, z: torch.Tensor, has_keep: bool, has_entropy: bool) -> Callable:
@@ -217,7 +243,7 @@ def _compiled(fn: Callable, z: torch.Tensor, has_keep: bool, has_entropy: bool) 
                     f"{'mask' if has_keep else 'nomask'}{'_ent' if has_entropy else ''}")
             code = fn.__code__.replace(co_name=name)
             variant = types.FunctionType(code, fn.__globals__, name, fn.__defaults__, fn.__closure__)
-            compiled = _state[key] = torch.compile(variant, dynamic=True, fullgraph=True)
+            compiled = _state[key] = torch.compile(variant, dynamic=True, fullgraph=True, options=_INDUCTOR_OPTIONS)
         return compiled
 
 
@@ -347,7 +373,7 @@ def shard_stats(z, local, owns, keep, tau, *, impl: Optional[str] = None) -> tor
     if n == 0:
         return torch.zeros((0, spec.N_STATS), dtype=tau.dtype, device=z.device)
     if select(impl) == "compiled":
-        out, ok = _run_compiled(_stats_stage, (z, local, owns, keep, tau, accumulation_dtype(z)), False)
+        out, ok = _run_compiled(_stats_stage, (z, local, owns, _mask_arg(keep, z), tau, accumulation_dtype(z)), False)
         if ok:
             return out
     return _stats_eager(z, local, owns, keep, tau)
@@ -371,7 +397,7 @@ def shard_grad(
     args = (z, local, owns, keep, M, log_s, c, mk, log_sk, valid, gl, ge, tau)
     if select(impl) == "compiled":
         stage = _grad_inplace_stage if inplace else _grad_stage
-        out, ok = _run_compiled(stage, args, ge is not None)
+        out, ok = _run_compiled(stage, (z, local, owns, _mask_arg(keep, z)) + args[4:], ge is not None)
         if ok:
             return z if inplace else out
     out = z if inplace else torch.empty((n, v), dtype=z.dtype, device=z.device)
