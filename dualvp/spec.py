@@ -215,6 +215,7 @@ def block_stats(
     start: int = 0,
     dtype=None,
     acc_dtype=None,
+    with_entropy: bool = True,
 ):
     """Statistics of one column block ``[start, start + n)`` of a vocab shard.
 
@@ -238,6 +239,10 @@ def block_stats(
       start: the block's first column within the shard.
       dtype: compute dtype (``z`` is cast to it first); ``None``: ``z.dtype``.
       acc_dtype: dtype the row sums accumulate in; ``None``: the compute dtype.
+      with_entropy: ``False`` skips ``t`` (returned as 0; a product, a guard
+        and a row sum per element less). Only the entropy and its gradient
+        depend on ``t``: the log-prob and its gradient are exact either way,
+        the entropy of such statistics is meaningless.
 
     Returns:
       ``[..., N_STATS]`` array of ``(m, s, t, mk, sk, zy)`` in the compute
@@ -251,7 +256,7 @@ def block_stats(
     d = (z - _finite_or_zero(xp, m)[..., None]) / tau
     e = xp.exp(d)
     s = _sum(xp, e, acc_dtype, z.dtype)
-    t = _sum(xp, xp.where(e > 0, e * d, 0.0), acc_dtype, z.dtype)
+    t = _sum(xp, xp.where(e > 0, e * d, 0.0), acc_dtype, z.dtype) if with_entropy else xp.zeros_like(s)
     zy = _target_logit(xp, z, local, owns, start)
     if keep is None:
         mk, sk = m, s

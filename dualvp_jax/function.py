@@ -192,7 +192,7 @@ def _gather(axis_name, stats):
     return lax.all_gather(stats, axis_name, axis=0, to="invarying")
 
 
-def _shard_stats(logits, local, owns, keep, tau, cdt):
+def _shard_stats(logits, local, owns, keep, tau, cdt, with_entropy: bool = True):
     """``spec.block_stats`` of the whole shard: ``[..., N_STATS]`` in ``cdt``.
 
     On CPU the rows are processed in bounded chunks (:mod:`dualvp_jax.chunks`):
@@ -205,7 +205,7 @@ def _shard_stats(logits, local, owns, keep, tau, cdt):
     there (not measured on such a machine in this repository).
     """
     def whole(z, local, owns, keep):
-        return spec.block_stats(jnp, z, local, owns, keep, tau, dtype=cdt)
+        return spec.block_stats(jnp, z, local, owns, keep, tau, dtype=cdt, with_entropy=with_entropy)
 
     def chunked(z, local, owns, keep):
         lead, v = z.shape[:-1], z.shape[-1]
@@ -225,7 +225,7 @@ def _forward(logits, target, keep, axis_name, opt: Options):
     cdt = _compute_dtype(logits.dtype)
     tau = opt.temperature
     valid, owns, local, bad = _shard_position(axis_name, opt, target, logits.shape[-1])
-    stats = _shard_stats(logits, local, owns, keep, tau, cdt)
+    stats = _shard_stats(logits, local, owns, keep, tau, cdt, opt.with_entropy)
     comb = spec.finalize(jnp, spec.reduce_stats(jnp, _gather(axis_name, stats), axis=0, temperature=tau), tau)
     logprob, entropy = spec.outputs(jnp, comb, valid, tau)
     nan = jnp.full_like(logprob, jnp.nan)

@@ -119,7 +119,7 @@ class LogProbEntropyFunction(torch.autograd.Function):
         rank, _ = collectives.group_rank_world(group)
         valid, owns, local = _target_to_local(target.reshape(-1), rank, v, opt.ignore_index)
         tau_t = torch.full((), opt.temperature, dtype=cdt, device=z.device)
-        stats = kernels.shard_stats(z, local, owns, keep, tau_t, impl=impl)
+        stats = kernels.shard_stats(z, local, owns, keep, tau_t, with_entropy=opt.with_entropy, impl=impl)
         if group is not None:
             all_stats = collectives.gather_stats(stats, group)
         else:

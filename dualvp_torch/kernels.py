@@ -198,8 +198,12 @@ def _mask_arg(keep: Optional[torch.Tensor], z: torch.Tensor) -> Optional[torch.T
     return keep.view(torch.uint8) if keep is not None and z.device.type == "cpu" else keep
 
 
-def _stats_stage(z, local, owns, keep: Optional[torch.Tensor], tau, acc_dtype: Optional[torch.dtype] = None):
-    return spec.block_stats(xp, z, local, owns, _as_bool(keep), tau, dtype=tau.dtype, acc_dtype=acc_dtype)
+def _stats_stage(
+    z, local, owns, keep: Optional[torch.Tensor], tau, acc_dtype: Optional[torch.dtype] = None, with_entropy: bool = True
+):
+    return spec.block_stats(
+        xp, z, local, owns, _as_bool(keep), tau, dtype=tau.dtype, acc_dtype=acc_dtype, with_entropy=with_entropy
+    )
 
 
 def _grad_stage(z, local, owns, keep: Optional[torch.Tensor], M, log_s, c, mk, log_sk, valid, gl, ge, tau):
@@ -341,10 +345,10 @@ def _rows(x, i, j):
     return None if x is None else x[i:j]
 
 
-def _stats_eager(z, local, owns, keep, tau) -> torch.Tensor:
+def _stats_eager(z, local, owns, keep, tau, with_entropy: bool = True) -> torch.Tensor:
     acc = accumulation_dtype(z, "eager")
     parts = _map_chunks(
-        lambda i, j: _stats_stage(z[i:j], local[i:j], owns[i:j], _rows(keep, i, j), tau, acc),
+        lambda i, j: _stats_stage(z[i:j], local[i:j], owns[i:j], _rows(keep, i, j), tau, acc, with_entropy),
         z, STATS_FRACTION, STATS_SCRATCH_BYTES,
     )
     return parts[0] if len(parts) == 1 else torch.cat(parts)
@@ -364,19 +368,24 @@ def _grad_eager(z, out, local, owns, keep, *row_args) -> None:
 # --- entry points ----------------------------------------------------------------------
 
 
-def shard_stats(z, local, owns, keep, tau, *, impl: Optional[str] = None) -> torch.Tensor:
+def shard_stats(
+    z, local, owns, keep, tau, *, with_entropy: bool = True, impl: Optional[str] = None
+) -> torch.Tensor:
     """``[T, 6]`` statistics ``spec.block_stats`` of the shard ``z [T, V_local]``.
 
-    ``tau`` is a 0-d tensor of the compute dtype; ``impl`` as in :func:`select`.
+    ``tau`` is a 0-d tensor of the compute dtype; ``with_entropy=False``
+    skips the entropy's statistic (see ``spec.block_stats``); ``impl`` as in
+    :func:`select`.
     """
     n = z.shape[0]
     if n == 0:
         return torch.zeros((0, spec.N_STATS), dtype=tau.dtype, device=z.device)
     if select(impl) == "compiled":
-        out, ok = _run_compiled(_stats_stage, (z, local, owns, _mask_arg(keep, z), tau, accumulation_dtype(z)), False)
+        args = (z, local, owns, _mask_arg(keep, z), tau, accumulation_dtype(z), with_entropy)
+        out, ok = _run_compiled(_stats_stage, args, with_entropy)
         if ok:
             return out
-    return _stats_eager(z, local, owns, keep, tau)
+    return _stats_eager(z, local, owns, keep, tau, with_entropy)
 
 
 def shard_grad(

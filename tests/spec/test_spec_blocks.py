@@ -120,3 +120,21 @@ def test_same_spec_on_numpy_jax_torch():
     for name, res in got.items():
         for a, b in zip(res, want):
             np.testing.assert_allclose(a, b, rtol=1e-12, atol=1e-12, err_msg=name)
+
+
+def test_without_entropy_the_logprob_is_unchanged():
+    # with_entropy=False skips only t; the log-prob (and its gradient, which
+    # reads no t) must equal the oracle's, blocks merged as usual.
+    z, y, keep = _rand(seed=3)
+    valid, owns, local = spec.target_to_local(np, y, 0, 40, -100)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        for k in (None, keep):
+            full = spec.block_stats(np, z, local, owns, k, 0.7)
+            parts = [spec.block_stats(np, z[:, a:b], local, owns, None if k is None else k[:, a:b], 0.7, start=a,
+                                      with_entropy=False) for a, b in ((0, 13), (13, 40))]
+            lean = spec.reduce_stats(np, np.stack(parts), temperature=0.7)
+            assert all(np.all(b[:, spec.STATS.index("t")] == 0) for b in parts)  # (merged, it is no longer 0)
+            lp, _ = spec.outputs(np, spec.finalize(np, lean, 0.7), valid, 0.7)
+            rlp, _ = reference.logprob_entropy(z, y, keep_mask=k, temperature=0.7)
+            assert cases.within_tolerance(lp, rlp, TOL)
+            assert np.allclose(np.delete(lean, 2, axis=1), np.delete(full, 2, axis=1), rtol=1e-12, atol=0, equal_nan=True)
