@@ -141,6 +141,44 @@ def _target_to_local(y, rank, v_local, ignore_index):
     return spec.target_to_local(xp, y, rank, v_local, ignore_index)
 
 
+def _merge(
+    stats: torch.Tensor, group, valid: torch.Tensor, tau: torch.Tensor, shape: tuple
+) -> tuple[spec.Combined, torch.Tensor, torch.Tensor]:
+    """This rank's ``[T, 6]`` statistics merged with the group's: ``(comb, logprob, entropy)``.
+
+    One all-gather (``[W, T, 6]``; none without a group), then the spec's
+    merge and outputs, identical on every rank; ``valid`` is ``[T]``, ``tau``
+    0-d, and the outputs come back in ``shape`` (the target's).
+    """
+    all_stats = collectives.gather_stats(stats, group) if group is not None else stats[None]
+    comb = spec.finalize(xp, spec.reduce_stats(xp, all_stats, axis=0, temperature=tau), tau)
+    logprob, entropy = spec.outputs(xp, comb, valid, tau)
+    return comb, logprob.reshape(shape), entropy.reshape(shape)
+
+
+def _save_residuals(
+    ctx,
+    opt: validation.Options,
+    inputs: tuple,
+    local: torch.Tensor,
+    owns: torch.Tensor,
+    valid: torch.Tensor,
+    comb: spec.Combined,
+    entropy: torch.Tensor,
+) -> None:
+    """Save ``inputs`` (by reference) and the O(T) residuals; the entropy is non-differentiable unless needed.
+
+    ``local``, ``owns``, ``valid`` and the fields of ``comb`` are ``[T]``;
+    ``comb.c`` is saved only for the entropy gradient (``None`` otherwise).
+    The backward unpacks ``ctx.saved_tensors`` as ``*inputs, local, owns,
+    valid, M, log_s, c, mk, log_sk``.
+    """
+    c = comb.c if opt.need_entropy_grad else None
+    ctx.save_for_backward(*inputs, local, owns, valid, comb.M, comb.log_s, c, comb.mk, comb.log_sk)
+    if not opt.need_entropy_grad:
+        ctx.mark_non_differentiable(entropy)
+
+
 _UNMATERIALISED = (
     "dualvp_torch.logprob_entropy: the gradient of the {} arrived as None in backward. The op never calls "
     "ctx.set_materialize_grads(False), so autograd should pass zeros for an output that does not reach the "
@@ -163,20 +201,11 @@ class LogProbEntropyFunction(torch.autograd.Function):
         valid, owns, local = _target_to_local(target.reshape(-1), rank, v, opt.ignore_index)
         tau_t = torch.full((), opt.temperature, dtype=cdt, device=z.device)
         stats = kernels.shard_stats(z, local, owns, keep, tau_t, with_entropy=opt.with_entropy, impl=impl)
-        if group is not None:
-            all_stats = collectives.gather_stats(stats, group)
-        else:
-            all_stats = stats[None]
-        comb = spec.finalize(xp, spec.reduce_stats(xp, all_stats, axis=0, temperature=tau_t), tau_t)
-        logprob, entropy = spec.outputs(xp, comb, valid, tau_t)
-        logprob, entropy = logprob.reshape(shape), entropy.reshape(shape)
+        comb, logprob, entropy = _merge(stats, group, valid, tau_t, shape)
         ctx.opt = opt
         ctx.impl = impl
         ctx.logits_shape = tuple(logits.shape)
-        c = comb.c if opt.need_entropy_grad else None
-        ctx.save_for_backward(logits, keep_mask, local, owns, valid, comb.M, comb.log_s, c, comb.mk, comb.log_sk)
-        if not opt.need_entropy_grad:
-            ctx.mark_non_differentiable(entropy)
+        _save_residuals(ctx, opt, (logits, keep_mask), local, owns, valid, comb, entropy)
         return logprob, entropy
 
     @staticmethod

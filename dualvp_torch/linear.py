@@ -79,7 +79,15 @@ from torch.autograd.function import once_differentiable
 from dualvp import spec, validation
 
 from . import collectives, kernels
-from .function import _check_call, _check_materialised, _check_target_keep, _count_bad_targets, _dtype_name
+from .function import (
+    _check_call,
+    _check_materialised,
+    _check_target_keep,
+    _count_bad_targets,
+    _dtype_name,
+    _merge,
+    _save_residuals,
+)
 
 __all__ = ["linear_logprob_entropy", "tile_shape", "default_budget", "MIN_SIDE", "MIN_BUDGET", "BUDGET_FRACTION"]
 
@@ -265,16 +273,9 @@ class LinearLogProbEntropyFunction(torch.autograd.Function):
             stats = _stats(h2, weight, local, owns, keep, tau, tiles, impl)
         else:
             stats = torch.zeros((0, spec.N_STATS), dtype=cdt, device=hidden.device)
-        all_stats = collectives.gather_stats(stats, group) if group is not None else stats[None]
-        comb = spec.finalize(xp, spec.reduce_stats(xp, all_stats, axis=0, temperature=tau), tau)
-        logprob, entropy = spec.outputs(xp, comb, valid, tau)
-        shape = tuple(target.shape)
-        logprob, entropy = logprob.reshape(shape), entropy.reshape(shape)
+        comb, logprob, entropy = _merge(stats, group, valid, tau, tuple(target.shape))
         ctx.opt, ctx.group, ctx.impl, ctx.tiles = opt, group, impl, tiles
-        c = comb.c if opt.need_entropy_grad else None
-        ctx.save_for_backward(hidden, weight, keep_mask, local, owns, valid, comb.M, comb.log_s, c, comb.mk, comb.log_sk)
-        if not opt.need_entropy_grad:
-            ctx.mark_non_differentiable(entropy)
+        _save_residuals(ctx, opt, (hidden, weight, keep_mask), local, owns, valid, comb, entropy)
         return logprob, entropy
 
     @staticmethod
