@@ -325,24 +325,21 @@ RECORD_FIELDS = (
 #: fields of :data:`RECORD_FIELDS` (``T`` counts the target's rows, the dtype
 #: is hidden's, ``label_smoothing`` is 0), then what decides the backward's collectives and the scale
 #: of ``dh``, then ``bad_targets`` last.
+#: Built from :data:`RECORD_FIELDS` because :func:`agreement_record` writes the
+#: same leading ten fields for both ops.
 LINEAR_RECORD_FIELDS = (
-    "error",
-    "T",
-    "V_local",
-    "hidden dtype",
-    "keep_mask present",
-    "with_entropy",
-    "entropy_grad",
-    "temperature",
-    "ignore_index",
-    "label_smoothing",
-    "H",
-    "hidden rows",
-    "reduce_hidden_grad",
-    "sequence_parallel",
-    "hidden requires grad",
-    "weight requires grad",
-    "bad_targets",
+    RECORD_FIELDS[:3]
+    + ("hidden dtype",)
+    + RECORD_FIELDS[4:-1]
+    + (
+        "H",
+        "hidden rows",
+        "reduce_hidden_grad",
+        "sequence_parallel",
+        "hidden requires grad",
+        "weight requires grad",
+    )
+    + RECORD_FIELDS[-1:]
 )
 
 

@@ -331,13 +331,9 @@ def softmax_cross_entropy_with_integer_labels(
     if mesh is None:
         return _local_jit(z, y, where_row, where_class, cfg=_Cfg(axis_name, kind))
 
-    from .sharded import _is_explicit, _lead_spec, _place  # the same placement rules as the sharded op
+    from .sharded import _is_explicit, _lead_spec, _mesh_world, _place  # the same placement rules as the sharded op
 
-    if not isinstance(mesh, Mesh):
-        raise TypeError(f"mesh: expected a jax.sharding.Mesh, got {type(mesh).__name__}")
-    if vocab_axis not in mesh.axis_names:
-        raise ValueError(f"vocab_axis: expected one of the mesh axes {tuple(mesh.axis_names)}, got {vocab_axis!r}")
-    world = int(mesh.shape[vocab_axis])
+    world = _mesh_world(mesh, vocab_axis)
     if z.shape[-1] % world:
         raise ValueError(f"logits: expected the number of classes {z.shape[-1]} divisible by the size {world} "
                          f"of mesh axis {vocab_axis!r}, got shape {tuple(np.shape(logits))}")

@@ -47,6 +47,8 @@ from __future__ import annotations
 
 import math
 from functools import partial
+from typing import Optional
+
 import numpy as np
 
 import jax
@@ -319,7 +321,15 @@ def _apply(logits, target, keep_mask, axis_name, opt: Options):
     logits = jnp.asarray(logits)
     target = jnp.asarray(target).astype(_int_dtype())
     keep = None if keep_mask is None else jnp.asarray(keep_mask)
-    logprob, entropy = _op(logits, target, keep, axis_name, opt)
+    return _outputs(*_op(logits, target, keep, axis_name, opt), opt)
+
+
+def _outputs(logprob: jax.Array, entropy: jax.Array, opt: Options) -> tuple[jax.Array, Optional[jax.Array]]:
+    """The op's ``(logprob [...], entropy [...])`` as returned to the caller.
+
+    ``entropy`` is ``None`` without ``with_entropy`` and under
+    ``lax.stop_gradient`` without ``entropy_grad``.
+    """
     if not opt.with_entropy:
         return logprob, None
     if not opt.entropy_grad:

@@ -65,6 +65,7 @@ from .function import (
     _compute_dtype,
     _describe,
     _int_dtype,
+    _outputs,
     _shard_position,
     _gather,
     check_target_range,
@@ -431,12 +432,7 @@ def _apply(hidden, weight, target, keep_mask, axis_name, cfg: _Config):
     weight = jnp.asarray(weight)
     target = jnp.asarray(target).astype(_int_dtype())
     keep = None if keep_mask is None else jnp.asarray(keep_mask)
-    logprob, entropy = _op(hidden, weight, target, keep, axis_name, cfg)
-    if not cfg.opt.with_entropy:
-        return logprob, None
-    if not cfg.opt.entropy_grad:
-        entropy = lax.stop_gradient(entropy)
-    return logprob, entropy
+    return _outputs(*_op(hidden, weight, target, keep, axis_name, cfg), cfg.opt)
 
 
 _apply_jit = jax.jit(_apply, static_argnames=("axis_name", "cfg"))
@@ -570,15 +566,11 @@ def sharded_linear_logprob_entropy(
       TypeError / ValueError naming the argument; ``ValueError`` for
       out-of-range concrete targets.
     """
-    from jax.sharding import Mesh, PartitionSpec as P
+    from jax.sharding import PartitionSpec as P
 
-    from .sharded import _is_explicit, _place
+    from .sharded import _is_explicit, _mesh_world, _place
 
-    if not isinstance(mesh, Mesh):
-        raise TypeError(f"mesh: expected a jax.sharding.Mesh, got {type(mesh).__name__}")
-    if vocab_axis not in mesh.axis_names:
-        raise ValueError(f"vocab_axis: expected one of the mesh axes {tuple(mesh.axis_names)}, got {vocab_axis!r}")
-    world = int(mesh.shape[vocab_axis])
+    world = _mesh_world(mesh, vocab_axis)
     # The global shapes first (world=1: hidden and target have the same T, also with sequence_parallel).
     _validate(hidden, weight, target, keep_mask, axis_name=None, temperature=temperature,
               ignore_index=ignore_index, with_entropy=with_entropy, entropy_grad=entropy_grad,

@@ -61,6 +61,15 @@ def _lead_spec(logits, mesh, vocab_axis, ndim: int) -> tuple:
     return tuple(lead)
 
 
+def _mesh_world(mesh, vocab_axis) -> int:
+    """The size ``W`` of ``vocab_axis`` in ``mesh``; ``TypeError`` / ``ValueError`` naming the argument otherwise."""
+    if not isinstance(mesh, Mesh):
+        raise TypeError(f"mesh: expected a jax.sharding.Mesh, got {type(mesh).__name__}")
+    if vocab_axis not in mesh.axis_names:
+        raise ValueError(f"vocab_axis: expected one of the mesh axes {tuple(mesh.axis_names)}, got {vocab_axis!r}")
+    return int(mesh.shape[vocab_axis])
+
+
 def _is_explicit(mesh, axes) -> bool:
     types = dict(zip(mesh.axis_names, getattr(mesh, "axis_types", ()) or ()))
     return any(types.get(a) == AxisType.Explicit for a in axes)
@@ -112,11 +121,7 @@ def sharded_logprob_entropy(
       out-of-range targets when ``target`` is concrete (not traced).
     """
     opt = _validate(logits, target, keep_mask, temperature, ignore_index, with_entropy, entropy_grad)
-    if not isinstance(mesh, Mesh):
-        raise TypeError(f"mesh: expected a jax.sharding.Mesh, got {type(mesh).__name__}")
-    if vocab_axis not in mesh.axis_names:
-        raise ValueError(f"vocab_axis: expected one of the mesh axes {tuple(mesh.axis_names)}, got {vocab_axis!r}")
-    world = int(mesh.shape[vocab_axis])
+    world = _mesh_world(mesh, vocab_axis)
     shape = tuple(np.shape(logits)) if not isinstance(logits, jax.core.Tracer) else tuple(logits.shape)
     if shape[-1] % world:
         raise ValueError(

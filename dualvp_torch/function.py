@@ -53,20 +53,63 @@ def _check_tensors(*expected) -> None:
             raise TypeError(f"{name}: expected {what}, got {_kind(x)}")
 
 
-def _local_checks(logits, target, keep_mask, temperature, ignore_index, with_entropy, entropy_grad, inplace_grad):
-    """Every local (rank-private, host-only) check; returns the :class:`~dualvp.validation.Options`."""
+def _check_target_keep(
+    *leading: tuple[str, object, str], target: torch.Tensor, keep_mask: Optional[torch.Tensor]
+) -> dict:
+    """Type checks of an op's tensors, then the target/keep-mask keywords of ``validation.check_*args``.
+
+    ``leading`` are the op's own ``(name, x, what)`` entries (logits, or hidden
+    and weight), checked before ``target [...]`` and ``keep_mask [...,
+    V_local]`` so that the first wrong argument in signature order is named.
+    Returns ``target_shape``, ``target_dtype``, ``keep_shape`` and
+    ``keep_dtype`` (both ``None`` without a mask).
+    """
     _check_tensors(
-        ("logits", logits, "a torch.Tensor [..., V_local] of a floating dtype"),
+        *leading,
         ("target", target, "an integer torch.Tensor [...]"),
         ("keep_mask", keep_mask, "None or a bool torch.Tensor [..., V_local]"),
     )
-    opt = validation.check_args(
-        logits_shape=tuple(logits.shape),
-        logits_dtype=_dtype_name(logits.dtype),
+    return dict(
         target_shape=tuple(target.shape),
         target_dtype=_dtype_name(target.dtype),
         keep_shape=None if keep_mask is None else tuple(keep_mask.shape),
         keep_dtype=None if keep_mask is None else _dtype_name(keep_mask.dtype),
+    )
+
+
+def _check_call(group, validate, impl: Optional[str]) -> tuple[int, int]:
+    """The checks every rank passes or fails alike, before any local check; returns ``(rank, world)`` of ``group``."""
+    if group is not None and not collectives.is_process_group(group):
+        raise TypeError(f"group: expected a torch.distributed.ProcessGroup or None, got {_kind(group)}")
+    if not isinstance(validate, bool):
+        raise TypeError(f"validate: expected a bool, got {type(validate).__name__} {validate!r}")
+    kernels.select(impl)  # raises ValueError naming impl (the same on every rank)
+    return collectives.group_rank_world(group)
+
+
+def _check_materialised(
+    message: str, opt: validation.Options, grad_logprob: Optional[torch.Tensor], grad_entropy: Optional[torch.Tensor]
+) -> None:
+    """``RuntimeError`` (``message`` formatted with the output's name) when a needed upstream gradient is ``None``.
+
+    ``grad_logprob`` and ``grad_entropy`` are the ``[T]``-shaped (any leading
+    shape) gradients autograd passes to the backward.
+    """
+    if grad_logprob is None:
+        raise RuntimeError(message.format("log-prob"))
+    if opt.need_entropy_grad and grad_entropy is None:
+        raise RuntimeError(message.format("entropy"))
+
+
+def _local_checks(logits, target, keep_mask, temperature, ignore_index, with_entropy, entropy_grad, inplace_grad):
+    """Every local (rank-private, host-only) check; returns the :class:`~dualvp.validation.Options`."""
+    target_keep = _check_target_keep(
+        ("logits", logits, "a torch.Tensor [..., V_local] of a floating dtype"), target=target, keep_mask=keep_mask
+    )
+    opt = validation.check_args(
+        logits_shape=tuple(logits.shape),
+        logits_dtype=_dtype_name(logits.dtype),
+        **target_keep,
         temperature=temperature,
         ignore_index=ignore_index,
         with_entropy=with_entropy,
@@ -98,6 +141,44 @@ def _target_to_local(y, rank, v_local, ignore_index):
     return spec.target_to_local(xp, y, rank, v_local, ignore_index)
 
 
+def _merge(
+    stats: torch.Tensor, group, valid: torch.Tensor, tau: torch.Tensor, shape: tuple
+) -> tuple[spec.Combined, torch.Tensor, torch.Tensor]:
+    """This rank's ``[T, 6]`` statistics merged with the group's: ``(comb, logprob, entropy)``.
+
+    One all-gather (``[W, T, 6]``; none without a group), then the spec's
+    merge and outputs, identical on every rank; ``valid`` is ``[T]``, ``tau``
+    0-d, and the outputs come back in ``shape`` (the target's).
+    """
+    all_stats = collectives.gather_stats(stats, group) if group is not None else stats[None]
+    comb = spec.finalize(xp, spec.reduce_stats(xp, all_stats, axis=0, temperature=tau), tau)
+    logprob, entropy = spec.outputs(xp, comb, valid, tau)
+    return comb, logprob.reshape(shape), entropy.reshape(shape)
+
+
+def _save_residuals(
+    ctx,
+    opt: validation.Options,
+    inputs: tuple,
+    local: torch.Tensor,
+    owns: torch.Tensor,
+    valid: torch.Tensor,
+    comb: spec.Combined,
+    entropy: torch.Tensor,
+) -> None:
+    """Save ``inputs`` (by reference) and the O(T) residuals; the entropy is non-differentiable unless needed.
+
+    ``local``, ``owns``, ``valid`` and the fields of ``comb`` are ``[T]``;
+    ``comb.c`` is saved only for the entropy gradient (``None`` otherwise).
+    The backward unpacks ``ctx.saved_tensors`` as ``*inputs, local, owns,
+    valid, M, log_s, c, mk, log_sk``.
+    """
+    c = comb.c if opt.need_entropy_grad else None
+    ctx.save_for_backward(*inputs, local, owns, valid, comb.M, comb.log_s, c, comb.mk, comb.log_sk)
+    if not opt.need_entropy_grad:
+        ctx.mark_non_differentiable(entropy)
+
+
 _UNMATERIALISED = (
     "dualvp_torch.logprob_entropy: the gradient of the {} arrived as None in backward. The op never calls "
     "ctx.set_materialize_grads(False), so autograd should pass zeros for an output that does not reach the "
@@ -120,30 +201,18 @@ class LogProbEntropyFunction(torch.autograd.Function):
         valid, owns, local = _target_to_local(target.reshape(-1), rank, v, opt.ignore_index)
         tau_t = torch.full((), opt.temperature, dtype=cdt, device=z.device)
         stats = kernels.shard_stats(z, local, owns, keep, tau_t, with_entropy=opt.with_entropy, impl=impl)
-        if group is not None:
-            all_stats = collectives.gather_stats(stats, group)
-        else:
-            all_stats = stats[None]
-        comb = spec.finalize(xp, spec.reduce_stats(xp, all_stats, axis=0, temperature=tau_t), tau_t)
-        logprob, entropy = spec.outputs(xp, comb, valid, tau_t)
-        logprob, entropy = logprob.reshape(shape), entropy.reshape(shape)
+        comb, logprob, entropy = _merge(stats, group, valid, tau_t, shape)
         ctx.opt = opt
         ctx.impl = impl
         ctx.logits_shape = tuple(logits.shape)
-        c = comb.c if opt.need_entropy_grad else None
-        ctx.save_for_backward(logits, keep_mask, local, owns, valid, comb.M, comb.log_s, c, comb.mk, comb.log_sk)
-        if not opt.need_entropy_grad:
-            ctx.mark_non_differentiable(entropy)
+        _save_residuals(ctx, opt, (logits, keep_mask), local, owns, valid, comb, entropy)
         return logprob, entropy
 
     @staticmethod
     @once_differentiable
     def backward(ctx, grad_logprob, grad_entropy):
         opt = ctx.opt
-        if grad_logprob is None:
-            raise RuntimeError(_UNMATERIALISED.format("log-prob"))
-        if opt.need_entropy_grad and grad_entropy is None:
-            raise RuntimeError(_UNMATERIALISED.format("entropy"))
+        _check_materialised(_UNMATERIALISED, opt, grad_logprob, grad_entropy)
         if not ctx.needs_input_grad[0]:
             return None, None, None, None, None, None
         logits, keep_mask, local, owns, valid, M, log_s, c, mk, log_sk = ctx.saved_tensors
@@ -247,12 +316,7 @@ def _logprob_entropy(
     through the agreement step like a local check's error: every rank raises,
     none waits in a collective.
     """
-    if group is not None and not collectives.is_process_group(group):
-        raise TypeError(f"group: expected a torch.distributed.ProcessGroup or None, got {_kind(group)}")
-    if not isinstance(validate, bool):
-        raise TypeError(f"validate: expected a bool, got {type(validate).__name__} {validate!r}")
-    kernels.select(impl)  # raises ValueError naming impl (the same on every rank)
-    rank, world = collectives.group_rank_world(group)
+    rank, world = _check_call(group, validate, impl)
 
     error = caller_error
     opt = None

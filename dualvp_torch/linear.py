@@ -79,7 +79,15 @@ from torch.autograd.function import once_differentiable
 from dualvp import spec, validation
 
 from . import collectives, kernels
-from .function import _check_tensors, _dtype_name, _kind
+from .function import (
+    _check_call,
+    _check_materialised,
+    _check_target_keep,
+    _count_bad_targets,
+    _dtype_name,
+    _merge,
+    _save_residuals,
+)
 
 __all__ = ["linear_logprob_entropy", "tile_shape", "default_budget", "MIN_SIDE", "MIN_BUDGET", "BUDGET_FRACTION"]
 
@@ -265,26 +273,16 @@ class LinearLogProbEntropyFunction(torch.autograd.Function):
             stats = _stats(h2, weight, local, owns, keep, tau, tiles, impl)
         else:
             stats = torch.zeros((0, spec.N_STATS), dtype=cdt, device=hidden.device)
-        all_stats = collectives.gather_stats(stats, group) if group is not None else stats[None]
-        comb = spec.finalize(xp, spec.reduce_stats(xp, all_stats, axis=0, temperature=tau), tau)
-        logprob, entropy = spec.outputs(xp, comb, valid, tau)
-        shape = tuple(target.shape)
-        logprob, entropy = logprob.reshape(shape), entropy.reshape(shape)
+        comb, logprob, entropy = _merge(stats, group, valid, tau, tuple(target.shape))
         ctx.opt, ctx.group, ctx.impl, ctx.tiles = opt, group, impl, tiles
-        c = comb.c if opt.need_entropy_grad else None
-        ctx.save_for_backward(hidden, weight, keep_mask, local, owns, valid, comb.M, comb.log_s, c, comb.mk, comb.log_sk)
-        if not opt.need_entropy_grad:
-            ctx.mark_non_differentiable(entropy)
+        _save_residuals(ctx, opt, (hidden, weight, keep_mask), local, owns, valid, comb, entropy)
         return logprob, entropy
 
     @staticmethod
     @once_differentiable
     def backward(ctx, grad_logprob, grad_entropy):
         opt, group = ctx.opt, ctx.group
-        if grad_logprob is None:
-            raise RuntimeError(_UNMATERIALISED.format("log-prob"))
-        if opt.need_entropy_grad and grad_entropy is None:
-            raise RuntimeError(_UNMATERIALISED.format("entropy"))
+        _check_materialised(_UNMATERIALISED, opt, grad_logprob, grad_entropy)
         need_dh, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         none = (None,) * 6
         if not (need_dh or need_dw):
@@ -316,21 +314,18 @@ class LinearLogProbEntropyFunction(torch.autograd.Function):
 
 
 def _local_checks(hidden, weight, target, keep_mask, world, kw) -> validation.Options:
-    _check_tensors(
+    target_keep = _check_target_keep(
         ("hidden", hidden, "a torch.Tensor [..., H] of a floating dtype"),
         ("weight", weight, "a torch.Tensor [V_local, H] of hidden's dtype"),
-        ("target", target, "an integer torch.Tensor [...]"),
-        ("keep_mask", keep_mask, "None or a bool torch.Tensor [..., V_local]"),
+        target=target,
+        keep_mask=keep_mask,
     )
     opt = validation.check_linear_args(
         hidden_shape=tuple(hidden.shape),
         hidden_dtype=_dtype_name(hidden.dtype),
         weight_shape=tuple(weight.shape),
         weight_dtype=_dtype_name(weight.dtype),
-        target_shape=tuple(target.shape),
-        target_dtype=_dtype_name(target.dtype),
-        keep_shape=None if keep_mask is None else tuple(keep_mask.shape),
-        keep_dtype=None if keep_mask is None else _dtype_name(keep_mask.dtype),
+        **target_keep,
         world_size=world,
         **kw,
     )
@@ -411,12 +406,7 @@ def linear_logprob_entropy(
       group and ``validate=True``, on every rank, or ``RuntimeError`` on every
       rank when the ranks disagree).
     """
-    if group is not None and not collectives.is_process_group(group):
-        raise TypeError(f"group: expected a torch.distributed.ProcessGroup or None, got {_kind(group)}")
-    if not isinstance(validate, bool):
-        raise TypeError(f"validate: expected a bool, got {type(validate).__name__} {validate!r}")
-    kernels.select(impl)  # raises ValueError naming impl (the same on every rank)
-    rank, world = collectives.group_rank_world(group)
+    rank, world = _check_call(group, validate, impl)
     kw = dict(
         temperature=temperature, ignore_index=ignore_index, with_entropy=with_entropy, entropy_grad=entropy_grad,
         reduce_hidden_grad=reduce_hidden_grad, sequence_parallel=sequence_parallel, memory_budget=memory_budget,
@@ -467,10 +457,3 @@ def linear_logprob_entropy(
     )
     logprob, entropy = LinearLogProbEntropyFunction.apply(hidden, weight, target, keep_mask, opt, group, impl, budget)
     return logprob, (entropy if with_entropy else None)
-
-
-def _count_bad_targets(target, ignore_index, vocab_size) -> torch.Tensor:
-    """0-d int64 device tensor: targets outside ``[0, vocab_size)`` that are not ``ignore_index``."""
-    y = target.to(torch.int64)
-    bad = (y != ignore_index) & ((y < 0) | (y >= vocab_size))
-    return bad.sum(dtype=torch.int64)

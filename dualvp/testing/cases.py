@@ -87,6 +87,18 @@ class Case:
         assert all(self.vocab % w == 0 for w in self.worlds), (self.name, self.vocab, self.worlds)
 
 
+def _vocab_shard(
+    vocab: int, rank: int, world: int, keep_mask: Optional[np.ndarray]
+) -> tuple[slice, Optional[np.ndarray]]:
+    """``(slice, keep_mask [..., V/W] or None)``: rank ``rank`` of ``world``'s vocabulary ``[r*V/W, (r+1)*V/W)``.
+
+    The one layout of every backend; ``keep_mask`` is ``[..., V]`` (or ``None``).
+    """
+    v = vocab // world
+    sl = slice(rank * v, (rank + 1) * v)
+    return sl, (None if keep_mask is None else keep_mask[..., sl])
+
+
 @dataclass
 class Problem:
     """Concrete arrays of a case (NumPy; logits as float64 values of the dtype)."""
@@ -101,9 +113,7 @@ class Problem:
 
     def shard(self, rank: int, world: int):
         """Columns of rank ``rank`` of ``world``: ``(logits, keep_mask)``."""
-        v = self.logits.shape[-1] // world
-        sl = slice(rank * v, (rank + 1) * v)
-        km = None if self.keep_mask is None else self.keep_mask[..., sl]
+        sl, km = _vocab_shard(self.logits.shape[-1], rank, world, self.keep_mask)
         return self.logits[..., sl], km
 
 
@@ -130,9 +140,7 @@ class LinearProblem:
 
     def shard(self, rank: int, world: int):
         """Weight rows and keep-mask columns of rank ``rank`` of ``world``: ``(weight [V/W, H], keep_mask)``."""
-        v = self.weight.shape[0] // world
-        sl = slice(rank * v, (rank + 1) * v)
-        km = None if self.keep_mask is None else self.keep_mask[..., sl]
+        sl, km = _vocab_shard(self.weight.shape[0], rank, world, self.keep_mask)
         return self.weight[sl], km
 
 
