@@ -9,11 +9,20 @@
 
     results = run_ranks(body, 2, 3.0, timeout=60)   # [result of rank 0, result of rank 1]
 
-Each rank is a fresh process (``torch.multiprocessing`` spawn context) with the
-default process group initialised on a free local port, ``torch`` limited to
-``max(1, cpu_count // world_size)`` threads, and the group destroyed after
-``fn`` returns. ``fn`` is called as ``fn(rank, world_size, *args)``, must be
-importable (defined at module level) and return a picklable value.
+Each rank is a fresh process with the default process group initialised on a
+free local port, ``torch`` limited to ``max(1, cpu_count // world_size)``
+threads, and the group destroyed after ``fn`` returns. ``fn`` is called as
+``fn(rank, world_size, *args)``, must be importable (defined at module level)
+and return a picklable value.
+
+The ranks are forked from a multiprocessing *forkserver* that has imported
+torch, torch.distributed and dualvp_torch once (and has run no torch op, so
+no thread pool is forked): a spawned rank would import torch itself, 1-2 s of
+CPU per rank per call, most of a small test's cost on a 2-core machine. The
+forkserver starts at the first call and serves every later one of the
+process. A rank sees the caller's environment and working directory as they
+are at the call, as a spawned rank would. Where there is no forkserver
+(Windows), the ranks are spawned.
 
 Failure handling, designed for tests of ops that must never hang:
 
@@ -82,9 +91,27 @@ def _picklable_error(exc: BaseException) -> BaseException:
         return RuntimeError(f"{type(exc).__name__}: {exc}")
 
 
-def _worker(fn, rank, world_size, port, backend, timeout, threads, env, args, out_q):
+#: What the forkserver imports before it forks a rank (the costly imports of every rank).
+PRELOAD = ("numpy", "torch", "torch.distributed", "dualvp_torch")
+
+
+def _context():
+    """The forkserver context (torch preloaded), or spawn where there is none."""
+    if "forkserver" in mp.get_all_start_methods():
+        ctx = mp.get_context("forkserver")
+        # Takes effect when the server starts (the first call); later calls reuse it.
+        ctx.set_forkserver_preload(list(PRELOAD))
+        return ctx
+    return mp.get_context("spawn")
+
+
+def _worker(fn, rank, world_size, port, backend, timeout, threads, environ, env, args, out_q):
     import torch.distributed as dist
 
+    # A forked rank inherits the forkserver's environment (from its start):
+    # take the caller's, as a spawned rank would.
+    os.environ.clear()
+    os.environ.update(environ)
     for k, v in (env or {}).items():
         os.environ[k] = str(v)
     os.environ["MASTER_ADDR"] = "127.0.0.1"
@@ -142,7 +169,7 @@ def run_ranks(
     """
     if world_size < 1:
         raise ValueError(f"world_size: expected >= 1, got {world_size}")
-    ctx = mp.get_context("spawn")
+    ctx = _context()
     out_q = ctx.Queue()
     port = free_port()
     if threads is None:
@@ -150,7 +177,7 @@ def run_ranks(
     procs = [
         ctx.Process(
             target=_worker,
-            args=(fn, r, world_size, port, backend, timeout, threads, env, args, out_q),
+            args=(fn, r, world_size, port, backend, timeout, threads, dict(os.environ), env, args, out_q),
             daemon=True,
         )
         for r in range(world_size)
