@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import functools
 
@@ -57,6 +58,11 @@ def reference_of(prob: cases.Problem, *, entropy_grad: bool = True):
 
 _RUNNERS: dict = {}
 
+#: Traces of the runners below, by kind ("sharded", "shard_map"): a jitted
+#: runner's Python body runs once per trace, so a test can tell whether its
+#: call traced anew or reused a program compiled before.
+TRACES: collections.Counter = collections.Counter()
+
 
 def sharded_runner(world: int, kind: str, tau: float, ignore_index: int, has_mask: bool,
                    with_entropy: bool = True, entropy_grad: bool = True, jit: bool = True):
@@ -67,6 +73,8 @@ def sharded_runner(world: int, kind: str, tau: float, ignore_index: int, has_mas
     mesh = mesh_1d(world, kind)
 
     def run(z, y, k, gl, ge):
+        TRACES["sharded"] += 1
+
         def f(z):
             return dualvp_jax.sharded_logprob_entropy(
                 z, y, mesh, "tp", keep_mask=k if has_mask else None, temperature=tau,
@@ -94,6 +102,7 @@ def shard_map_runner(world: int, kind: str, tau: float, ignore_index: int, has_m
                                           temperature=tau, ignore_index=ignore_index)
 
     def run(z, y, k, gl, ge):
+        TRACES["shard_map"] += 1
         lead = z.ndim - 1
         zspec = P(*([None] * lead), "tp")
         tspec = P(*([None] * lead))
