@@ -19,3 +19,25 @@ settings.register_profile(
     derandomize=not _n,
 )
 settings.load_profile("dualvp")
+
+
+# pytest-xdist (``-n 2``, the README's test command): whole test files per
+# worker, in collection order. A file's tests share what its module caches
+# (the one spawn per W of tests/torch/test_distributed.py, the tables of
+# tests/cross/test_cross_backends.py, the 8-rank Megatron job, compiled
+# programs); xdist's default ``load`` would split a file over both workers,
+# which spawn and compile all that twice. Collection order rather than xdist's
+# largest-file-first (by test count) ends the run on tests/torch's mid-sized
+# files instead of a one-test file that takes 20 s. An explicit ``--dist``
+# other than ``load`` is honoured.
+import pytest  # noqa: E402
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    if config.getoption("dist") != "load":
+        return None
+    from xdist.scheduler import LoadFileScheduling
+
+    config.option.loadscopereorder = False
+    return LoadFileScheduling(config, log)
