@@ -126,3 +126,18 @@ def test_label_smoothing_memory(dtype):
     sizes = _allocations(step)
     assert [s for s in sizes if s >= 0.5 * B] == [B]
     assert _peak(sizes) <= 1.1 * B, _peak(sizes) / B
+
+
+def test_new_shapes_do_not_recompile_into_the_eager_fallback():
+    # Training calls the op with a new T at (almost) every step. The compiled
+    # stages must take any (T, V_local) without a recompile per shape: past
+    # dynamo's recompile limit (8) a stage would run uncompiled on the whole
+    # shard, with full-size temporaries, for the rest of the process.
+    g = torch.Generator().manual_seed(1)
+    for t in range(3, 15):  # 12 shapes, more than the recompile limit
+        x = torch.randn(t, 96 + t, generator=g).requires_grad_(True)
+        lp, h = logprob_entropy(x, torch.randint(0, 96, (t,), generator=g), impl="compiled")
+        (lp.sum() + h.sum()).backward()
+    B, fwd_sizes, sizes = _measure(torch.float32, "lp+ent+grad", impl="compiled")
+    assert max(fwd_sizes, default=0) < 0.05 * B, [s for s in fwd_sizes if s > 0.01 * B]
+    assert [s for s in sizes if s >= 0.5 * B] == [B]
