@@ -71,10 +71,10 @@ from dualvp import spec
 def _take_along_axis(x: torch.Tensor, indices: torch.Tensor, /, *, axis: int = -1) -> torch.Tensor:
     # array_api_compat maps take_along_axis to torch.take_along_dim, whose
     # meta function makes dynamo guard on the exact sizes: every new
-    # (T, V_local) recompiled the stage, and after the recompile limit (8)
-    # dynamo ran it uncompiled on the whole shard for the rest of the process
-    # (full-size temporaries). torch.gather takes the same indices (same
-    # rank, int64) and keeps the sizes symbolic.
+    # (T, V_local) recompiled the stage, and past the recompile limit (8)
+    # dynamo raised, which the op takes as a compilation failure: one warning,
+    # then the eager path for the rest of the process. torch.gather takes the
+    # same indices (same rank, int64) and keeps the sizes symbolic.
     return torch.gather(x, axis, indices)
 
 

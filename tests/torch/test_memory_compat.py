@@ -131,8 +131,8 @@ def test_label_smoothing_memory(dtype):
 def test_new_shapes_do_not_recompile_into_the_eager_fallback():
     # Training calls the op with a new T at (almost) every step. The compiled
     # stages must take any (T, V_local) without a recompile per shape: past
-    # dynamo's recompile limit (8) a stage would run uncompiled on the whole
-    # shard, with full-size temporaries, for the rest of the process.
+    # dynamo's recompile limit (8) the op would switch to the eager path (row
+    # chunks of scratch in the forward) for the rest of the process.
     g = torch.Generator().manual_seed(1)
     for t in range(3, 15):  # 12 shapes, more than the recompile limit
         x = torch.randn(t, 96 + t, generator=g).requires_grad_(True)
