@@ -174,9 +174,22 @@ def _target_logit(xp, z, local, owns, start):
     return xp.where(inside, zy, 0.0)
 
 
-def _kept_logits(xp, z, keep, is_y):
-    # z on the kept columns (the target is always kept), -inf elsewhere.
-    return xp.where(keep | is_y, z, -xp.inf)
+def _kept_select(xp, keep, is_y):
+    """``sel(a, b) = where(keep | is_y, a, b)``: the kept columns (the target, ``is_y``, is always kept).
+
+    The masked stages take *one* exponential per element for two
+    distributions: the kept columns get their argument shifted by the kept
+    max (so that the kept sum cannot underflow when the kept logits lie far
+    below the overall max), the others by the overall max, and a per-row
+    factor converts where a stage needs both (two exponentials per element
+    were most of the masked gradient's time on CPU). The kept set is never
+    formed as an ``[..., n]`` array: XLA stored it as a separate buffer once
+    several selects read it (1 byte per element).
+    """
+    def sel(a, b):
+        return xp.where(keep, a, xp.where(is_y, a, b))
+
+    return sel
 
 
 # --- the op ------------------------------------------------------------------------
@@ -254,16 +267,21 @@ def block_stats(
     tau = _tau(xp, temperature, z.dtype)
     m = xp.max(z, axis=-1)
     d = (z - _finite_or_zero(xp, m)[..., None]) / tau
-    e = xp.exp(d)
-    s = _sum(xp, e, acc_dtype, z.dtype)
-    t = _sum(xp, xp.where(e > 0, e * d, 0.0), acc_dtype, z.dtype) if with_entropy else xp.zeros_like(s)
     zy = _target_logit(xp, z, local, owns, start)
     if keep is None:
-        mk, sk = m, s
+        e = xp.exp(d)
     else:
-        zk = _kept_logits(xp, z, keep, _target_columns(xp, z, local, owns, start))
-        mk = xp.max(zk, axis=-1)
-        sk = _sum(xp, xp.exp((zk - _finite_or_zero(xp, mk)[..., None]) / tau), acc_dtype, z.dtype)
+        sel = _kept_select(xp, keep, _target_columns(xp, z, local, owns, start))
+        mk = xp.max(sel(z, -xp.inf), axis=-1)
+        ek = xp.exp(sel((z - _finite_or_zero(xp, mk)[..., None]) / tau, d))
+        sk = _sum(xp, sel(ek, 0.0), acc_dtype, z.dtype)
+        # exp(d) on the kept columns is ek * e^((mk - m) / tau), a factor <= 1
+        # (0 when nothing is kept or the kept set underflows against m).
+        e = sel(ek * xp.exp((mk - _finite_or_zero(xp, m)) / tau)[..., None], ek)
+    s = _sum(xp, e, acc_dtype, z.dtype)
+    t = _sum(xp, xp.where(e > 0, e * d, 0.0), acc_dtype, z.dtype) if with_entropy else xp.zeros_like(s)
+    if keep is None:
+        mk, sk = m, s
     return xp.stack([m, s, t, mk, sk, zy], axis=-1)
 
 
@@ -373,13 +391,21 @@ def block_grad(
     z = _cast(xp, z, dtype)
     tau = _tau(xp, temperature, z.dtype)
     d = (z - _finite_or_zero(xp, comb.M)[..., None]) / tau
-    p = xp.exp(d - comb.log_s[..., None])
     is_y = _target_columns(xp, z, local, owns, start)
     if keep is None:
-        q = p
+        p = q = xp.exp(d - comb.log_s[..., None])
     else:
-        zk = _kept_logits(xp, z, keep, is_y)
-        q = xp.exp((zk - _finite_or_zero(xp, comb.mk)[..., None]) / tau - comb.log_sk[..., None])
+        sel = _kept_select(xp, keep, is_y)
+        ek = xp.exp(sel((z - _finite_or_zero(xp, comb.mk)[..., None]) / tau - comb.log_sk[..., None],
+                        d - comb.log_s[..., None]))
+        # 0 on the dropped columns; NaN on every column of a row whose kept set
+        # has no mass (log-prob -inf), as in the oracle (0 * -inf).
+        q = sel(ek, (0.0 * comb.log_sk)[..., None])
+        if g_entropy is not None:
+            # p_v = q_v * P_p(kept set) on the kept columns, a factor <= 1; its
+            # guard keeps a kept set of no mass (q = NaN there) out of p.
+            rho = xp.exp((comb.mk - _finite_or_zero(xp, comb.M)) / tau + comb.log_sk - comb.log_s)[..., None]
+            p = sel(xp.where(rho > 0, ek * rho, 0.0), ek)
     # The 1 / tau is folded into the per-row coefficients (O(T) work): no
     # whole-block division after the sum, which a compiler may not fuse.
     gl = (xp.where(valid, g_logprob, xp.zeros_like(g_logprob)) / tau)[..., None]
