@@ -32,7 +32,8 @@ interleaved round by round); each implementation's figure is the best over
 rounds of the per-round median. Errors are against the float64 oracle on the
 first ``--check-rows`` rows. Peak extra memory (bytes allocated beyond the
 inputs, forward + backward, in units of the shard's bytes ``B``) comes from
-the profiler's allocation trace on CPU and from
+the profiler's allocation trace on CPU (dualvp's eager path measured with its
+chunks in the calling thread: the trace misses worker threads) and from
 ``torch.cuda.max_memory_allocated`` on a GPU.
 
 Usage::
@@ -125,6 +126,7 @@ def make_impls(slime_path, prev_path):
             with _Env(DUALVP_COMPILE="1"):
                 return mod.logprob_entropy(z, y, keep_mask=keep, with_entropy=with_entropy, inplace_grad=inplace, **kw)
         f.inplace = inplace
+        f.kernels = mod.kernels
         return f
 
     if slime_path:
@@ -292,7 +294,18 @@ def main(argv=None):
                 del out, z, run
                 if not args.no_memory:
                     z, run = _step(impls[n], leaf, y, k, m["with_entropy"], gl, ge, fwd_only)
-                    info[n]["peak_extra_B"] = _peak_extra(run, dev) / B
+                    # The eager path's chunks in the calling thread, where the
+                    # profiler sees their allocations (on worker threads it
+                    # does not; one worker's chunks hold the whole budget).
+                    kern = getattr(impls[n], "kernels", None)
+                    saved = kern and kern.MAX_EAGER_WORKERS
+                    if kern:
+                        kern.MAX_EAGER_WORKERS = 1
+                    try:
+                        info[n]["peak_extra_B"] = _peak_extra(run, dev) / B
+                    finally:
+                        if kern:
+                            kern.MAX_EAGER_WORKERS = saved
                     del z, run
             for _ in range(args.rounds):
                 for n in names:

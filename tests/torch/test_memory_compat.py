@@ -76,10 +76,28 @@ def _measure(dtype, mode, inplace=False, impl=None):
     return B, fwd_sizes, sizes
 
 
+@pytest.fixture
+def serial_eager(monkeypatch):
+    """The eager path's chunks in the calling thread, where the profiler sees their allocations.
+
+    On worker threads (the default on CPU) the allocation trace misses the
+    chunks' scratch, so a test of it there would pass whatever it allocated.
+    One worker gets chunks ``workers`` times larger than each of ``workers``
+    parallel ones (``kernels.chunk_rows`` divides the budget by the worker
+    count), so the scratch measured here is the whole in-flight budget.
+    """
+    monkeypatch.setattr(kernels, "MAX_EAGER_WORKERS", 1)
+
+
+def _chunk_bytes(dtype, fraction, scratch_bytes):
+    # one float32 [rows, V] temporary of an eager chunk (the spec's shifted logits, say)
+    return kernels.chunk_rows(T, V, torch.empty((), dtype=dtype).element_size(), fraction, scratch_bytes) * V * 4
+
+
 @pytest.mark.parametrize("impl", ["compiled", "eager"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("mode", _MODES)
-def test_peak_memory(dtype, mode, impl):
+def test_peak_memory(dtype, mode, impl, serial_eager):
     B, fwd_sizes, sizes = _measure(dtype, mode, impl=impl)
     # forward: nothing of [T, V_local] size; compiled: O(T) only; eager: row
     # chunks of bounded scratch (kernels.STATS_FRACTION of B)
@@ -87,6 +105,9 @@ def test_peak_memory(dtype, mode, impl):
         assert max(fwd_sizes, default=0) < 0.05 * B, [s for s in fwd_sizes if s > 0.01 * B]
         assert _peak(fwd_sizes) < 0.05 * B
     else:
+        # the trace sees the chunks (else the bounds below would hold vacuously)
+        assert max(fwd_sizes) >= _chunk_bytes(dtype, kernels.STATS_FRACTION, kernels.STATS_SCRATCH_BYTES)
+        assert max(sizes) >= _chunk_bytes(dtype, kernels.GRAD_FRACTION, kernels.GRAD_SCRATCH_BYTES)
         assert max(fwd_sizes, default=0) < 0.1 * B, [s for s in fwd_sizes if s > 0.01 * B]
         assert _peak(fwd_sizes) <= kernels.STATS_FRACTION * B + 0.01 * B
     # forward + backward: about one gradient buffer (in the input dtype) at the peak
@@ -98,10 +119,12 @@ def test_peak_memory(dtype, mode, impl):
 @pytest.mark.parametrize("impl", ["compiled", "eager"])
 @pytest.mark.parametrize("mode", ["lp+ent+grad", "lp+ent+grad.keep"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_inplace_grad_memory(dtype, mode, impl):
+def test_inplace_grad_memory(dtype, mode, impl, serial_eager):
     # compiled: one fused kernel reads each element and writes its gradient
     # over it; eager: row chunks of bounded scratch. Goal: <= 0.05 B.
     B, _, sizes = _measure(dtype, mode, inplace=True, impl=impl)
+    if impl == "eager":  # the trace sees the chunks
+        assert max(sizes) >= _chunk_bytes(dtype, kernels.INPLACE_FRACTION, kernels.GRAD_SCRATCH_BYTES)
     assert _peak(sizes) <= 0.05 * B, _peak(sizes) / B
 
 
