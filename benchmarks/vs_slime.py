@@ -23,8 +23,17 @@ get a fresh copy of the logits per repetition, made outside the timer):
 Modes: ``lp`` (log-prob only), ``ent`` (log-prob + entropy, both
 differentiated), ``mask`` (ent with a 50% keep mask), and the forwards alone
 ``fwd`` / ``fwd-mask`` (dualvp, compiled). Floors: reading the shard once
-(``amax``), writing a fresh gradient-sized buffer (``empty + fill``), and one
-read + write pass (``mul``).
+(``amax``), writing a fresh gradient-sized buffer (``empty + fill``), one
+read + write pass (``mul``), and, compiled, one exponential per element summed
+with float64 accumulation (what every forward does: ``exp+sum``) or written to
+a fresh buffer (what every backward that writes a fresh gradient does:
+``exp+write``).
+
+Comparing two dualvp revisions: run this script once per revision, each as the
+current code (``python DIR/benchmarks/vs_slime.py`` with ``DIR`` that
+revision's tree): ``--prev-path`` loads the previous revision into the same
+process under the same module names, and dynamo's guards resolve the spec by
+module name, so a compiled ``prev`` falls back to eager there.
 
 Timing: for every (dtype, mode), ``--rounds`` rounds; in each round every
 implementation runs ``--reps`` repetitions back to back (implementations
@@ -117,14 +126,12 @@ def make_impls(slime_path, prev_path):
     cur = _load_dualvp()
     impls = {}
 
-    def dualvp_fn(mod, inplace, eager_env=None, impl=None):
+    def dualvp_fn(mod, inplace, eager=False):
+        # The implementation through DUALVP_COMPILE (read at each call), which
+        # revisions before the impl= argument understand too.
         def f(z, y, keep, with_entropy):
-            kw = {} if impl is None else {"impl": impl}
-            if eager_env:
-                with _Env(DUALVP_COMPILE="0"):
-                    return mod.logprob_entropy(z, y, keep_mask=keep, with_entropy=with_entropy, inplace_grad=inplace, **kw)
-            with _Env(DUALVP_COMPILE="1"):
-                return mod.logprob_entropy(z, y, keep_mask=keep, with_entropy=with_entropy, inplace_grad=inplace, **kw)
+            with _Env(DUALVP_COMPILE="0" if eager else "1"):
+                return mod.logprob_entropy(z, y, keep_mask=keep, with_entropy=with_entropy, inplace_grad=inplace)
         f.inplace = inplace
         f.kernels = mod.kernels
         return f
@@ -138,18 +145,28 @@ def make_impls(slime_path, prev_path):
 
         slime.inplace = False
         impls["slime"] = slime
-    impls["dualvp"] = dualvp_fn(cur, False, impl="compiled")
-    impls["dualvp-inplace"] = dualvp_fn(cur, True, impl="compiled")
-    impls["dualvp-eager"] = dualvp_fn(cur, False, impl="eager")
+    impls["dualvp"] = dualvp_fn(cur, False)
+    impls["dualvp-inplace"] = dualvp_fn(cur, True)
+    impls["dualvp-eager"] = dualvp_fn(cur, False, eager=True)
     if prev_path:
         prev = _load_dualvp(prev_path)
         impls["prev"] = dualvp_fn(prev, False)
         impls["prev-inplace"] = dualvp_fn(prev, True)
-        impls["prev-eager"] = dualvp_fn(prev, False, eager_env=True)
+        impls["prev-eager"] = dualvp_fn(prev, False, eager=True)
     te = lambda z, y, keep, w: _torch_eager(z, y, keep, w)  # noqa: E731
     te.inplace = False
     impls["torch-eager"] = te
     return impls
+
+
+@torch.compile(dynamic=True)
+def _exp_sum(z):
+    return torch.exp(z.float()).sum(-1, dtype=torch.float64)
+
+
+@torch.compile(dynamic=True)
+def _exp_write(z):
+    return torch.exp(z.float()).to(z.dtype)
 
 
 def _sync(dev):
@@ -256,7 +273,12 @@ def main(argv=None):
             ("read (amax)", lambda: torch.amax(z0, dim=-1)),
             ("write (empty+fill)", lambda: torch.empty_like(z0).fill_(1.0)),
             ("read+write (mul)", lambda: z0 * 2),
+            # what any forward must do: one exponential per element, summed
+            ("exp+sum (compiled)", lambda: _exp_sum(z0)),
+            # what any fresh-buffer backward must do: one exponential per element, written
+            ("exp+write (compiled)", lambda: _exp_write(z0)),
         ):
+            f()  # compile
             ts = []
             for _ in range(5):
                 _sync(dev)
@@ -298,6 +320,7 @@ def main(argv=None):
                     # profiler sees their allocations (on worker threads it
                     # does not; one worker's chunks hold the whole budget).
                     kern = getattr(impls[n], "kernels", None)
+                    kern = kern if hasattr(kern, "MAX_EAGER_WORKERS") else None
                     saved = kern and kern.MAX_EAGER_WORKERS
                     if kern:
                         kern.MAX_EAGER_WORKERS = 1
