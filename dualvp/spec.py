@@ -403,9 +403,10 @@ def block_grad(
         q = sel(ek, (0.0 * comb.log_sk)[..., None])
         if g_entropy is not None:
             # p_v = q_v * P_p(kept set) on the kept columns, a factor <= 1; its
-            # guard keeps a kept set of no mass (q = NaN there) out of p.
+            # guard keeps a kept set of no mass (q = NaN there) out of p, and
+            # lets a NaN factor (a row holding NaN) through.
             rho = xp.exp((comb.mk - _finite_or_zero(xp, comb.M)) / tau + comb.log_sk - comb.log_s)[..., None]
-            p = sel(xp.where(rho > 0, ek * rho, 0.0), ek)
+            p = sel(xp.where(rho == 0, 0.0, ek * rho), ek)
     # The 1 / tau is folded into the per-row coefficients (O(T) work): no
     # whole-block division after the sum, which a compiler may not fuse.
     gl = (xp.where(valid, g_logprob, xp.zeros_like(g_logprob)) / tau)[..., None]
