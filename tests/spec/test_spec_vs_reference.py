@@ -60,7 +60,6 @@ def test_target_on_banned_column():
     assert np.isfinite(g).all() and np.isfinite(h).all()
 
 
-
 @pytest.mark.parametrize("keep_value", [True, False])
 @pytest.mark.parametrize("target", [0, 1, -100])
 def test_nan_row_under_a_mask_stays_nan(keep_value, target):
@@ -79,6 +78,7 @@ def test_nan_row_under_a_mask_stays_nan(keep_value, target):
     tol = cases.Tolerance(1e-12, 1e-12)
     for x, ref in ((lp, rlp), (h, rh), (g, rg)):
         assert cases.within_tolerance(x, ref, tol), cases.max_errors(x, ref)
+
 
 def test_shard_order_does_not_matter():
     # Combining the same shards in another order changes only rounding.
