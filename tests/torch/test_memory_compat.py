@@ -164,3 +164,24 @@ def test_new_shapes_do_not_recompile_into_the_eager_fallback():
     B, fwd_sizes, sizes = _measure(torch.float32, "lp+ent+grad", impl="compiled")
     assert max(fwd_sizes, default=0) < 0.05 * B, [s for s in fwd_sizes if s > 0.01 * B]
     assert [s for s in sizes if s >= 0.5 * B] == [B]
+
+
+def test_a_small_first_call_does_not_compile_serial_kernels(monkeypatch):
+    # Inductor's C++ kernels decide at compile time, from the example sizes,
+    # whether a loop is parallel; the dynamic-shape kernel then serves every
+    # later shape. A first call at a tiny shape must not leave the stages
+    # serial for the rest of the process (or, through the FX graph cache, for
+    # later processes). A fresh compile (own cache, new code objects) of the
+    # statistics at T=4, V_local=64; every stage takes the same options.
+    from torch._inductor.utils import fresh_inductor_cache, run_and_get_code
+
+    monkeypatch.setattr(kernels, "_state", {"failed": False})
+    g = torch.Generator().manual_seed(2)
+    x = torch.randn(4, 64, generator=g)
+    y = torch.randint(0, 64, (4,), generator=g)
+    with fresh_inductor_cache():
+        _, codes = run_and_get_code(logprob_entropy, x, y, impl="compiled")
+    kernels_src = [k for c in codes for k in c.split('extern "C"')[1:]]
+    assert kernels_src, codes
+    for k in kernels_src:
+        assert "#pragma omp parallel" in k and "num_threads(1)" not in k, k[:2000]
