@@ -41,3 +41,24 @@ def pytest_xdist_make_scheduler(config, log):
 
     config.option.loadscopereorder = False
     return LoadFileScheduling(config, log)
+
+
+# File order. tests/torch/test_single_process.py compiles every torch kernel
+# variant at W = 1 and goes first; tests/cross/test_cross_backends.py, whose
+# W = 2 ranks compile the same graphs, goes after tests/jax, by when those
+# compiles sit in inductor's FX graph cache (the compiled kernels no longer
+# depend on the thread count, so the 1-thread ranks read what the 2-thread
+# test process wrote) instead of being repeated cold in both ranks at once.
+_FIRST = ("tests/torch/test_single_process.py",)
+_MOVED = {"tests/cross/test_cross_backends.py": "tests/jax/"}  # file -> after the last file under this prefix
+
+
+def pytest_collection_modifyitems(config, items):
+    files = list(dict.fromkeys(item.nodeid.split("::")[0] for item in items))
+    order = [f for f in files if f in _FIRST] + [f for f in files if f not in _FIRST and f not in _MOVED]
+    for f, prefix in _MOVED.items():
+        if f in files:
+            after = [i for i, g in enumerate(order) if g.startswith(prefix)]
+            order.insert(after[-1] + 1 if after else len(order), f)
+    rank = {f: i for i, f in enumerate(order)}
+    items.sort(key=lambda item: rank[item.nodeid.split("::")[0]])
