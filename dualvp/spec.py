@@ -174,6 +174,13 @@ def _target_logit(xp, z, local, owns, start):
     return xp.where(inside, zy, 0.0)
 
 
+def _merge_max_sum(xp, m1, s1, m2, tau):
+    """``(max, sum)`` of two partial ``(m, sum e^((z - m) / tau))`` pairs, the second a single column (sum 1 where ``m2`` is finite)."""
+    m = xp.maximum(m1, m2)
+    m0 = _finite_or_zero(xp, m)
+    return m, s1 * xp.exp((m1 - m0) / tau) + xp.exp((m2 - m0) / tau)
+
+
 def _kept_select(xp, keep, is_y):
     """``sel(a, b) = where(keep | is_y, a, b)``: the kept columns (the target, ``is_y``, is always kept).
 
@@ -271,13 +278,19 @@ def block_stats(
     if keep is None:
         e = xp.exp(d)
     else:
-        sel = _kept_select(xp, keep, _target_columns(xp, z, local, owns, start))
-        mk = xp.max(sel(z, -xp.inf), axis=-1)
-        ek = xp.exp(sel((z - _finite_or_zero(xp, mk)[..., None]) / tau, d))
-        sk = _sum(xp, sel(ek, 0.0), acc_dtype, z.dtype)
+        # The element loops see the mask alone (no per-element compare with
+        # the target's column): the target, which counts as kept even where
+        # the mask drops it, is merged in per row below, as a one-column
+        # block (an O(T) gather of the mask).
+        mk = xp.max(xp.where(keep, z, -xp.inf), axis=-1)
+        ek = xp.exp(xp.where(keep, (z - _finite_or_zero(xp, mk)[..., None]) / tau, d))
+        sk = _sum(xp, xp.where(keep, ek, 0.0), acc_dtype, z.dtype)
         # exp(d) on the kept columns is ek * e^((mk - m) / tau), a factor <= 1
         # (0 when nothing is kept or the kept set underflows against m).
-        e = sel(ek * xp.exp((mk - _finite_or_zero(xp, m)) / tau)[..., None], ek)
+        e = xp.where(keep, ek * xp.exp((mk - _finite_or_zero(xp, m)) / tau)[..., None], ek)
+        col, inside = _in_block(xp, z, local, owns, start)
+        dropped_y = inside & xp.logical_not(xp.take_along_axis(keep, col[..., None], axis=-1)[..., 0])
+        mk, sk = _merge_max_sum(xp, mk, sk, xp.where(dropped_y, zy, -xp.inf), tau)
     s = _sum(xp, e, acc_dtype, z.dtype)
     t = _sum(xp, xp.where(e > 0, e * d, 0.0), acc_dtype, z.dtype) if with_entropy else xp.zeros_like(s)
     if keep is None:
