@@ -174,11 +174,10 @@ def _target_logit(xp, z, local, owns, start):
     return xp.where(inside, zy, 0.0)
 
 
-def _merge_max_sum(xp, m1, s1, m2, tau):
-    """``(max, sum)`` of two partial ``(m, sum e^((z - m) / tau))`` pairs, the second a single column (sum 1 where ``m2`` is finite)."""
-    m = xp.maximum(m1, m2)
-    m0 = _finite_or_zero(xp, m)
-    return m, s1 * xp.exp((m1 - m0) / tau) + xp.exp((m2 - m0) / tau)
+def _reduce_max_sum(xp, m, s, axis, tau):
+    """Merge ``(max, sum e^((z - max) / tau))`` pairs along ``axis``: ``(M, sum_r s_r e^((m_r - M) / tau))``."""
+    M = xp.max(m, axis=axis, keepdims=True)
+    return xp.squeeze(M, axis=axis), xp.sum(xp.exp((m - _finite_or_zero(xp, M)) / tau) * s, axis=axis)
 
 
 def _kept_select(xp, keep, is_y):
@@ -290,7 +289,8 @@ def block_stats(
         e = xp.where(keep, ek * xp.exp((mk - _finite_or_zero(xp, m)) / tau)[..., None], ek)
         col, inside = _in_block(xp, z, local, owns, start)
         dropped_y = inside & xp.logical_not(xp.take_along_axis(keep, col[..., None], axis=-1)[..., 0])
-        mk, sk = _merge_max_sum(xp, mk, sk, xp.where(dropped_y, zy, -xp.inf), tau)
+        mk, sk = _reduce_max_sum(xp, xp.stack([mk, xp.where(dropped_y, zy, -xp.inf)], axis=-1),
+                                 xp.stack([sk, xp.ones_like(sk)], axis=-1), -1, tau)
     s = _sum(xp, e, acc_dtype, z.dtype)
     t = _sum(xp, xp.where(e > 0, e * d, 0.0), acc_dtype, z.dtype) if with_entropy else xp.zeros_like(s)
     if keep is None:
@@ -330,9 +330,8 @@ def reduce_stats(xp, stats, axis: int = 0, temperature=1.0):
     # w == 0 exactly when the block is all -inf; then s == 0 and dm = -inf.
     shift = xp.where(w > 0, s * dm, xp.zeros_like(s))
     Tm = xp.sum(w * (t + shift), axis=ax)
-    MK = xp.max(mk, axis=ax, keepdims=True)
-    SK = xp.sum(xp.exp((mk - _finite_or_zero(xp, MK)) / tau) * sk, axis=ax)
-    return xp.stack([xp.squeeze(M, axis=ax), S, Tm, xp.squeeze(MK, axis=ax), SK, xp.sum(zy, axis=ax)], axis=-1)
+    MK, SK = _reduce_max_sum(xp, mk, sk, ax, tau)
+    return xp.stack([xp.squeeze(M, axis=ax), S, Tm, MK, SK, xp.sum(zy, axis=ax)], axis=-1)
 
 
 def merge_stats(xp, a, b, temperature=1.0):
