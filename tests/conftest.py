@@ -6,6 +6,27 @@ import os
 if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
 
+# Compile time, the larger part of a CPU test run (JAX: about two thirds of
+# tests/jax). XLA's LLVM backend at optimisation level 0 compiles in less time
+# (tests/jax/test_jax_linear.py: 60 vs 88 s alone) and computes the same
+# numbers: XLA:CPU does not enable fast-math, so LLVM may not reorder a
+# floating-point operation at any level, and the HLO passes (fusion, buffer
+# assignment: what the memory tests read) run before LLVM, unchanged.
+# `python -m dualvp verify` and the bench run at the default level. An explicit
+# level in XLA_FLAGS is kept.
+if "xla_backend_optimization_level" not in os.environ["XLA_FLAGS"]:
+    os.environ["XLA_FLAGS"] += " --xla_backend_optimization_level=0"
+# A compilation cache shared by this run's processes (both xdist workers, the
+# CLI and bench subprocesses, which inherit the environment): several tests
+# compile the same program (the same op at the same shapes from different
+# entry points). One directory per run, so no run reads another's programs.
+if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
+    import tempfile
+
+    _JAX_CACHE = os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(prefix="dualvp-tests-jax-cache-")
+    os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+    os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "-1")
+
 # Hypothesis: a bounded profile for CI; DUALVP_FUZZ_EXAMPLES raises the budget
 # for a longer opt-in run.
 from hypothesis import HealthCheck, settings
@@ -62,3 +83,12 @@ def pytest_collection_modifyitems(config, items):
             order.insert(after[-1] + 1 if after else len(order), f)
     rank = {f: i for i, f in enumerate(order)}
     items.sort(key=lambda item: rank[item.nodeid.split("::")[0]])
+
+
+def pytest_unconfigure(config):
+    # the process that made the run's JAX cache (xdist's controller, or the
+    # only process) removes it
+    if "_JAX_CACHE" in globals() and not hasattr(config, "workerinput"):
+        import shutil
+
+        shutil.rmtree(_JAX_CACHE, ignore_errors=True)
