@@ -56,6 +56,7 @@ included, even when raised during compilation) propagates to the caller.
 from __future__ import annotations
 
 import os
+import contextlib
 import threading
 import types
 import warnings
@@ -288,6 +289,16 @@ def _compiled(fn: Callable, z: torch.Tensor, has_keep: bool, has_entropy: bool) 
         return compiled
 
 
+def _no_duck_shapes():
+    # torch.fx.experimental._config (private; present since torch 2.1): the
+    # setting dynamo's shape environment reads when it starts a trace.
+    try:
+        from torch.fx.experimental import _config
+    except ImportError:  # pragma: no cover - a torch without it traces with its default
+        return contextlib.nullcontext()
+    return _config.patch(use_duck_shape=False)
+
+
 def _caused_by_oom(exc: BaseException) -> bool:
     seen = 0
     while exc is not None and seen < 16:
@@ -300,8 +311,25 @@ def _caused_by_oom(exc: BaseException) -> bool:
 
 def _run_compiled(fn: Callable, args: tuple, has_entropy: bool):
     """Run the compiled stage; on a compilation failure warn once and return ``None``."""
+    # Dynamo guards a view argument on its base's sizes and strides as well:
+    # the logits as a slice or reshape of a larger tensor, the uint8 view of
+    # the bool mask, the [T] statistics as columns of the [T, 6] block, each
+    # with whatever layout its base had at the first call. A later call whose
+    # bases differ (another batch shape, a contiguous input), or whose row
+    # count happens to equal a base's stride (duck sizing), recompiled the
+    # stage (15 recompiles of ~3 s in the shared table at W = 1; past dynamo's
+    # limit of 8 a stage would fall back to eager for good). ``detach()``
+    # gives the same memory without a base; the in-place stage writes through
+    # it into the caller's tensor. The O(T) vectors are made contiguous (a
+    # column of the statistics has stride 6). And duck sizing is off while a
+    # stage is traced: it assumes that sizes equal at the first call are equal
+    # for good, and tied T to that stride when the first batch had 6 rows, or
+    # V_local to the storage offset of a slice one row into its base.
+    args = tuple((a.contiguous() if a.ndim == 1 else a).detach() if isinstance(a, torch.Tensor) else a
+                 for a in args)
     try:
-        return _compiled(fn, args[0], args[3] is not None, has_entropy)(*args), True
+        with _no_duck_shapes():
+            return _compiled(fn, args[0], args[3] is not None, has_entropy)(*args), True
     except COMPILE_ERRORS as exc:
         if _caused_by_oom(exc):
             raise

@@ -166,6 +166,41 @@ def test_new_shapes_do_not_recompile_into_the_eager_fallback():
     assert [s for s in sizes if s >= 0.5 * B] == [B]
 
 
+@pytest.mark.parametrize("masked", [False, True])
+def test_views_and_coincident_sizes_do_not_recompile(monkeypatch, masked):
+    # What a training loop passes: logits as views of differently shaped
+    # bases (row slices, [B, S, V] batches reshaped), contiguous tensors, and
+    # a first batch whose row count equals the statistics' column count (6).
+    # Dynamo guarded views on their bases' layout, and duck sizing tied T to
+    # the stride of a statistics column, or V_local to a slice's storage
+    # offset: a recompile each (~3 s on this CPU; after 8, the eager fallback
+    # for good). Allowed: one specialisation per stage when views at a
+    # storage offset >= 2 follow offset-0 inputs (dynamo's 0/1 rule).
+    monkeypatch.setattr(kernels, "_state", {"failed": False})
+    g = torch.Generator().manual_seed(3)
+    V = 40
+
+    def step(x):
+        t = x.shape[0]
+        keep = (torch.rand(t, V, generator=g) < 0.7) if masked else None
+        lp, h = logprob_entropy(x.requires_grad_(True), torch.randint(0, V, (t,), generator=g), keep_mask=keep,
+                                impl="compiled")
+        (lp.sum() + h.sum()).backward()
+
+    offset0 = [torch.randn(6, V, generator=g), torch.randn(9, V, generator=g)[:5],
+               torch.randn(2, 4, V, generator=g)[:, :-1].reshape(-1, V), torch.randn(3, 3, V, generator=g).view(-1, V)]
+    offset_rows = [torch.randn(8, V, generator=g)[1:-1], torch.randn(2, 6, V, generator=g).view(-1, V)[3:],
+                   torch.randn(20, V, generator=g)[2:15]]
+    count = lambda: torch._dynamo.utils.counters["stats"]["unique_graphs"]  # noqa: E731
+    before = count()
+    for x in offset0:
+        step(x)
+    assert count() - before == 2, f"{count() - before} graphs for the 2 stages (statistics, gradient)"
+    for x in offset_rows + offset0 + offset_rows:
+        step(x)
+    assert count() - before <= 4, f"{count() - before} graphs for the 2 stages"
+
+
 def test_a_small_first_call_does_not_compile_serial_kernels(monkeypatch):
     # Inductor's C++ kernels decide at compile time, from the example sizes,
     # whether a loop is parallel; the dynamic-shape kernel then serves every
