@@ -55,8 +55,8 @@ included, even when raised during compilation) propagates to the caller.
 
 from __future__ import annotations
 
-import os
 import contextlib
+import os
 import threading
 import types
 import warnings
