@@ -289,14 +289,17 @@ def _compiled(fn: Callable, z: torch.Tensor, has_keep: bool, has_entropy: bool) 
         return compiled
 
 
+# torch.fx.experimental._config (private; present since torch 2.1): holds the
+# setting dynamo's shape environment reads when it starts a trace. Looked up
+# once here, not on every call of a stage.
+try:
+    from torch.fx.experimental import _config as _fx_config
+except ImportError:  # pragma: no cover - a torch without it traces with its default
+    _fx_config = None
+
+
 def _no_duck_shapes():
-    # torch.fx.experimental._config (private; present since torch 2.1): the
-    # setting dynamo's shape environment reads when it starts a trace.
-    try:
-        from torch.fx.experimental import _config
-    except ImportError:  # pragma: no cover - a torch without it traces with its default
-        return contextlib.nullcontext()
-    return _config.patch(use_duck_shape=False)
+    return contextlib.nullcontext() if _fx_config is None else _fx_config.patch(use_duck_shape=False)
 
 
 def _caused_by_oom(exc: BaseException) -> bool:

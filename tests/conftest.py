@@ -20,6 +20,7 @@ if "xla_backend_optimization_level" not in os.environ["XLA_FLAGS"]:
 # CLI and bench subprocesses, which inherit the environment): several tests
 # compile the same program (the same op at the same shapes from different
 # entry points). One directory per run, so no run reads another's programs.
+_JAX_CACHE = None  # the directory this process made (and removes at the end), if any
 if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
     import tempfile
 
@@ -88,7 +89,7 @@ def pytest_collection_modifyitems(config, items):
 def pytest_unconfigure(config):
     # the process that made the run's JAX cache (xdist's controller, or the
     # only process) removes it
-    if "_JAX_CACHE" in globals() and not hasattr(config, "workerinput"):
+    if _JAX_CACHE is not None and not hasattr(config, "workerinput"):
         import shutil
 
         shutil.rmtree(_JAX_CACHE, ignore_errors=True)
