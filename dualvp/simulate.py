@@ -30,6 +30,7 @@ def over_shards(
     grad_entropy=None,
     dtype=np.float64,
     block=None,
+    kept_shift: str = "kept",
 ):
     """Spec forward (and backward) over ``world_size`` equal shards.
 
@@ -42,6 +43,9 @@ def over_shards(
       block: ``None`` (one block per shard) or the column-block width: each
         shard's statistics are then made per block, reduced within the shard,
         and its gradient is assembled block by block.
+      kept_shift: as in :func:`dualvp.spec.block_stats`; with ``"max"`` the
+        rows a block marks are recomputed with ``"kept"``, as the torch CPU
+        kernels do.
 
     Returns:
       ``(logprob, entropy, grad)`` with ``grad`` ``[..., V]`` or ``None``.
@@ -61,11 +65,14 @@ def over_shards(
     def cols(a, s0):
         return None if a is None else a[..., s0 : s0 + width]
 
+    def block_of(r, s0):
+        args = (np, cols(shards[r], s0), locs[r][2], locs[r][1], cols(keeps[r], s0), temperature)
+        st = spec.block_stats(*args, start=s0, kept_shift=kept_shift)
+        redo = np.isnan(st[..., spec.STATS.index("sk")])
+        return np.where(redo[..., None], spec.block_stats(*args, start=s0), st) if redo.any() else st
+
     def stats_of(r):
-        blocks = [
-            spec.block_stats(np, cols(shards[r], s0), locs[r][2], locs[r][1], cols(keeps[r], s0), temperature, start=s0)
-            for s0 in starts
-        ]
+        blocks = [block_of(r, s0) for s0 in starts]
         return spec.reduce_stats(np, np.stack(blocks), axis=0, temperature=temperature)
 
     with np.errstate(invalid="ignore", over="ignore", divide="ignore"):

@@ -75,6 +75,7 @@ from typing import Any, NamedTuple, Optional
 __all__ = [
     "STATS",
     "N_STATS",
+    "KEPT_GAP",
     "Combined",
     "target_to_local",
     "block_stats",
@@ -88,6 +89,14 @@ __all__ = [
     "grad_logits",
 ]
 
+#: ``block_stats(kept_shift="max")`` shifts the kept sum by the overall max,
+#: so the sum is at least ``e^-gap`` with ``gap = (m - kept max) / tau``; rows
+#: with ``gap`` above this get the marker ``sk = NaN`` (recompute them with
+#: ``"kept"``). Below it, the float32 exponentials that underflow (each
+#: < 1.2e-38) change the kept sum by < ``V * 1.2e-38 / e^-50`` = 6e-11
+#: relative for V <= 1e6, far below rounding.
+KEPT_GAP = 50.0
+
 #: Names of the block statistics, in the order of the last axis.
 STATS = ("m", "s", "t", "mk", "sk", "zy")
 N_STATS = len(STATS)
@@ -97,8 +106,9 @@ class Combined(NamedTuple):
     """Row statistics after the reduce, finalized; each of shape ``[...]``.
 
     ``M``: global max of the logits ``z``; ``log_s``: ``log S``; ``c``:
-    ``E_p[u] - M / tau``; ``mk``, ``log_sk``: the same max / log-sum over the
-    kept columns; ``zy``: the target's logit. ``M``, ``mk`` and ``zy`` are in
+    ``E_p[u] - M / tau``; ``mk``, ``log_sk``: a shift (the max over the kept
+    columns, or any value the kept sum was shifted by) and the log-sum of the
+    kept columns' exponentials relative to it; ``zy``: the target's logit. ``M``, ``mk`` and ``zy`` are in
     logits units (the temperature is applied after shifting, for precision).
     """
 
@@ -235,6 +245,7 @@ def block_stats(
     dtype=None,
     acc_dtype=None,
     with_entropy: bool = True,
+    kept_shift: str = "kept",
 ):
     """Statistics of one column block ``[start, start + n)`` of a vocab shard.
 
@@ -262,13 +273,29 @@ def block_stats(
         and a row sum per element less). Only the entropy and its gradient
         depend on ``t``: the log-prob and its gradient are exact either way,
         the entropy of such statistics is meaningless.
+      kept_shift: the shift of the kept pair ``(mk, sk)`` (with a mask only).
+        ``"kept"``: the kept max; ``sk = sum_kept e^((z - mk) / tau)``,
+        exact at any distance between the kept and the overall max, but the
+        kept max must be known before the exponentials, so the mask is read in
+        both passes over the block. ``"max"``: the overall max, ``mk = m`` and
+        ``sk = sum_kept e^d``: one exponential and one read of the mask per
+        element (inductor's CPU code converts a byte mask slowly: ~35 ms per
+        pass at T=2048, V_local=32000). Every merge, output and gradient
+        takes any such ``(shift, sum)`` pair, so both give the same results
+        up to rounding; rows whose kept max lies more than :data:`KEPT_GAP`
+        below ``m`` (in units of ``tau``), where the kept sum could lose
+        precision to underflow, get ``sk = NaN`` for the caller to recompute
+        with ``"kept"`` (a row holding NaN is marked as well).
 
     Returns:
       ``[..., N_STATS]`` array of ``(m, s, t, mk, sk, zy)`` in the compute
       dtype: ``m = max z``, ``s = sum e^d``, ``t = sum e^d d`` with
       ``d = (z - m) / tau``; ``mk, sk`` the same max and sum over kept
-      columns; ``zy`` the target's logit if this block holds it, else 0.
+      columns (``kept_shift="max"``: shifted by ``m`` instead of the kept
+      max); ``zy`` the target's logit if this block holds it, else 0.
     """
+    if kept_shift not in ("kept", "max"):
+        raise ValueError(f"kept_shift: expected 'kept' or 'max', got {kept_shift!r}")
     z = _cast(xp, z, dtype)
     tau = _tau(xp, temperature, z.dtype)
     m = xp.max(z, axis=-1)
@@ -276,6 +303,15 @@ def block_stats(
     zy = _target_logit(xp, z, local, owns, start)
     if keep is None:
         e = xp.exp(d)
+    elif kept_shift == "max":
+        e = xp.exp(d)
+        # The kept pair is (m, sum of e^d over the kept columns): shifted by
+        # the overall max, a valid (shift, sum) pair for every later merge and
+        # for the outputs, which do not depend on the shift.
+        gap = (m - xp.max(xp.where(keep, z, -xp.inf), axis=-1)) / tau
+        sk = _sum(xp, xp.where(keep, e, 0.0), acc_dtype, z.dtype)
+        # No kept column in the block: gap = inf, sk = 0, not the marker.
+        sk, mk = xp.where((gap > KEPT_GAP) & (gap != xp.inf), xp.nan, sk), m
     else:
         # The element loops see the mask alone (no per-element compare with
         # the target's column): the target, which counts as kept even where
@@ -287,6 +323,7 @@ def block_stats(
         # exp(d) on the kept columns is ek * e^((mk - m) / tau), a factor <= 1
         # (0 when nothing is kept or the kept set underflows against m).
         e = xp.where(keep, ek * xp.exp((mk - _finite_or_zero(xp, m)) / tau)[..., None], ek)
+    if keep is not None:
         col, inside = _in_block(xp, z, local, owns, start)
         dropped_y = inside & xp.logical_not(xp.take_along_axis(keep, col[..., None], axis=-1)[..., 0])
         mk, sk = _reduce_max_sum(xp, xp.stack([mk, xp.where(dropped_y, zy, -xp.inf)], axis=-1),

@@ -11,16 +11,18 @@ from dualvp.testing import cases
 TOL = cases.Tolerance(1e-10, 1e-12)
 
 
+@pytest.mark.parametrize("kept_shift", ["kept", "max"])
 @pytest.mark.parametrize("block", [1, 5, 17, 96])
 @pytest.mark.parametrize("name", ["confident_lm", "nucleus", "neg_inf_masked", "random_mask_temp", "extreme_temp", "everything"])
 @pytest.mark.parametrize("world", [1, 2, 4])
-def test_blocks_match_oracle(name, world, block):
+def test_blocks_match_oracle(name, world, block, kept_shift):
     c = cases.case(name)
     c = cases.case(name, dtype="float64", vocab=96 if c.vocab <= 96 else 264, worlds=(1, 2, 4))
     prob = cases.make(c)
     lp, h, g = simulate.over_shards(
         prob.logits, prob.target, world, keep_mask=prob.keep_mask, temperature=c.temperature,
         ignore_index=c.ignore_index, grad_logprob=prob.grad_logprob, grad_entropy=prob.grad_entropy, block=block,
+        kept_shift=kept_shift,
     )
     rlp, rh, rg = testing.oracle(prob)
     for q, x, ref in (("logprob", lp, rlp), ("entropy", h, rh), ("grad", g, rg)):
@@ -138,3 +140,46 @@ def test_without_entropy_the_logprob_is_unchanged():
             rlp, _ = reference.logprob_entropy(z, y, keep_mask=k, temperature=0.7)
             assert cases.within_tolerance(lp, rlp, TOL)
             assert np.allclose(np.delete(lean, 2, axis=1), np.delete(full, 2, axis=1), rtol=1e-12, atol=0, equal_nan=True)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_kept_shift_max_marks_exactly_the_far_rows(dtype):
+    # kept_shift="max" sums the kept exponentials shifted by the overall max:
+    # its (shift, sum) pair must finalize to the same outputs as the kept
+    # max's, and it must mark (sk = NaN) exactly the rows whose kept max lies
+    # more than KEPT_GAP temperature units below the overall max, where the
+    # float32 kept sum would underflow (gap 120: every kept e^d is 0).
+    tau = 0.5
+    z, y, keep = _rand(seed=4, T=8)
+    z[:, 0] = 30.0  # the overall max, dropped by the mask (the targets are elsewhere)
+    keep[:, 0] = False
+    y = np.where(y == 0, 1, y)
+    far = {4: 120.0, 5: spec.KEPT_GAP + 1.0}  # rows far below; row 6: just inside
+    z[6, 1:] = np.minimum(z[6, 1:], 30.0 - tau * (spec.KEPT_GAP - 1.0))
+    for r, gap in far.items():
+        z[r, 1:] = np.minimum(z[r, 1:], 30.0 - tau * gap)
+    z[7, 5:] = -np.inf
+    keep[7] = False  # nothing kept: the target alone (not a marked row)
+    z = z.astype(dtype)
+    valid, owns, local = spec.target_to_local(np, y, 0, 40, -100)
+    with np.errstate(invalid="ignore", divide="ignore", over="ignore"):
+        kept = spec.block_stats(np, z, local, owns, keep, tau)
+        fast = spec.block_stats(np, z, local, owns, keep, tau, kept_shift="max")
+        marked = np.isnan(fast[:, spec.STATS.index("sk")])
+        kmax = np.max(np.where(keep, z, -np.inf), axis=-1)
+        assert marked.tolist() == (((z.max(-1) - kmax) / tau > spec.KEPT_GAP) & np.isfinite(kmax)).tolist()
+        assert marked[4] and marked[5] and not marked[6] and not marked[7]
+        assert np.all(fast[:, spec.STATS.index("mk")] == z.max(-1))
+        # the unmarked rows agree with the kept max's statistics after finalizing
+        ok = ~marked & valid
+        fk, ff = spec.finalize(np, kept, tau), spec.finalize(np, fast, tau)
+        lk, hk = spec.outputs(np, fk, valid, tau)
+        lf, hf = spec.outputs(np, ff, valid, tau)
+        tol = cases.tolerance(np.dtype(dtype).name, "logprob")
+        assert cases.within_tolerance(lf[ok], lk[ok], tol)
+        assert np.array_equal(hf, hk)  # the entropy reads only m, s, t
+        g = [spec.block_grad(np, z, local, owns, keep, c, valid, np.ones(8, dtype), np.ones(8, dtype), tau)
+             for c in (fk, ff)]
+        assert cases.within_tolerance(g[1][ok], g[0][ok], cases.tolerance(np.dtype(dtype).name, "grad"))
+    rlp, _ = reference.logprob_entropy(z, y, keep_mask=keep, temperature=tau)
+    assert np.isfinite(rlp[4]) and cases.within_tolerance(lk[ok], rlp[ok], tol)

@@ -83,8 +83,18 @@ def test_kernels_match_spec(monkeypatch, compiled, mask):
     valid, owns, local = spec.target_to_local(xp, y2, 1, 40, -100)
     tau = 0.6
     tau_t = torch.tensor(tau, dtype=torch.float64)
+    if keep is not None:
+        z[5, 1:] = z[5, 0] - 40.0  # kept max 67 tau below the overall max: marked and recomputed on CPU
+        keep[5, 0] = False
     got = kernels.shard_stats(z, local, owns, keep, tau_t)
     want = spec.shard_stats(xp, z, local, owns, keep, tau)
+    if compiled and keep is not None:
+        # the compiled CPU stage shifts the kept sum by the overall max (one
+        # pass over the mask) and recomputes the rows it marks with the kept max
+        fast = spec.shard_stats(xp, z, local, owns, keep, tau, kept_shift="max")
+        marked = torch.isnan(fast[:, spec.STATS.index("sk")])
+        assert marked.tolist() == [i == 5 for i in range(64)]
+        want = torch.where(marked[:, None], want, fast)
     torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
     comb = spec.combine_stats(xp, want[None], temperature=tau)
     gl, ge = torch.randn(64, dtype=torch.float64), torch.randn(64, dtype=torch.float64)
@@ -92,6 +102,26 @@ def test_kernels_match_spec(monkeypatch, compiled, mask):
     g = kernels.shard_grad(z, local, owns, keep, comb.M, comb.log_s, comb.c, comb.mk, comb.log_sk, valid, gl, ge, tau_t)
     gw = spec.grad_logits(xp, z, local, owns, keep, comb, valid, gl, ge, tau)
     torch.testing.assert_close(g, gw, rtol=1e-12, atol=1e-12)
+
+
+def test_compiled_masked_rows_far_below_the_max_match_the_oracle(monkeypatch):
+    # float32: the kept sum shifted by the overall max underflows entirely for
+    # rows whose kept set lies 100 tau below it; the compiled CPU stage marks
+    # them and recomputes them with the kept max (else the log-prob is +inf).
+    monkeypatch.setenv("DUALVP_COMPILE", "1")
+    z, y, keep = _problem(T=40, V=96)
+    y[y == 0] = 1
+    for r in (3, 17, 18):
+        z[r, 1:] = z[r, 0] - 100.0 * 0.5
+        keep[r, 0] = False
+    x = z.clone().requires_grad_(True)
+    lp, h = logprob_entropy(x, y, keep_mask=keep, temperature=0.5)
+    (lp.sum() + h.sum()).backward()
+    zn, yn, kn = z.double().numpy(), y.numpy(), keep.numpy()
+    rlp, rh = reference.logprob_entropy(zn, yn, keep_mask=kn, temperature=0.5)
+    rg = reference.logprob_entropy_grad(zn, yn, np.ones(40), np.ones(40), keep_mask=kn, temperature=0.5)
+    for q, a, b in (("logprob", lp, rlp), ("entropy", h, rh), ("grad", x.grad, rg)):
+        assert cases.within_tolerance(a.detach().double().numpy(), b, cases.tolerance("float32", q)), q
 
 
 # --- gradcheck ------------------------------------------------------------------------
