@@ -308,10 +308,14 @@ def block_stats(
         # The kept pair is (m, sum of e^d over the kept columns): shifted by
         # the overall max, a valid (shift, sum) pair for every later merge and
         # for the outputs, which do not depend on the shift.
-        gap = (m - xp.max(xp.where(keep, z, -xp.inf), axis=-1)) / tau
+        kept_max = xp.max(xp.where(keep, z, -xp.inf), axis=-1)
+        none_kept = kept_max == -xp.inf
         sk = _sum(xp, xp.where(keep, e, 0.0), acc_dtype, z.dtype)
-        # No kept column in the block: gap = inf, sk = 0, not the marker.
-        sk, mk = xp.where((gap > KEPT_GAP) & (gap != xp.inf), xp.nan, sk), m
+        sk = xp.where(((m - kept_max) / tau > KEPT_GAP) & xp.logical_not(none_kept), xp.nan, sk)
+        # No kept column in the block: the empty pair (-inf, 0), which a
+        # dropped target merged in below replaces (shifted by m, the target's
+        # own term could underflow against it).
+        mk = xp.where(none_kept, -xp.inf, m)
     else:
         # The element loops see the mask alone (no per-element compare with
         # the target's column): the target, which counts as kept even where

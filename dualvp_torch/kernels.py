@@ -422,10 +422,15 @@ def _rows(x, i, j):
 
 def _stats_eager(z, local, owns, keep, tau, with_entropy: bool = True) -> torch.Tensor:
     acc = accumulation_dtype(z, "eager")
-    parts = _map_chunks(
-        lambda i, j: _stats_stage(z[i:j], local[i:j], owns[i:j], _rows(keep, i, j), tau, acc, with_entropy),
-        z, STATS_FRACTION, STATS_SCRATCH_BYTES,
-    )
+    shift = _kept_shift(z, keep)
+
+    def chunk(i, j):
+        st = _stats_stage(z[i:j], local[i:j], owns[i:j], _rows(keep, i, j), tau, acc, with_entropy, shift)
+        if shift == "max":
+            _redo_marked_rows(st, z[i:j], local[i:j], owns[i:j], keep[i:j], tau, with_entropy)
+        return st
+
+    parts = _map_chunks(chunk, z, STATS_FRACTION, STATS_SCRATCH_BYTES)
     return parts[0] if len(parts) == 1 else torch.cat(parts)
 
 
@@ -456,15 +461,22 @@ def shard_stats(
     if n == 0:
         return torch.zeros((0, spec.N_STATS), dtype=tau.dtype, device=z.device)
     if select(impl) == "compiled":
-        one_pass = keep is not None and z.device.type == "cpu"
-        args = (z, local, owns, _mask_arg(keep, z), tau, accumulation_dtype(z), with_entropy,
-                "max" if one_pass else "kept")
+        shift = _kept_shift(z, keep)
+        args = (z, local, owns, _mask_arg(keep, z), tau, accumulation_dtype(z), with_entropy, shift)
         out, ok = _run_compiled(_stats_stage, args, with_entropy)
         if ok:
-            if one_pass:
+            if shift == "max":
                 _redo_marked_rows(out, z, local, owns, keep, tau, with_entropy)
             return out
     return _stats_eager(z, local, owns, keep, tau, with_entropy)
+
+
+def _kept_shift(z, keep) -> str:
+    # On CPU the masked statistics shift the kept sum by the overall max (one
+    # read of the mask, one exponential with no blended argument; eager: four
+    # chunk-sized ops fewer), and the rows that marks are recomputed after a
+    # host-side check, which on a GPU would be a synchronisation.
+    return "max" if keep is not None and z.device.type == "cpu" else "kept"
 
 
 def _redo_marked_rows(out, z, local, owns, keep, tau, with_entropy: bool) -> None:

@@ -159,7 +159,9 @@ def test_kept_shift_max_marks_exactly_the_far_rows(dtype):
     for r, gap in far.items():
         z[r, 1:] = np.minimum(z[r, 1:], 30.0 - tau * gap)
     z[7, 5:] = -np.inf
-    keep[7] = False  # nothing kept: the target alone (not a marked row)
+    keep[7] = False  # nothing kept: the target alone (not a marked row) ...
+    y[7] = 2
+    z[7, 2] = 30.0 - 200.0 * tau  # ... 200 tau below the max (must not underflow: L = 0)
     z = z.astype(dtype)
     valid, owns, local = spec.target_to_local(np, y, 0, 40, -100)
     with np.errstate(invalid="ignore", divide="ignore", over="ignore"):
@@ -169,7 +171,8 @@ def test_kept_shift_max_marks_exactly_the_far_rows(dtype):
         kmax = np.max(np.where(keep, z, -np.inf), axis=-1)
         assert marked.tolist() == (((z.max(-1) - kmax) / tau > spec.KEPT_GAP) & np.isfinite(kmax)).tolist()
         assert marked[4] and marked[5] and not marked[6] and not marked[7]
-        assert np.all(fast[:, spec.STATS.index("mk")] == z.max(-1))
+        some = np.isfinite(kmax)  # the kept pair's shift is the overall max (else the dropped target's logit)
+        assert np.all(fast[some, spec.STATS.index("mk")] == z.max(-1)[some]) and not some[7]
         # the unmarked rows agree with the kept max's statistics after finalizing
         ok = ~marked & valid
         fk, ff = spec.finalize(np, kept, tau), spec.finalize(np, fast, tau)
@@ -183,3 +186,4 @@ def test_kept_shift_max_marks_exactly_the_far_rows(dtype):
         assert cases.within_tolerance(g[1][ok], g[0][ok], cases.tolerance(np.dtype(dtype).name, "grad"))
     rlp, _ = reference.logprob_entropy(z, y, keep_mask=keep, temperature=tau)
     assert np.isfinite(rlp[4]) and cases.within_tolerance(lk[ok], rlp[ok], tol)
+    assert rlp[7] == 0 and lf[7] == 0
