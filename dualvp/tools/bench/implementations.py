@@ -316,6 +316,8 @@ IMPLS: dict[str, Impl] = {i.name: i for i in (
          "the same with DUALVP_COMPILE=0 (eager row-chunked kernels)", env={"DUALVP_COMPILE": "0"}, gloo=True),
     Impl("dualvp-torch-inplace", "torch", _DUALVP_TORCH, _dualvp_torch_inplace,
          "dualvp-torch with inplace_grad=True (the gradient overwrites the logits)", nonleaf_logits=True),
+    Impl("dualvp-torch-inplace-eager", "torch", _DUALVP_TORCH, _dualvp_torch_inplace,
+         "the same with DUALVP_COMPILE=0", env={"DUALVP_COMPILE": "0"}, nonleaf_logits=True),
     Impl("dualvp-jax", "jax", ("jax", "dualvp_jax"), _dualvp_jax, "dualvp_jax.logprob_entropy under jax.jit"),
     Impl("torch-eager", "torch", ("torch",), _torch_eager,
          "log_softmax + gather, entropy -(p*log p).sum, autograd, in the input dtype", baseline=True),

@@ -218,7 +218,7 @@ _SHORT = {"dualvp-torch": "dualvp", "dualvp-torch-inplace": "inplace", "torch-ea
           "megatron": "megatron", "slime": "slime"}
 _SPEEDUP_VS = ("torch-eager", "megatron", "slime")
 _SECONDS_ORDER = ("dualvp-torch", "dualvp-torch-inplace", "torch-eager", "megatron", "slime", "dualvp-jax",
-                  "jax-naive", "dualvp-torch-eager")
+                  "jax-naive", "dualvp-torch-eager", "dualvp-torch-inplace-eager")
 
 
 def _fmt(x, spec: str) -> str:
