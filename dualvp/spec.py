@@ -131,6 +131,15 @@ def _finite_or_zero(xp, m):
     return xp.where(m == -xp.inf, 0.0, m)
 
 
+def _shifted(xp, z, m, tau):
+    # d = (z - m) / tau per row, with -inf (a banned column) clamped to the
+    # dtype's lowest finite value: e^d is 0 there as before, and the products
+    # e^d d and p (c - d) are 0 rather than 0 * inf = NaN, with no compare and
+    # select per element (c <= 0, so c - d cannot overflow). NaN stays NaN.
+    d = (z - _finite_or_zero(xp, m)[..., None]) / tau
+    return xp.clip(d, float(xp.finfo(d.dtype).min), None)
+
+
 # Python scalars (weakly typed: they take the array's dtype) rather than
 # zeros_like / ones_like / full_like in ``where``: an eager backend then
 # allocates and fills no constant [..., n] array, and a compiler sees the same.
@@ -299,7 +308,7 @@ def block_stats(
     z = _cast(xp, z, dtype)
     tau = _tau(xp, temperature, z.dtype)
     m = xp.max(z, axis=-1)
-    d = (z - _finite_or_zero(xp, m)[..., None]) / tau
+    d = _shifted(xp, z, m, tau)
     zy = _target_logit(xp, z, local, owns, start)
     if keep is None:
         e = xp.exp(d)
@@ -333,7 +342,7 @@ def block_stats(
         mk, sk = _reduce_max_sum(xp, xp.stack([mk, xp.where(dropped_y, zy, -xp.inf)], axis=-1),
                                  xp.stack([sk, xp.ones_like(sk)], axis=-1), -1, tau)
     s = _sum(xp, e, acc_dtype, z.dtype)
-    t = _sum(xp, xp.where(e > 0, e * d, 0.0), acc_dtype, z.dtype) if with_entropy else xp.zeros_like(s)
+    t = _sum(xp, e * d, acc_dtype, z.dtype) if with_entropy else xp.zeros_like(s)
     if keep is None:
         mk, sk = m, s
     return xp.stack([m, s, t, mk, sk, zy], axis=-1)
@@ -443,7 +452,7 @@ def block_grad(
     """
     z = _cast(xp, z, dtype)
     tau = _tau(xp, temperature, z.dtype)
-    d = (z - _finite_or_zero(xp, comb.M)[..., None]) / tau
+    d = _shifted(xp, z, comb.M, tau)
     is_y = _target_columns(xp, z, local, owns, start)
     if keep is None:
         p = q = xp.exp(d - comb.log_s[..., None])
@@ -467,9 +476,9 @@ def block_grad(
     # NaN when their kept set is empty).
     g = xp.where(valid[..., None], gl * (xp.astype(is_y, z.dtype) - q), 0.0)
     if g_entropy is not None:
-        # p == 0 (banned column) contributes 0, not 0 * inf; a NaN p (a row
-        # holding NaN) propagates, as the policy says.
-        dh = xp.where(p == 0, 0.0, p * (comb.c[..., None] - d))
+        # A banned column contributes 0 (d is clamped: see _shifted); a NaN p
+        # (a row holding NaN) propagates, as the policy says.
+        dh = p * (comb.c[..., None] - d)
         g = g + (g_entropy / tau)[..., None] * dh
     return g
 
