@@ -108,8 +108,9 @@ class Combined(NamedTuple):
     ``M``: global max of the logits ``z``; ``log_s``: ``log S``; ``c``:
     ``E_p[u] - M / tau``; ``mk``, ``log_sk``: a shift (the max over the kept
     columns, or any value the kept sum was shifted by) and the log-sum of the
-    kept columns' exponentials relative to it; ``zy``: the target's logit. ``M``, ``mk`` and ``zy`` are in
-    logits units (the temperature is applied after shifting, for precision).
+    kept columns' exponentials relative to it; ``zy``: the target's logit.
+    ``M``, ``mk`` and ``zy`` are in logits units (the temperature is applied
+    after shifting, for precision).
     """
 
     M: Any

@@ -26,9 +26,10 @@ Implementations (the registry :data:`IMPLEMENTATIONS`)
     one pass, not two; masked forward 186 -> 79 ms at T=2048, V_local=32000,
     float32), and the rows that marks (a kept max more than
     ``spec.KEPT_GAP`` below the overall max, or NaN) are recomputed with the
-    kept max on the eager path. The in-place gradient is compiled too: the stage ends in
-    ``z.copy_(grad)``, which inductor fuses into one kernel that reads each
-    element and writes its gradient over it (O(T) extra memory).
+    kept max on the eager path. The in-place gradient is compiled too: the
+    stage ends in ``z.copy_(grad)``, which inductor fuses into one kernel
+    that reads each element and writes its gradient over it (O(T) extra
+    memory).
 ``"eager"``
     The same spec stages run op by op over row chunks, for environments
     without a compiler. A chunk holds :func:`chunk_rows` rows, sized from a
