@@ -68,7 +68,7 @@ def over_shards(
     def block_of(r, s0):
         args = (np, cols(shards[r], s0), locs[r][2], locs[r][1], cols(keeps[r], s0), temperature)
         st = spec.block_stats(*args, start=s0, kept_shift=kept_shift)
-        redo = np.isnan(st[..., spec.STATS.index("sk")])
+        redo = spec.marked_rows(np, st)
         return np.where(redo[..., None], spec.block_stats(*args, start=s0), st) if redo.any() else st
 
     def stats_of(r):

@@ -79,6 +79,7 @@ __all__ = [
     "Combined",
     "target_to_local",
     "block_stats",
+    "marked_rows",
     "reduce_stats",
     "merge_stats",
     "finalize",
@@ -347,6 +348,15 @@ def block_stats(
     if keep is None:
         mk, sk = m, s
     return xp.stack([m, s, t, mk, sk, zy], axis=-1)
+
+
+def marked_rows(xp, stats):
+    """``[...]`` bool: the rows of ``block_stats(kept_shift="max")`` statistics to recompute with ``"kept"``.
+
+    The marker is ``sk = NaN`` (a kept max more than :data:`KEPT_GAP` below
+    the overall max, or a row holding NaN).
+    """
+    return xp.isnan(stats[..., STATS.index("sk")])
 
 
 def reduce_stats(xp, stats, axis: int = 0, temperature=1.0):

@@ -489,7 +489,7 @@ def _redo_marked_rows(out, z, local, owns, keep, tau, with_entropy: bool) -> Non
     top-k / top-p masks, which keep the argmax) and rows holding NaN (NaN
     again); they are gathered in row chunks of the eager path's size.
     """
-    rows = torch.isnan(out[:, spec.STATS.index("sk")]).nonzero()[:, 0]
+    rows = spec.marked_rows(xp, out).nonzero()[:, 0]
     if rows.numel() == 0:
         return
     step = chunk_rows(z.shape[0], z.shape[1], z.element_size())

@@ -92,7 +92,7 @@ def test_kernels_match_spec(monkeypatch, compiled, mask):
         # on CPU both paths shift the kept sum by the overall max (one pass
         # over the mask) and recompute the rows that marks with the kept max
         fast = spec.shard_stats(xp, z, local, owns, keep, tau, kept_shift="max")
-        marked = torch.isnan(fast[:, spec.STATS.index("sk")])
+        marked = spec.marked_rows(xp, fast)
         assert marked.tolist() == [i == 5 for i in range(64)]
         want = torch.where(marked[:, None], want, fast)
     torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
