@@ -180,7 +180,9 @@ def test_kept_shift_max_marks_exactly_the_far_rows(dtype):
         lf, hf = spec.outputs(np, ff, valid, tau)
         tol = cases.tolerance(np.dtype(dtype).name, "logprob")
         assert cases.within_tolerance(lf[ok], lk[ok], tol)
-        assert np.array_equal(hf, hk)  # the entropy reads only m, s, t
+        # (not bit-equal: "kept" forms e^d on kept columns as e^(d_k) times a
+        # factor, so s differs in the last bits, by numpy's exp and version)
+        assert cases.within_tolerance(hf, hk, cases.tolerance(np.dtype(dtype).name, "entropy"))
         g = [spec.block_grad(np, z, local, owns, keep, c, valid, np.ones(8, dtype), np.ones(8, dtype), tau)
              for c in (fk, ff)]
         assert cases.within_tolerance(g[1][ok], g[0][ok], cases.tolerance(np.dtype(dtype).name, "grad"))
