@@ -138,13 +138,22 @@ def _shifted(xp, z, m, tau):
     # dtype's lowest finite value: e^d is 0 there as before, and the products
     # e^d d and p (c - d) are 0 rather than 0 * inf = NaN, with no compare and
     # select per element (c <= 0, so c - d cannot overflow). NaN stays NaN.
+    # (finfo's own scalar, not a Python float: NumPy 1.x's value-based
+    # casting promotes float32 to float64 for a float of that magnitude.)
     d = (z - _finite_or_zero(xp, m)[..., None]) / tau
-    return xp.clip(d, float(xp.finfo(d.dtype).min), None)
+    return xp.clip(d, xp.finfo(d.dtype).min, None)
 
 
 # Python scalars (weakly typed: they take the array's dtype) rather than
 # zeros_like / ones_like / full_like in ``where``: an eager backend then
 # allocates and fills no constant [..., n] array, and a compiler sees the same.
+
+
+def _astype(xp, x, dtype):
+    # The array API's astype; NumPy before 2.0 (which this package supports:
+    # RL stacks still pin numpy<2) has only the method.
+    f = getattr(xp, "astype", None)
+    return f(x, dtype) if f is not None else x.astype(dtype)
 
 
 def _tau(xp, temperature, dtype):
@@ -155,18 +164,18 @@ def _tau(xp, temperature, dtype):
     # never recompiles.
     if isinstance(temperature, (int, float)):
         return temperature
-    return xp.astype(temperature, dtype)
+    return _astype(xp, temperature, dtype)
 
 
 def _sum(xp, x, acc_dtype, dtype):
     # Row sum, accumulated in ``acc_dtype`` (None: in x's dtype), returned in ``dtype``.
     if acc_dtype is None:
         return xp.sum(x, axis=-1)
-    return xp.astype(xp.sum(x, axis=-1, dtype=acc_dtype), dtype)
+    return _astype(xp, xp.sum(x, axis=-1, dtype=acc_dtype), dtype)
 
 
 def _cast(xp, z, dtype):
-    return z if dtype is None or z.dtype == dtype else xp.astype(z, dtype)
+    return z if dtype is None or z.dtype == dtype else _astype(xp, z, dtype)
 
 
 def _in_block(xp, z, local, owns, start):
@@ -485,7 +494,7 @@ def block_grad(
     gl = (xp.where(valid, g_logprob, xp.zeros_like(g_logprob)) / tau)[..., None]
     # Rows that are not valid get no log-prob term at all (not 0 * q, which is
     # NaN when their kept set is empty).
-    g = xp.where(valid[..., None], gl * (xp.astype(is_y, z.dtype) - q), 0.0)
+    g = xp.where(valid[..., None], gl * (_astype(xp, is_y, z.dtype) - q), 0.0)
     if g_entropy is not None:
         # A banned column contributes 0 (d is clamped: see _shifted); a NaN p
         # (a row holding NaN) propagates, as the policy says.

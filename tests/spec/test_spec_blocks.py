@@ -92,7 +92,8 @@ def _run(xp, asarray, z, y, keep, tau):
     comb = spec.finalize(xp, spec.reduce_stats(xp, st, temperature=tau), tau)
     lp, h = spec.outputs(xp, comb, valid, tau)
     ones = xp.ones(z.shape[:1], dtype=zz.dtype)
-    g = xp.concat([spec.block_grad(xp, zz[:, a:b], local, owns, kk[:, a:b], comb, valid, ones, ones, tau, start=a)
+    concat = getattr(xp, "concat", None) or xp.concatenate  # (NumPy < 2 has no concat)
+    g = concat([spec.block_grad(xp, zz[:, a:b], local, owns, kk[:, a:b], comb, valid, ones, ones, tau, start=a)
                    for a, b in ((0, 13), (13, 40))], axis=-1)
     return [np.asarray(x) for x in (lp, h, g)]
 
