@@ -39,8 +39,10 @@ Implementations (the registry :data:`IMPLEMENTATIONS`)
     :data:`STATS_FRACTION` in the forward (nothing else is alive then),
     :data:`GRAD_FRACTION` next to a fresh gradient buffer (peak ``<= 1.1
     B``), :data:`INPLACE_FRACTION` for the in-place gradient (``<= 0.05 B``);
-    and a chunk has at least :data:`MIN_CHUNK_ELEMENTS` elements, so that
-    tiny shards do not run one row at a time. Row sums accumulate in float32
+    and on CPU, a chunk's scratch is at most :data:`CPU_CHUNK_SCRATCH_BYTES`
+    (temporaries that stay in cache and are not page-faulted afresh); a chunk
+    has at least :data:`MIN_CHUNK_ELEMENTS` elements, so that tiny shards do
+    not run one row at a time. Row sums accumulate in float32
     (eager torch sums are cascaded). On CPU the chunks run in parallel on up
     to ``torch.get_num_threads()`` worker threads (at most
     :data:`MAX_EAGER_WORKERS`), each running its ops single-threaded: the
@@ -100,6 +102,7 @@ __all__ = [
     "GRAD_FRACTION",
     "INPLACE_FRACTION",
     "MIN_CHUNK_ELEMENTS",
+    "CPU_CHUNK_SCRATCH_BYTES",
     "compute_dtype",
     "accumulation_dtype",
     "compile_enabled",
@@ -130,6 +133,16 @@ INPLACE_FRACTION = 0.04
 GRAD_FRACTION = 0.09
 #: ... but a chunk has at least this many elements (or all rows).
 MIN_CHUNK_ELEMENTS = 1 << 12
+#: On CPU, one chunk's scratch also stays within this many bytes (a float32
+#: temporary of the chunk then holds at most ~2.3 MiB). Larger temporaries
+#: leave the last-level cache between the spec's ops and are page-faulted
+#: afresh (glibc maps every allocation of 32 MiB or more anew; fresh pages
+#: are most of what writing a buffer costs on CPU, see the README's floors).
+#: Measured, eager forward at T=2048, 2 workers: V_local=32000 95 -> 67 ms
+#: (float32), 91 -> 69 (bfloat16); V_local=152064 1175 -> 305 / 466 -> 290;
+#: one worker (one intra-op thread or more, chunks twice as large before):
+#: 218 -> 101 / 282 -> 53 and 1945 -> 519 (float32, 152064).
+CPU_CHUNK_SCRATCH_BYTES = 16 << 20
 
 
 def _compile_errors() -> tuple:
@@ -190,18 +203,25 @@ def select(impl: Optional[str] = None) -> str:
 
 def chunk_rows(
     n_rows: int, v_local: int, itemsize: int = 4, fraction: float = STATS_FRACTION,
-    scratch_bytes: int = STATS_SCRATCH_BYTES, workers: int = 1,
+    scratch_bytes: int = STATS_SCRATCH_BYTES, workers: int = 1, cap_bytes: Optional[int] = None,
 ) -> int:
     """Rows per chunk of the eager path (at least 1, at most ``n_rows``).
 
     ``workers * scratch_bytes * rows * v_local <= fraction * n_rows * v_local
     * itemsize`` (the temporaries of the chunks in flight are that fraction
-    of the shard's bytes), but at least ``MIN_CHUNK_ELEMENTS`` elements per
-    chunk.
+    of the shard's bytes) and, when ``cap_bytes`` is given (on CPU:
+    :data:`CPU_CHUNK_SCRATCH_BYTES`), ``scratch_bytes * rows * v_local <=
+    cap_bytes``; but at least ``MIN_CHUNK_ELEMENTS`` elements per chunk.
     """
     v = max(1, v_local)
     budget = int(fraction * n_rows * itemsize / (scratch_bytes * max(1, workers)))
+    if cap_bytes is not None:
+        budget = min(budget, cap_bytes // (scratch_bytes * v))
     return max(1, min(n_rows, max(budget, MIN_CHUNK_ELEMENTS // v)))
+
+
+def _cap(z: torch.Tensor) -> Optional[int]:
+    return CPU_CHUNK_SCRATCH_BYTES if z.device.type == "cpu" else None
 
 
 # --- the stages: spec functions over torch -------------------------------------------
@@ -405,7 +425,7 @@ def _executor(workers: int) -> ThreadPoolExecutor:
 def _map_chunks(fn: Callable, z: torch.Tensor, fraction: float, scratch_bytes: int) -> list:
     n, v = z.shape
     workers = _workers(z, n)
-    step = chunk_rows(n, v, z.element_size(), fraction, scratch_bytes, workers)
+    step = chunk_rows(n, v, z.element_size(), fraction, scratch_bytes, workers, _cap(z))
     chunks = [(i, min(n, i + step)) for i in range(0, n, step)]
     if workers == 1 or len(chunks) == 1:
         return [fn(i, j) for i, j in chunks]
@@ -492,7 +512,7 @@ def _redo_marked_rows(out, z, local, owns, keep, tau, with_entropy: bool) -> Non
     rows = spec.marked_rows(xp, out).nonzero()[:, 0]
     if rows.numel() == 0:
         return
-    step = chunk_rows(z.shape[0], z.shape[1], z.element_size())
+    step = chunk_rows(z.shape[0], z.shape[1], z.element_size(), cap_bytes=_cap(z))
     for idx in rows.split(step):
         out[idx] = _stats_stage(z[idx], local[idx], owns[idx], keep[idx], tau, None, with_entropy).to(out.dtype)
 

@@ -91,7 +91,8 @@ def serial_eager(monkeypatch):
 
 def _chunk_bytes(dtype, fraction, scratch_bytes):
     # one float32 [rows, V] temporary of an eager chunk (the spec's shifted logits, say)
-    return kernels.chunk_rows(T, V, torch.empty((), dtype=dtype).element_size(), fraction, scratch_bytes) * V * 4
+    size = torch.empty((), dtype=dtype).element_size()
+    return kernels.chunk_rows(T, V, size, fraction, scratch_bytes, cap_bytes=kernels.CPU_CHUNK_SCRATCH_BYTES) * V * 4
 
 
 @pytest.mark.parametrize("impl", ["compiled", "eager"])
