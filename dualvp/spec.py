@@ -133,6 +133,13 @@ def _finite_or_zero(xp, m):
     return xp.where(m == -xp.inf, 0.0, m)
 
 
+def _over_tau(x, tau):
+    # x / tau, where x is block-sized. The number 1 (not an array holding 1)
+    # skips the division, exact either way: on an eager backend each op is a
+    # pass over the block, and tau = 1 is the common case.
+    return x if isinstance(tau, (int, float)) and tau == 1 else x / tau
+
+
 def _shifted(xp, z, m, tau):
     # d = (z - m) / tau per row, with -inf (a banned column) clamped to the
     # dtype's lowest finite value: e^d is 0 there as before, and the products
@@ -140,7 +147,7 @@ def _shifted(xp, z, m, tau):
     # select per element (c <= 0, so c - d cannot overflow). NaN stays NaN.
     # (finfo's own scalar, not a Python float: NumPy 1.x's value-based
     # casting promotes float32 to float64 for a float of that magnitude.)
-    d = (z - _finite_or_zero(xp, m)[..., None]) / tau
+    d = _over_tau(z - _finite_or_zero(xp, m)[..., None], tau)
     return xp.clip(d, xp.finfo(d.dtype).min, None)
 
 
@@ -342,7 +349,7 @@ def block_stats(
         # the mask drops it, is merged in per row below, as a one-column
         # block (an O(T) gather of the mask).
         mk = xp.max(xp.where(keep, z, -xp.inf), axis=-1)
-        ek = xp.exp(xp.where(keep, (z - _finite_or_zero(xp, mk)[..., None]) / tau, d))
+        ek = xp.exp(xp.where(keep, _over_tau(z - _finite_or_zero(xp, mk)[..., None], tau), d))
         sk = _sum(xp, xp.where(keep, ek, 0.0), acc_dtype, z.dtype)
         # exp(d) on the kept columns is ek * e^((mk - m) / tau), a factor <= 1
         # (0 when nothing is kept or the kept set underflows against m).
@@ -478,7 +485,7 @@ def block_grad(
         p = q = xp.exp(d - comb.log_s[..., None])
     else:
         sel = _kept_select(xp, keep, is_y)
-        ek = xp.exp(sel((z - _finite_or_zero(xp, comb.mk)[..., None]) / tau - comb.log_sk[..., None],
+        ek = xp.exp(sel(_over_tau(z - _finite_or_zero(xp, comb.mk)[..., None], tau) - comb.log_sk[..., None],
                         d - comb.log_s[..., None]))
         # 0 on the dropped columns; NaN on every column of a row whose kept set
         # has no mass (log-prob -inf), as in the oracle (0 * -inf).

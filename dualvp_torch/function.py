@@ -200,7 +200,9 @@ class LogProbEntropyFunction(torch.autograd.Function):
         rank, _ = collectives.group_rank_world(group)
         valid, owns, local = _target_to_local(target.reshape(-1), rank, v, opt.ignore_index)
         tau_t = torch.full((), opt.temperature, dtype=cdt, device=z.device)
-        stats = kernels.shard_stats(z, local, owns, keep, tau_t, with_entropy=opt.with_entropy, impl=impl)
+        stats = kernels.shard_stats(
+            z, local, owns, keep, tau_t, with_entropy=opt.with_entropy, impl=impl, temperature=opt.temperature
+        )
         comb, logprob, entropy = _merge(stats, group, valid, tau_t, shape)
         ctx.opt = opt
         ctx.impl = impl
@@ -226,7 +228,8 @@ class LogProbEntropyFunction(torch.autograd.Function):
         ge = grad_entropy.reshape(-1).to(cdt).contiguous() if opt.need_entropy_grad else None
         tau_t = torch.full((), opt.temperature, dtype=cdt, device=z.device)
         g = kernels.shard_grad(
-            z, local, owns, keep, M, log_s, c, mk, log_sk, valid, gl, ge, tau_t, inplace=opt.inplace_grad, impl=ctx.impl
+            z, local, owns, keep, M, log_s, c, mk, log_sk, valid, gl, ge, tau_t, inplace=opt.inplace_grad, impl=ctx.impl,
+            temperature=opt.temperature,
         )
         return g.view(ctx.logits_shape), None, None, None, None, None
 

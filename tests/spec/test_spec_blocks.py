@@ -190,3 +190,24 @@ def test_kept_shift_max_marks_exactly_the_far_rows(dtype):
     rlp, _ = reference.logprob_entropy(z, y, keep_mask=keep, temperature=tau)
     assert np.isfinite(rlp[4]) and cases.within_tolerance(lk[ok], rlp[ok], tol)
     assert rlp[7] == 0 and lf[7] == 0
+
+
+@pytest.mark.parametrize("with_mask", [False, True])
+def test_temperature_number_one_is_the_array_one(with_mask):
+    # The number 1 skips the block-sized divisions (spec._over_tau; the torch
+    # eager path passes it), an array holding 1 divides: the same bits.
+    z, y, keep = _rand(seed=5)
+    z = z.astype(np.float32)
+    keep = keep if with_mask else None
+    valid, owns, local = spec.target_to_local(np, y, 0, 40, -100)
+    one = np.asarray(1.0, dtype=np.float32)
+    ones = np.ones(6, np.float32)
+    out = []
+    with np.errstate(invalid="ignore", divide="ignore"):
+        for tau in (1, one):
+            st = spec.block_stats(np, z, local, owns, keep, tau)
+            comb = spec.finalize(np, spec.reduce_stats(np, st[None], temperature=tau), tau)
+            out.append([st, *spec.outputs(np, comb, valid, tau),
+                        spec.block_grad(np, z, local, owns, keep, comb, valid, ones, ones, tau)])
+    for a, b in zip(*out):
+        assert a.dtype == b.dtype == np.float32 and np.array_equal(a, b, equal_nan=True)
