@@ -64,6 +64,7 @@ included, even when raised during compilation) propagates to the caller.
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import threading
 import types
@@ -145,6 +146,7 @@ MIN_CHUNK_ELEMENTS = 1 << 12
 CPU_CHUNK_SCRATCH_BYTES = 16 << 20
 
 
+@functools.lru_cache(maxsize=None)
 def _compile_errors() -> tuple:
     import torch._dynamo.exc as dynamo_exc
     import torch._inductor.exc as inductor_exc
@@ -154,8 +156,14 @@ def _compile_errors() -> tuple:
     return (dynamo_exc.TorchDynamoException, *found)
 
 
-#: Exceptions that count as "compiling failed" (the fallback catches only these).
-COMPILE_ERRORS = _compile_errors()
+def __getattr__(name: str):
+    # COMPILE_ERRORS, the exceptions that count as "compiling failed" (the
+    # fallback catches only these), is built on first use: importing
+    # torch._dynamo takes about a second, which a process that never compiles
+    # (an eager-only rank, a tool) would otherwise pay at `import dualvp_torch`.
+    if name == "COMPILE_ERRORS":
+        return _compile_errors()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def compute_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -362,7 +370,7 @@ def _run_compiled(fn: Callable, args: tuple, has_entropy: bool):
     try:
         with _no_duck_shapes():
             return _compiled(fn, args[0], args[3] is not None, has_entropy)(*args), True
-    except COMPILE_ERRORS as exc:
+    except _compile_errors() as exc:
         if _caused_by_oom(exc):
             raise
         if not _state["failed"]:

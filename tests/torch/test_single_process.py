@@ -282,6 +282,20 @@ def test_local_validation_errors_name_the_argument():
     logprob_entropy(z, torch.tensor([0, 1, 8, -100]), validate=False)
 
 
+def test_import_does_not_load_the_compiler():
+    # torch._dynamo takes about a second to import: a process that never
+    # compiles (an eager-only rank, a tool) does not pay it; the compile
+    # errors the fallback catches are built on first use.
+    import subprocess
+    import sys
+
+    code = ("import sys, dualvp_torch; assert 'torch._dynamo' not in sys.modules, 'imported'; "
+            "from dualvp_torch import kernels; import torch._dynamo.exc as e; "
+            "assert e.TorchDynamoException in kernels.COMPILE_ERRORS")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+
+
 def test_compile_failure_falls_back_once(monkeypatch):
     monkeypatch.setenv("DUALVP_COMPILE", "1")
     state = dict(kernels._state)
