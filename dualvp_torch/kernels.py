@@ -139,10 +139,10 @@ MIN_CHUNK_ELEMENTS = 1 << 12
 #: leave the last-level cache between the spec's ops and are page-faulted
 #: afresh (glibc maps every allocation of 32 MiB or more anew; fresh pages
 #: are most of what writing a buffer costs on CPU, see the README's floors).
-#: Measured, eager forward at T=2048, 2 workers: V_local=32000 95 -> 67 ms
-#: (float32), 91 -> 69 (bfloat16); V_local=152064 1175 -> 305 / 466 -> 290;
-#: one worker (one intra-op thread or more, chunks twice as large before):
-#: 218 -> 101 / 282 -> 53 and 1945 -> 519 (float32, 152064).
+#: Measured (benchmarks/vs_slime.py, T=2048, two workers): V_local=152064
+#: float32 forward 1.6-1.9 s -> 0.40-0.62 s, lp+ent+grad 1.9-2.1 -> 0.79-0.97
+#: s; V_local=32000 and bfloat16 within noise. One worker (chunks twice as
+#: large before): forward at V_local=32000 218 -> 101 ms (float32).
 CPU_CHUNK_SCRATCH_BYTES = 16 << 20
 
 
@@ -260,8 +260,7 @@ def _stats_stage(
 ):
     return spec.block_stats(
         xp, z, local, owns, _as_bool(keep), tau, dtype=compute_dtype(z.dtype), acc_dtype=acc_dtype,
-        with_entropy=with_entropy,
-        kept_shift=kept_shift,
+        with_entropy=with_entropy, kept_shift=kept_shift,
     )
 
 
