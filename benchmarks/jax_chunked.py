@@ -82,16 +82,27 @@ def _peak_extra(call):
     return max(0, peak - before)
 
 
-def _load_old(rev):
-    src = subprocess.run(["git", "-C", HERE, "show", f"{rev}:dualvp_jax/function.py"], check=True,
+def _load_rev(rev, path_in_repo, name):
+    src = subprocess.run(["git", "-C", HERE, "show", f"{rev}:{path_in_repo}"], check=True,
                          capture_output=True, text=True).stdout
     d = tempfile.mkdtemp(prefix="dualvp_old_")
-    path = os.path.join(d, "dualvp_jax_old_function.py")
+    path = os.path.join(d, name + ".py")
     with open(path, "w") as f:
         f.write(src)
-    spec = importlib.util.spec_from_file_location("dualvp_jax_old_function", path)
+    spec = importlib.util.spec_from_file_location(name, path)
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
+    return mod
+
+
+def _load_old(rev, own_spec=True):
+    mod = _load_rev(rev, "dualvp_jax/function.py", "dualvp_jax_old_function")
+    if own_spec:
+        # The old function over the old revision's spec (its global ``spec``,
+        # looked up at trace time): the spec has changed since, and the old
+        # whole-shard forward over today's spec holds a float32 [T, V_local]
+        # buffer that it did not hold at that revision.
+        mod.spec = _load_rev(rev, "dualvp/spec.py", "dualvp_old_spec")
     return mod
 
 
@@ -105,6 +116,8 @@ def main(argv=None):
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--old-rev", default="8479dda")
     ap.add_argument("--out", default=None)
+    ap.add_argument("--current-spec", action="store_true",
+                    help="run the old function over the current dualvp.spec (before 2026-12-04 the only way)")
     a = ap.parse_args(argv)
     worlds = [int(w) for w in a.worlds.split(",")]
     flag = f"--xla_force_host_platform_device_count={max(worlds)}"
@@ -119,7 +132,7 @@ def main(argv=None):
     from dualvp_jax import chunks
     import dualvp_jax.function as new
 
-    old = _load_old(a.old_rev)
+    old = _load_old(a.old_rev, own_spec=not a.current_spec)
     impls = {"old": old, "new": new}
     meshes = {w: jax.make_mesh((w,), ("tp",)) for w in worlds if w > 1}
     rows = []
@@ -225,7 +238,7 @@ def main(argv=None):
                "peak_B_new_max": max(r["new"]["peak_B"] for r in rows),
                "temp_B_new_max": max(r["new"]["temp_B"] for r in rows),
                "fwd_temp_B_new_max": max(r["new"]["fwd_temp_B"] for r in rows)}
-    meta = {"T": a.T, "old_rev": a.old_rev, "jax": jax.__version__, "backend": jax.default_backend(),
+    meta = {"T": a.T, "old_rev": a.old_rev, "old_spec": "current" if a.current_spec else a.old_rev, "jax": jax.__version__, "backend": jax.default_backend(),
             "cpus": os.cpu_count(), "chunk_bytes": chunks.CHUNK_BYTES, "reps": a.reps,
             "loadavg_start": uptime0, "loadavg_end": open("/proc/loadavg").read().split()[:3]}
     print(json.dumps(summary))
