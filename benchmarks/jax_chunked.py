@@ -238,7 +238,8 @@ def main(argv=None):
                "peak_B_new_max": max(r["new"]["peak_B"] for r in rows),
                "temp_B_new_max": max(r["new"]["temp_B"] for r in rows),
                "fwd_temp_B_new_max": max(r["new"]["fwd_temp_B"] for r in rows)}
-    meta = {"T": a.T, "old_rev": a.old_rev, "old_spec": "current" if a.current_spec else a.old_rev, "jax": jax.__version__, "backend": jax.default_backend(),
+    meta = {"T": a.T, "old_rev": a.old_rev, "old_spec": "current" if a.current_spec else a.old_rev,
+            "jax": jax.__version__, "backend": jax.default_backend(),
             "cpus": os.cpu_count(), "chunk_bytes": chunks.CHUNK_BYTES, "reps": a.reps,
             "loadavg_start": uptime0, "loadavg_end": open("/proc/loadavg").read().split()[:3]}
     print(json.dumps(summary))

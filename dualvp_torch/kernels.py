@@ -481,10 +481,11 @@ def _eager_tau(tau, temperature):
     # The eager path hands the spec the number 1 rather than a tensor holding
     # 1, and the spec skips that division (exact either way): one op fewer
     # per chunk in the statistics and in the gradient at the common tau = 1
-    # (T=2048, V_local=32000, 2 workers: float32 forward 75-78 -> 59-76 ms,
-    # bfloat16 86-92 -> 61-64 ms). The compiled stages keep the tensor (a
-    # temperature that changes must not recompile them; they fuse the
-    # division anyway).
+    # (benchmarks/vs_slime.py, T=2048, V_local=32000, separate processes:
+    # forward 75-78 -> 68-78 ms float32, 86-92 -> 68-82 ms bfloat16;
+    # lp+ent+grad 156-173 -> 140-145 ms float32). The compiled stages keep
+    # the tensor (a temperature that changes must not recompile them; they
+    # fuse the division anyway).
     return 1 if temperature == 1 else tau
 
 
