@@ -5,7 +5,8 @@
 # SLIME_PATH holds a checkout with slime/utils/ppo_utils.py), the per-call
 # cost of validate=True (benchmarks/validate_cost.py), and, while time is
 # left, the tests of the --device cuda commands (pytest -m cuda tests/tools),
-# verify --op linear and benchmarks/vs_slime.py at T=16384, V_local=19008.
+# verify --op linear, benchmarks/vs_slime.py at T=16384, V_local=19008, and
+# dualvp-jax / jax-naive on the GPU beside dualvp-torch (bench_jax_cuda.json).
 # With two or more GPUs verify also runs on NCCL ranks (the tests do too).
 # Figures go to $OUT_DIR (default gpu-results/): summary.txt, one log per
 # step, bench_cuda.json / .md, validate_cost.jsonl, vs_slime_cuda.json.
@@ -56,7 +57,9 @@ print(torch.cuda.get_device_name(0))"'; then
 fi
 gpus=$(python -c "import torch; print(torch.cuda.device_count())")
 
-step tests 150 python -m pytest -q -p no:cacheprovider -m cuda tests/torch
+# pytest-xdist (when installed) spreads the first Triton compiles of the ~100 cases over 4 processes
+xdist=(); python -c "import xdist" 2>/dev/null && xdist=(-n 4)
+step tests 150 python -m pytest -q -p no:cacheprovider ${xdist[@]+"${xdist[@]}"} -m cuda tests/torch
 step verify 60 python -m dualvp verify --device cuda --tp 1
 if [ "$gpus" -ge 2 ]; then
   step verify_nccl 90 python -m dualvp verify --device cuda --tp "$([ "$gpus" -ge 4 ] && echo 4 || echo 2)"
@@ -74,5 +77,7 @@ extra tests_cli 150 python -m pytest -q -p no:cacheprovider -m cuda tests/tools
 extra verify_linear 60 python -m dualvp verify --device cuda --tp 1 --op linear --hidden 256
 extra vs_slime 120 python benchmarks/vs_slime.py --device cuda ${slime[@]+"${slime[@]}"} --T 16384 --V 19008 \
   --dtypes float32,bfloat16 --rounds 2 --reps 5 --out "$out/vs_slime_cuda.json"
+extra bench_jax 90 python -m dualvp bench --device cuda --sizes 4096x32000 --dtypes float32,bfloat16 \
+  --modes lp,lp+ent+grad --impls dualvp-torch,dualvp-jax,jax-naive --reps 5 --out "$out/bench_jax_cuda.json"
 say "gpu-check: rc=$rc in $SECONDS s; figures in $out/"
 exit $rc
