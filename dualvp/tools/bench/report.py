@@ -33,13 +33,22 @@ def progress(msg: str) -> None:
 
 
 _COLS = (
-    ("size", 14), ("dtype", 9), ("mode", 17), ("impl", 20), ("first", 8), ("fwd", 8), ("bwd", 8),
-    ("f+b", 8), ("cpu", 8), ("mem/B", 6), ("err lp", 9), ("err H", 9), ("err grad", 9),
+    ("size", 14), ("dtype", 9), ("mode", 17), ("impl", 20), ("first s", 8), ("fwd ms", 8), ("bwd ms", 8),
+    ("f+b ms", 8), ("cpu ms", 8), ("mem/B", 6), ("err lp", 9), ("err H", 9), ("err grad", 9),
 )
 
 
 def _fmt_s(x):
     return "-" if x is None else (f"{x:.3f}" if x < 10 else f"{x:.1f}")
+
+
+def _fmt_ms(x):
+    # milliseconds with three significant digits or more: a GPU call takes a few ms, which
+    # seconds to three decimals rounded to 0.002 / 0.003 (the first H200 run's table)
+    if x is None:
+        return "-"
+    ms = x * 1e3
+    return f"{ms:.2f}" if ms < 10 else (f"{ms:.1f}" if ms < 100 else f"{ms:.0f}")
 
 
 def _fmt_e(x):
@@ -59,7 +68,7 @@ def row(r: dict) -> str:
         f"{r['T']}x{r['V_local']}" + (f"/W{r['world']}" if r.get("world", 1) > 1 else ""),
         r["dtype"], r["mode"], r["impl"],
         _fmt_s(first["fwd"] + first["bwd"]) if first else "-",
-        _fmt_s(r.get("fwd_s")), _fmt_s(r.get("bwd_s")), _fmt_s(r.get("fwdbwd_s")), _fmt_s(r.get("cpu_fwdbwd_s")),
+        _fmt_ms(r.get("fwd_s")), _fmt_ms(r.get("bwd_s")), _fmt_ms(r.get("fwdbwd_s")), _fmt_ms(r.get("cpu_fwdbwd_s")),
         "-" if r.get("peak_extra_B") is None else f"{r['peak_extra_B']:.2f}",
         _fmt_e(e.get("logprob")), _fmt_e(e.get("entropy")), _fmt_e(e.get("grad")),
     )
@@ -229,7 +238,7 @@ def _markdown_rows(modes: dict, present: list) -> list:
     trio = [i for i in _SHORT if i in present]
     speedup = [i for i in _SPEEDUP_VS if i in present]
     names = "/".join(_SHORT[i] for i in trio)
-    head = (["mode"] + [f"{i} s" for i in present] + [f"x {_SHORT[b]}" for b in speedup]
+    head = (["mode"] + [f"{i} ms" for i in present] + [f"x {_SHORT[b]}" for b in speedup]
             + [f"mem/B {names}", f"err H {names}", f"err grad {names}"])
     out = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for mode in [x for x in MODES if x in modes]:
@@ -242,7 +251,7 @@ def _markdown_rows(modes: dict, present: list) -> list:
             return (d.get(i, {}).get("errors") or {}).get(q)
 
         tt = get("dualvp-torch", "fwdbwd_s")
-        row_ = [mode] + [_fmt(get(i, "fwdbwd_s"), ".3f") for i in present]
+        row_ = [mode] + [_fmt_ms(get(i, "fwdbwd_s")) for i in present]
         row_ += [_fmt(get(b, "fwdbwd_s") / tt if get(b, "fwdbwd_s") and tt else None, ".1f") for b in speedup]
         row_.append(" / ".join(_fmt(get(i, "peak_extra_B"), ".2f") for i in trio))
         row_.append(" / ".join(_fmt(err(i, "entropy"), ".1e") for i in trio))
@@ -263,7 +272,7 @@ def markdown_report(doc: dict) -> str:
            f"{m['machine'].get('gpu') or 'no GPU'}; torch {m['machine'].get('torch')}, jax {m['machine'].get('jax')}; git {m.get('git')}; "
            f"{m.get('date')}.", ""]
     for (T, V, dt), modes in sorted(by.items(), key=lambda kv: (kv[0][0], kv[0][1], kv[0][2] != "float32")):
-        out.append(f"**T={T}, V_local={V}, {dt}**: forward+backward seconds (median), speed-up of dualvp-torch, "
+        out.append(f"**T={T}, V_local={V}, {dt}**: forward+backward milliseconds (median), speed-up of dualvp-torch, "
                    "peak extra memory / B, max abs error vs float64 (entropy, gradient)")
         out.append("")
         out += _markdown_rows(modes, present)
