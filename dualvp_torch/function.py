@@ -142,7 +142,7 @@ def _target_to_local(y, rank, v_local, ignore_index):
 
 
 def _merge(
-    stats: torch.Tensor, group, valid: torch.Tensor, tau: torch.Tensor, shape: tuple
+    stats: torch.Tensor, group, valid: torch.Tensor, tau: torch.Tensor, shape: tuple, impl: Optional[str] = None
 ) -> tuple[spec.Combined, torch.Tensor, torch.Tensor]:
     """This rank's ``[T, 6]`` statistics merged with the group's: ``(comb, logprob, entropy)``.
 
@@ -151,8 +151,7 @@ def _merge(
     0-d, and the outputs come back in ``shape`` (the target's).
     """
     all_stats = collectives.gather_stats(stats, group) if group is not None else stats[None]
-    comb = spec.finalize(xp, spec.reduce_stats(xp, all_stats, axis=0, temperature=tau), tau)
-    logprob, entropy = spec.outputs(xp, comb, valid, tau)
+    comb, logprob, entropy = kernels.merge(all_stats, valid, tau, impl=impl)
     return comb, logprob.reshape(shape), entropy.reshape(shape)
 
 
@@ -203,7 +202,7 @@ class LogProbEntropyFunction(torch.autograd.Function):
         stats = kernels.shard_stats(
             z, local, owns, keep, tau_t, with_entropy=opt.with_entropy, impl=impl, temperature=opt.temperature
         )
-        comb, logprob, entropy = _merge(stats, group, valid, tau_t, shape)
+        comb, logprob, entropy = _merge(stats, group, valid, tau_t, shape, impl)
         ctx.opt = opt
         ctx.impl = impl
         ctx.logits_shape = tuple(logits.shape)

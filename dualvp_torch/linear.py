@@ -273,7 +273,7 @@ class LinearLogProbEntropyFunction(torch.autograd.Function):
             stats = _stats(h2, weight, local, owns, keep, tau, tiles, impl)
         else:
             stats = torch.zeros((0, spec.N_STATS), dtype=cdt, device=hidden.device)
-        comb, logprob, entropy = _merge(stats, group, valid, tau, tuple(target.shape))
+        comb, logprob, entropy = _merge(stats, group, valid, tau, tuple(target.shape), impl)
         ctx.opt, ctx.group, ctx.impl, ctx.tiles = opt, group, impl, tiles
         _save_residuals(ctx, opt, (hidden, weight, keep_mask), local, owns, valid, comb, entropy)
         return logprob, entropy
