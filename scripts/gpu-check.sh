@@ -1,18 +1,20 @@
 #!/usr/bin/env bash
-# The CUDA/NCCL path on one GPU machine, in under 8 minutes: the op's CUDA
+# The CUDA/NCCL path on one GPU machine, in 8 minutes: the op's CUDA
 # tests (pytest -m cuda tests/torch: tests/torch/test_cuda.py), `dualvp
 # verify --device cuda`, `dualvp bench --device cuda` (vs slime's op when
 # SLIME_PATH holds a checkout with slime/utils/ppo_utils.py), the per-call
-# cost of validate=True (benchmarks/validate_cost.py), and, while time is
-# left, the tests of the --device cuda commands (pytest -m cuda tests/tools),
-# verify --op linear, benchmarks/vs_slime.py at T=16384, V_local=19008, and
-# dualvp-jax / jax-naive on the GPU beside dualvp-torch (bench_jax_cuda.json).
+# cost of validate=True (benchmarks/validate_cost.py), a profile of one call
+# (benchmarks/gpu_profile.py: kernels, launches), verify --op linear,
+# benchmarks/vs_slime.py at T=16384, V_local=19008 (with the floors), and,
+# while time is left, the tests of the --device cuda commands (pytest -m cuda
+# tests/tools) and dualvp-jax / jax-naive on the GPU beside dualvp-torch
+# (bench_jax_cuda.json).
 # With two or more GPUs verify also runs on NCCL ranks (the tests do too).
 # Figures go to $OUT_DIR (default gpu-results/): summary.txt, one log per
 # step, bench_cuda.json / .md, validate_cost.jsonl, vs_slime_cuda.json.
 #
 # Every step has its own timeout and the whole run a deadline (GPU_CHECK_BUDGET
-# seconds, default 450, kill grace included): a step is cut to the time left,
+# seconds, default 480, kill grace included): a step is cut to the time left,
 # and an extra step that would not get 30 s is skipped. Without CUDA the
 # script stops after the env step, exit 2.
 #
@@ -23,7 +25,7 @@ out=${OUT_DIR:-gpu-results}
 mkdir -p "$out"
 : > "$out/summary.txt"
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
-deadline=$((SECONDS + ${GPU_CHECK_BUDGET:-450}))
+deadline=$((SECONDS + ${GPU_CHECK_BUDGET:-480}))
 grace=10
 rc=0
 say() { echo "$*" | tee -a "$out/summary.txt"; }
@@ -46,13 +48,18 @@ extra() {  # extra NAME SECONDS CMD...: a step that runs only if 30 s or more ar
   step "$@"
 }
 
+# The env step imports dualvp_torch, so a missing dependency (array-api-compat is
+# not in every CUDA image: carry its wheel, see README "GPU") stops the run here
+# instead of failing every later step.
 if ! step env 30 bash -c 'nvidia-smi || echo "(no nvidia-smi)"
   python -c "import sys, torch
 print(\"torch\", torch.__version__, \"CUDA\", torch.version.cuda, \"GPUs\", torch.cuda.device_count())
 if not torch.cuda.is_available():
     sys.exit(\"gpu-check: no CUDA device (torch.cuda.is_available() is False); nothing here can run\")
-print(torch.cuda.get_device_name(0))"'; then
-  say "gpu-check: stopped: the env step failed (no CUDA?); see $out/env.log"
+print(torch.cuda.get_device_name(0))
+import dualvp_torch, dualvp_jax  # noqa: F401 - their imports (array_api_compat, jax) must resolve
+"'; then
+  say "gpu-check: stopped: the env step failed (no CUDA, or a missing package); see $out/env.log"
   exit 2
 fi
 gpus=$(python -c "import torch; print(torch.cuda.device_count())")
@@ -64,19 +71,25 @@ step verify 60 python -m dualvp verify --device cuda --tp 1
 if [ "$gpus" -ge 2 ]; then
   step verify_nccl 90 python -m dualvp verify --device cuda --tp "$([ "$gpus" -ge 4 ] && echo 4 || echo 2)"
 fi
+# where a call's time goes (kernels, launches): the first H200 run found ~4 ms per call at any size
+step profile 45 bash -c "python benchmarks/gpu_profile.py --device cuda --T 16384 --V 19008 --modes lp,ent,mask \
+  && python benchmarks/gpu_profile.py --device cuda --T 16384 --V 19008 --dtype bfloat16 --modes ent"
 slime=()  # expanded as ${slime[@]+...}: an empty array is fine under set -u on any bash
 [ -n "${SLIME_PATH:-}" ] && slime=(--slime-path "$SLIME_PATH")
-# 4096 x 32000: the inputs and the float64 oracle are made on the CPU, which bounds the size here
-step bench 150 python -m dualvp bench --device cuda ${slime[@]+"${slime[@]}"} --sizes 4096x32000 --dtypes float32,bfloat16 \
+# 4096 x 32000: the inputs and the float64 oracle are made on the CPU, which bounds the size here.
+# On the first H200 run (2026-12-04) 5 of its 8 workers took 141 s (each worker ~20-35 s:
+# process start, CUDA init, a cold Triton compile of the dualvp stages ~13 s), so 240 s.
+step bench 240 python -m dualvp bench --device cuda ${slime[@]+"${slime[@]}"} --sizes 4096x32000 --dtypes float32,bfloat16 \
   --modes lp,lp+ent+grad,lp+ent+grad.keep --impls dualvp-torch,dualvp-torch-inplace,torch-eager,slime \
   --reps 5 --out "$out/bench_cuda.json" \
   && python -m dualvp bench --report "$out/bench_cuda.json" > "$out/bench_cuda.md"
 step validate_cost 45 bash -c "python benchmarks/validate_cost.py --device cuda --T 16384 --V 19008 \
   > $out/validate_cost.jsonl && cat $out/validate_cost.jsonl"
-extra tests_cli 150 python -m pytest -q -p no:cacheprovider -m cuda tests/tools
-extra verify_linear 60 python -m dualvp verify --device cuda --tp 1 --op linear --hidden 256
-extra vs_slime 120 python benchmarks/vs_slime.py --device cuda ${slime[@]+"${slime[@]}"} --T 16384 --V 19008 \
+step verify_linear 45 python -m dualvp verify --device cuda --tp 1 --op linear --hidden 256
+step vs_slime 60 python benchmarks/vs_slime.py --device cuda ${slime[@]+"${slime[@]}"} --T 16384 --V 19008 \
   --dtypes float32,bfloat16 --rounds 2 --reps 5 --out "$out/vs_slime_cuda.json"
+# extras, while time is left: the --device cuda commands' own tests repeat what verify ran (79 s on the H200)
+extra tests_cli 150 python -m pytest -q -p no:cacheprovider -m cuda tests/tools
 extra bench_jax 90 python -m dualvp bench --device cuda --sizes 4096x32000 --dtypes float32,bfloat16 \
   --modes lp,lp+ent+grad --impls dualvp-torch,dualvp-jax,jax-naive --reps 5 --out "$out/bench_jax_cuda.json"
 say "gpu-check: rc=$rc in $SECONDS s; figures in $out/"
