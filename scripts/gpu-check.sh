@@ -7,8 +7,8 @@
 # (benchmarks/gpu_profile.py: kernels, launches), verify --op linear,
 # benchmarks/vs_slime.py at T=16384, V_local=19008 (with the floors), and,
 # while time is left, the tests of the --device cuda commands (pytest -m cuda
-# tests/tools) and dualvp-jax / jax-naive on the GPU beside dualvp-torch
-# (bench_jax_cuda.json).
+# tests/tools), dualvp_jax's two forwards on the GPU (benchmarks/jax_paths.py)
+# and dualvp-jax / jax-naive on the GPU beside dualvp-torch (bench_jax_cuda.json).
 # With two or more GPUs verify also runs on NCCL ranks (the tests do too).
 # Figures go to $OUT_DIR (default gpu-results/): summary.txt, one log per
 # step, bench_cuda.json / .md, validate_cost.jsonl, vs_slime_cuda.json.
@@ -90,6 +90,9 @@ step vs_slime 60 python benchmarks/vs_slime.py --device cuda ${slime[@]+"${slime
   --dtypes float32,bfloat16 --rounds 2 --reps 5 --out "$out/vs_slime_cuda.json"
 # extras, while time is left: the --device cuda commands' own tests repeat what verify ran (79 s on the H200)
 extra tests_cli 150 python -m pytest -q -p no:cacheprovider -m cuda tests/tools
+# issue 14's per-platform choice: dualvp_jax's whole-shard forward vs its row chunks on the GPU
+extra jax_paths 60 env JAX_PLATFORMS=cuda XLA_PYTHON_CLIENT_PREALLOCATE=false \
+  python benchmarks/jax_paths.py --T 16384 --V 19008 --reps 10
 extra bench_jax 90 python -m dualvp bench --device cuda --sizes 4096x32000 --dtypes float32,bfloat16 \
   --modes lp,lp+ent+grad --impls dualvp-torch,dualvp-jax,jax-naive --reps 5 --out "$out/bench_jax_cuda.json"
 say "gpu-check: rc=$rc in $SECONDS s; figures in $out/"

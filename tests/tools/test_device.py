@@ -189,3 +189,14 @@ def test_gpu_profile_script_runs_on_cpu():
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     heads = [ln for ln in proc.stdout.splitlines() if ln.startswith("== ")]
     assert [h.split()[1] for h in heads] == ["lp", "mask"] and all("ms/call" in h for h in heads), proc.stdout
+
+
+def test_jax_paths_script_runs_on_cpu():
+    # benchmarks/jax_paths.py (a gpu-check step): both forwards of dualvp_jax, the same numbers
+    pytest.importorskip("jax")
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "jax_paths.py"), "--T", "64", "--V", "256",
+                           "--dtypes", "float32", "--modes", "ent", "--reps", "1"],
+                          capture_output=True, text=True, timeout=300, env=_env(), cwd=ROOT)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    (row,) = [ln for ln in proc.stdout.splitlines() if ln.startswith("float32")]
+    assert "whole" in row and "chunked" in row and float(row.split("max diff")[1]) < 1e-5, row
