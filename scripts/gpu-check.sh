@@ -19,6 +19,7 @@
 # script stops after the env step, exit 2.
 #
 # usage: [SLIME_PATH=DIR] [OUT_DIR=DIR] [GPU_CHECK_BUDGET=S] bash scripts/gpu-check.sh
+# (wheels of missing packages, if any, in .whl/ at the repository root)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out=${OUT_DIR:-gpu-results}
@@ -48,9 +49,14 @@ extra() {  # extra NAME SECONDS CMD...: a step that runs only if 30 s or more ar
   step "$@"
 }
 
-# The env step imports dualvp_torch, so a missing dependency (array-api-compat is
-# not in every CUDA image: carry its wheel, see README "GPU") stops the run here
+# Wheels in .whl/ (a machine without a package index: e.g. array-api-compat, which
+# the H200 image lacked) are installed into a private target first. The env step
+# imports dualvp_torch and dualvp_jax, so a missing dependency stops the run here
 # instead of failing every later step.
+if compgen -G ".whl/*.whl" > /dev/null; then
+  python -m pip install -q --no-index --no-deps --no-compile --target /tmp/dualvp-wheels .whl/*.whl \
+    && export PYTHONPATH=$PYTHONPATH:/tmp/dualvp-wheels && say "installed from .whl/: $(ls .whl | tr '\n' ' ')"
+fi
 if ! step env 30 bash -c 'nvidia-smi || echo "(no nvidia-smi)"
   python -c "import sys, torch
 print(\"torch\", torch.__version__, \"CUDA\", torch.version.cuda, \"GPUs\", torch.cuda.device_count())

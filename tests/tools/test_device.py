@@ -184,11 +184,12 @@ def test_bench_quick_on_cuda(tmp_path):
 def test_gpu_profile_script_runs_on_cpu():
     # benchmarks/gpu_profile.py is a step of scripts/gpu-check.sh: it must not first fail on the GPU machine
     proc = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "gpu_profile.py"), "--T", "8", "--V", "64",
-                           "--modes", "lp,mask", "--calls", "1", "--top", "3"],
+                           "--modes", "mask", "--calls", "1", "--top", "3"],
                           capture_output=True, text=True, timeout=300, env=_env(), cwd=ROOT)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     heads = [ln for ln in proc.stdout.splitlines() if ln.startswith("== ")]
-    assert [h.split()[1] for h in heads] == ["lp", "mask"] and all("ms/call" in h for h in heads), proc.stdout
+    assert [h.split()[1] for h in heads] == ["mask"] and "ms/call" in heads[0], proc.stdout
+    assert len(proc.stdout.splitlines()) > len(heads), proc.stdout  # the costliest ops follow the head
 
 
 def test_jax_paths_script_runs_on_cpu():
