@@ -82,23 +82,25 @@ step profile 45 bash -c "python benchmarks/gpu_profile.py --device cuda --T 1638
   && python benchmarks/gpu_profile.py --device cuda --T 16384 --V 19008 --dtype bfloat16 --modes ent"
 slime=()  # expanded as ${slime[@]+...}: an empty array is fine under set -u on any bash
 [ -n "${SLIME_PATH:-}" ] && slime=(--slime-path "$SLIME_PATH")
-# 4096 x 32000: the inputs and the float64 oracle are made on the CPU, which bounds the size here.
-# On the first H200 run (2026-12-04) 5 of its 8 workers took 141 s (each worker ~20-35 s:
-# process start, CUDA init, a cold Triton compile of the dualvp stages ~13 s), so 240 s.
-step bench 240 python -m dualvp bench --device cuda ${slime[@]+"${slime[@]}"} --sizes 4096x32000 --dtypes float32,bfloat16 \
-  --modes lp,lp+ent+grad,lp+ent+grad.keep --impls dualvp-torch,dualvp-torch-inplace,torch-eager,slime \
-  --reps 5 --out "$out/bench_cuda.json" \
-  && python -m dualvp bench --report "$out/bench_cuda.json" > "$out/bench_cuda.md"
 step validate_cost 45 bash -c "python benchmarks/validate_cost.py --device cuda --T 16384 --V 19008 \
   > $out/validate_cost.jsonl && cat $out/validate_cost.jsonl"
 step verify_linear 45 python -m dualvp verify --device cuda --tp 1 --op linear --hidden 256
 step vs_slime 60 python benchmarks/vs_slime.py --device cuda ${slime[@]+"${slime[@]}"} --T 16384 --V 19008 \
   --dtypes float32,bfloat16 --rounds 2 --reps 5 --out "$out/vs_slime_cuda.json"
-# extras, while time is left: the --device cuda commands' own tests repeat what verify ran (79 s on the H200)
-extra tests_cli 150 python -m pytest -q -p no:cacheprovider -m cuda tests/tools
-# issue 14's per-platform choice: dualvp_jax's whole-shard forward vs its row chunks on the GPU
+# 4096 x 32000: the inputs and the float64 oracle are made on the CPU, which bounds the size here.
+# On the first H200 run (2026-12-04) 5 of its 8 workers took 141 s (each worker ~20-35 s:
+# process start, CUDA init, a cold Triton compile of the dualvp stages ~13 s), so 240 s; last of
+# the regular steps, as the one that may be cut at the deadline (its JSON is written as it goes).
+step bench 240 python -m dualvp bench --device cuda ${slime[@]+"${slime[@]}"} --sizes 4096x32000 --dtypes float32,bfloat16 \
+  --modes lp,lp+ent+grad,lp+ent+grad.keep --impls dualvp-torch,dualvp-torch-inplace,torch-eager,slime \
+  --reps 5 --out "$out/bench_cuda.json" \
+  && python -m dualvp bench --report "$out/bench_cuda.json" > "$out/bench_cuda.md"
+# extras, while time is left. Issue 14's per-platform choice: dualvp_jax's whole-shard
+# forward vs its row chunks on the GPU
 extra jax_paths 60 env JAX_PLATFORMS=cuda XLA_PYTHON_CLIENT_PREALLOCATE=false \
   python benchmarks/jax_paths.py --T 16384 --V 19008 --reps 10
+# the --device cuda commands' own tests repeat what verify ran (79 s on the H200)
+extra tests_cli 150 python -m pytest -q -p no:cacheprovider -m cuda tests/tools
 extra bench_jax 90 python -m dualvp bench --device cuda --sizes 4096x32000 --dtypes float32,bfloat16 \
   --modes lp,lp+ent+grad --impls dualvp-torch,dualvp-jax,jax-naive --reps 5 --out "$out/bench_jax_cuda.json"
 say "gpu-check: rc=$rc in $SECONDS s; figures in $out/"
