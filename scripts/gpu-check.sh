@@ -4,7 +4,8 @@
 # verify --device cuda`, `dualvp bench --device cuda` (vs slime's op when
 # SLIME_PATH holds a checkout with slime/utils/ppo_utils.py), the per-call
 # cost of validate=True (benchmarks/validate_cost.py), a profile of one call
-# (benchmarks/gpu_profile.py: kernels, launches), verify --op linear,
+# (benchmarks/gpu_profile.py: kernels, launches), float32 vs float64 row sums
+# (benchmarks/gpu_precision.py: time and errors), verify --op linear,
 # benchmarks/vs_slime.py at T=16384, V_local=19008 (with the floors), and,
 # while time is left, the tests of the --device cuda commands (pytest -m cuda
 # tests/tools), dualvp_jax's two forwards on the GPU (benchmarks/jax_paths.py)
@@ -84,6 +85,9 @@ slime=()  # expanded as ${slime[@]+...}: an empty array is fine under set -u on 
 [ -n "${SLIME_PATH:-}" ] && slime=(--slime-path "$SLIME_PATH")
 step validate_cost 45 bash -c "python benchmarks/validate_cost.py --device cuda --T 16384 --V 19008 \
   > $out/validate_cost.jsonl && cat $out/validate_cost.jsonl"
+# float32 vs float64 row sums on the GPU: the first run's entropy (gradient) errors, 2.4e-6 (2.8e-6),
+# match the CPU's with float32 sums (5.7e-6 / 2.3e-6 at T=2048) and not its float64 default's
+step precision 45 python benchmarks/gpu_precision.py --device cuda --T 16384 --V 19008
 step verify_linear 45 python -m dualvp verify --device cuda --tp 1 --op linear --hidden 256
 step vs_slime 60 python benchmarks/vs_slime.py --device cuda ${slime[@]+"${slime[@]}"} --T 16384 --V 19008 \
   --dtypes float32,bfloat16 --rounds 2 --reps 5 --out "$out/vs_slime_cuda.json"

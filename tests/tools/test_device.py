@@ -201,3 +201,15 @@ def test_jax_paths_script_runs_on_cpu():
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     (row,) = [ln for ln in proc.stdout.splitlines() if ln.startswith("float32")]
     assert "whole" in row and "chunked" in row and float(row.split("max diff")[1]) < 1e-5, row
+
+
+def test_gpu_precision_script_runs_on_cpu():
+    # benchmarks/gpu_precision.py (a gpu-check step): one line per accumulation dtype, errors vs float64
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "gpu_precision.py"), "--T", "32", "--V", "512",
+                           "--reps", "1", "--check-rows", "8"],
+                          capture_output=True, text=True, timeout=300, env=_env(), cwd=ROOT)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    rows = [ln for ln in proc.stdout.splitlines() if ln.startswith("row sums in")]
+    assert [r.split()[3] for r in rows] == ["float32", "float64"], proc.stdout
+    errs = [float(r.split("entropy err")[1].split()[0]) for r in rows]
+    assert all(0 <= e < 1e-4 for e in errs), rows
