@@ -102,6 +102,13 @@ def test_kernels_match_spec(monkeypatch, compiled, mask):
     g = kernels.shard_grad(z, local, owns, keep, comb.M, comb.log_s, comb.c, comb.mk, comb.log_sk, valid, gl, ge, tau_t)
     gw = spec.grad_logits(xp, z, local, owns, keep, comb, valid, gl, ge, tau)
     torch.testing.assert_close(g, gw, rtol=1e-12, atol=1e-12)
+    # the merge (compiled on a GPU by default; forced here) against the spec's, with another rank's statistics
+    other = spec.shard_stats(xp, torch.randn(64, 40, dtype=torch.float64), local, torch.zeros_like(owns), keep, tau)
+    all_stats = torch.stack([other, want])
+    got = kernels.merge(all_stats, valid, tau_t, compiled=compiled)
+    comb_w = spec.finalize(xp, spec.reduce_stats(xp, all_stats, axis=0, temperature=tau_t), tau_t)
+    for a, b in zip((*got[0], got[1], got[2]), (*comb_w, *spec.outputs(xp, comb_w, valid, tau_t))):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12, equal_nan=True)
 
 
 def test_compiled_masked_rows_far_below_the_max_match_the_oracle(monkeypatch):
