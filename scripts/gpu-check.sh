@@ -8,7 +8,8 @@
 # (benchmarks/gpu_precision.py: time and errors), verify --op linear,
 # benchmarks/vs_slime.py at T=16384, V_local=19008 (with the floors), and,
 # while time is left, the tests of the --device cuda commands (pytest -m cuda
-# tests/tools), dualvp_jax's two forwards on the GPU (benchmarks/jax_paths.py)
+# tests/tools), the fused LM-head op's bench (bench_linear_cuda.json),
+# dualvp_jax's two forwards on the GPU (benchmarks/jax_paths.py)
 # and dualvp-jax / jax-naive on the GPU beside dualvp-torch (bench_jax_cuda.json).
 # With two or more GPUs verify also runs on NCCL ranks (the tests do too).
 # Figures go to $OUT_DIR (default gpu-results/): summary.txt, one log per
@@ -99,7 +100,11 @@ step bench 240 python -m dualvp bench --device cuda ${slime[@]+"${slime[@]}"} --
   --modes lp,lp+ent+grad,lp+ent+grad.keep --impls dualvp-torch,dualvp-torch-inplace,torch-eager,slime \
   --reps 5 --out "$out/bench_cuda.json" \
   && python -m dualvp bench --report "$out/bench_cuda.json" > "$out/bench_cuda.md"
-# extras, while time is left. Issue 14's per-platform choice: dualvp_jax's whole-shard
+# extras, while time is left. The fused LM-head op on the GPU (never measured there before;
+# the inputs and the float64 oracle are on the CPU, ~10-20 s per dtype at this size)
+extra bench_linear 120 python -m dualvp bench --op linear --device cuda ${slime[@]+"${slime[@]}"} \
+  --T 4096 --hidden 2048 --V 32000 --dtypes bfloat16,float32 --reps 5 --out "$out/bench_linear_cuda.json"
+# Issue 14's per-platform choice: dualvp_jax's whole-shard
 # forward vs its row chunks on the GPU
 extra jax_paths 60 env JAX_PLATFORMS=cuda XLA_PYTHON_CLIENT_PREALLOCATE=false \
   python benchmarks/jax_paths.py --T 16384 --V 19008 --reps 10

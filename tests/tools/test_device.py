@@ -181,6 +181,21 @@ def test_bench_quick_on_cuda(tmp_path):
             assert r["peak_extra_B"] < 1.5, r
 
 
+@pytest.mark.cuda
+@pytest.mark.skipif(not HAVE_CUDA, reason="no CUDA device")
+def test_bench_linear_quick_on_cuda(tmp_path):
+    out = tmp_path / "linear.json"
+    proc = subprocess.run([sys.executable, "-m", "dualvp", "bench", "--op", "linear", "--device", "cuda", "--quick",
+                           "--dtypes", "float32", "--impls", "fused,unfused,unfused-naive", "--out", str(out)],
+                          capture_output=True, text=True, timeout=300, env=_env(), cwd=ROOT)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    doc = json.loads(out.read_text())
+    assert doc["device"] == "cuda" and doc["gpu"], doc
+    (run,) = doc["runs"]
+    for impl in ("fused", "unfused", "unfused-naive"):
+        assert run[impl]["errors_vs_float64"]["logprob"]["max_abs"] < 1e-3, run[impl]
+        assert run[impl]["peak_alloc_bytes"] > 0, run[impl]  # from torch.cuda.max_memory_allocated
+
 def test_gpu_profile_script_runs_on_cpu():
     # benchmarks/gpu_profile.py is a step of scripts/gpu-check.sh: it must not first fail on the GPU machine
     proc = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "gpu_profile.py"), "--T", "8", "--V", "64",

@@ -508,8 +508,7 @@ def run(args) -> int:
         return 0
     if getattr(args, "device", "cpu") == "cuda":
         # before planning (which may probe JAX in a child) or starting any worker
-        why = _proc.cuda_problem(1) or ("--op linear runs on the CPU only (it has no --device cuda yet)"
-                                        if args.op == "linear" else None)
+        why = _proc.cuda_problem(1)
         if why:
             print(f"dualvp bench: {why}", file=sys.stderr)
             return 2

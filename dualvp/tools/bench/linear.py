@@ -81,7 +81,7 @@ def _errors(out, ref) -> dict:
     for name, x, r in zip(names, out, ref):
         if x is None:  # not computed by this implementation (torch-linear-ce: no entropy)
             continue
-        err = np.abs(x.double().numpy() - r)
+        err = np.abs(x.detach().double().cpu().numpy() - r)
         res[name] = {"max_abs": float(err.max()), "max_abs_over_max_ref": float(err.max() / np.abs(r).max())}
     return res
 
@@ -125,7 +125,24 @@ def _naive(z, y):
     return lsm.gather(-1, y[:, None])[:, 0], -(lsm.exp() * lsm).sum(-1)
 
 
-def run(T: int, H: int, V: int, dtype: torch.dtype, reps: int, impls=("fused", "unfused"), slime=None) -> dict:
+def _cuda_peak(fn) -> int:
+    # the same quantity as _allocation_peak on the GPU: the most bytes allocated at once during fn
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    fn()
+    torch.cuda.synchronize()
+    return torch.cuda.max_memory_allocated() - base
+
+
+def run(T: int, H: int, V: int, dtype: torch.dtype, reps: int, impls=("fused", "unfused"), slime=None,
+        device: str = "cpu") -> dict:
+    """One dtype: every implementation in ``impls`` timed, its peak memory taken and its errors judged.
+
+    The inputs are drawn on the CPU (the float64 oracle reads them there) and
+    copied to ``device``; on ``cuda`` the clock reads follow
+    ``torch.cuda.synchronize()`` and the memory is ``max_memory_allocated``.
+    """
     g = torch.Generator().manual_seed(0)
     # LM-like scale: logits of std ~3 (hidden ~N(0,1), weight ~N(0, 9/H))
     h0 = torch.randn(T, H, generator=g).to(dtype)
@@ -136,33 +153,37 @@ def run(T: int, H: int, V: int, dtype: torch.dtype, reps: int, impls=("fused", "
     itemsize = h0.element_size()
     B = T * V * itemsize
     grads_bytes = (T * H + V * H) * itemsize
+    cuda = device == "cuda"
+    hd, wd = h0.to(device), w0.to(device)
+    yd, gld, ged = y.to(device), gl.to(device), ge.to(device)
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
 
     def leaves():
-        return h0.clone().requires_grad_(True), w0.clone().requires_grad_(True)
+        return hd.clone().requires_grad_(True), wd.clone().requires_grad_(True)
 
     def fused(h, w):
-        lp, en = linear_logprob_entropy(h, w, y)
-        (lp * gl + en * ge).sum().backward()
+        lp, en = linear_logprob_entropy(h, w, yd)
+        (lp * gld + en * ged).sum().backward()
         return lp.detach(), en.detach(), h.grad, w.grad
 
     def unfused(h, w):
-        lp, en = logprob_entropy(h @ w.t(), y)
-        (lp * gl + en * ge).sum().backward()
+        lp, en = logprob_entropy(h @ w.t(), yd)
+        (lp * gld + en * ged).sum().backward()
         return lp.detach(), en.detach(), h.grad, w.grad
 
     def unfused_naive(h, w):
-        lp, en = _naive(h @ w.t(), y)
-        (lp * gl + en * ge).sum().backward()
+        lp, en = _naive(h @ w.t(), yd)
+        (lp * gld + en * ged).sum().backward()
         return lp.detach(), en.detach(), h.grad, w.grad
 
     def unfused_slime(h, w):
-        lp, en = slime.calculate_log_probs_and_entropy(h @ w.t(), y, torch.distributed.group.WORLD, with_entropy=True)
-        (lp.reshape(-1) * gl + en * ge).sum().backward()
+        lp, en = slime.calculate_log_probs_and_entropy(h @ w.t(), yd, torch.distributed.group.WORLD, with_entropy=True)
+        (lp.reshape(-1) * gld + en * ged).sum().backward()
         return lp.detach().reshape(-1).float(), en.detach().float(), h.grad, w.grad
 
     def linear_ce(h, w):
-        lp = -torch.nn.functional.linear_cross_entropy(h, w, y, reduction="none")
-        (lp * gl).sum().backward()
+        lp = -torch.nn.functional.linear_cross_entropy(h, w, yd, reduction="none")
+        (lp * gld).sum().backward()
         return lp.detach().float(), None, h.grad, w.grad
 
     paths = {"fused": fused, "unfused": unfused, "unfused-naive": unfused_naive, "torch-linear-ce": linear_ce}
@@ -179,8 +200,10 @@ def run(T: int, H: int, V: int, dtype: torch.dtype, reps: int, impls=("fused", "
     for _ in range(reps):
         for k, f in timed.items():
             args = leaves()
+            sync()
             t0 = time.perf_counter()
             f(*args)
+            sync()
             times[k].append(time.perf_counter() - t0)
             del args
     peaks = {}
@@ -189,11 +212,11 @@ def run(T: int, H: int, V: int, dtype: torch.dtype, reps: int, impls=("fused", "
             peaks[k] = jax_temp + grads_bytes  # XLA scratch beyond arguments and returned gradients
             continue
         args = leaves()  # outside the trace: only the step's own allocations count
-        peaks[k] = _allocation_peak(lambda: f(*args))
+        peaks[k] = (_cuda_peak if cuda else _allocation_peak)(lambda: f(*args))
         del args
     ref = _oracle(h0, w0, y, gl, ge)
     ref_lp_only = _oracle(h0, w0, y, gl, torch.zeros_like(ge))  # the gradients of a log-prob-only loss
-    res = {"dtype": str(dtype).replace("torch.", ""), "B_bytes": B}
+    res = {"dtype": str(dtype).replace("torch.", ""), "B_bytes": B, "device": device}
     for k in paths:
         extra = peaks[k] - grads_bytes
         res[k] = {
@@ -229,19 +252,21 @@ def _uptime() -> str:
         return ""
 
 
-def _one_rank_group() -> None:
+def _one_rank_group(device: str = "cpu") -> None:
     import torch.distributed as dist
 
     from dualvp_torch.testing import free_port
 
     if not dist.is_initialized():
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+        backend = "nccl" if device == "cuda" else "gloo"
+        dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
 
 
 def run_args(args) -> int:
     """``dualvp bench --op linear`` (the bench's parsed arguments); returns the exit status."""
     from .implementations import _locate_slime, load_slime_ops
 
+    device = getattr(args, "device", "cpu")
     dtypes = (args.dtypes or "float32,bfloat16").split(",")
     impls = (args.impls or ",".join(IMPLS)).split(",")
     bad = [i for i in impls if i not in IMPLS]
@@ -256,27 +281,36 @@ def run_args(args) -> int:
             impls.remove("unfused-slime")
         else:
             slime = load_slime_ops(found["slime_file"])
-            _one_rank_group()  # slime's op all-reduces over its group, even at W = 1
+            _one_rank_group(device)  # slime's op all-reduces over its group, even at W = 1
     if "jax-fused" in impls and importlib.util.find_spec("jax") is None:
         print("skipping jax-fused: jax is not installed")
         impls.remove("jax-fused")
+    if "jax-fused" in impls and device == "cuda":
+        # JAX would take the GPU beside torch (and preallocate most of it): not in this process
+        print("skipping jax-fused: not with --device cuda (benchmarks/jax_linear.py runs JAX alone)")
+        impls.remove("jax-fused")
+    if "torch-linear-ce" in impls and not hasattr(torch.nn.functional, "linear_cross_entropy"):
+        print(f"skipping torch-linear-ce: torch {torch.__version__} has no torch.nn.functional.linear_cross_entropy")
+        impls.remove("torch-linear-ce")
     T, H, V = (64, 32, 1000) if args.quick else (args.T, args.hidden, args.V)
     reps = args.reps or (1 if args.quick else 3)
     result = {
         "T": T, "H": H, "V_local": V, "reps": reps, "torch": torch.__version__,
         "threads": torch.get_num_threads(), "machine": platform.processor() or platform.machine(),
-        "impls": impls, "uptime_before": _uptime(), "loadavg_before": os.getloadavg(),
-        "memory_note": "peak of the CPU allocation trace of one forward+backward step "
-        "(inputs allocated before the trace) minus the returned gradients dh, dW; as a multiple of B = T * V_local * itemsize",
+        "impls": impls, "uptime_before": _uptime(), "loadavg_before": os.getloadavg(), "device": device,
+        "gpu": torch.cuda.get_device_name(0) if device == "cuda" else None,
+        "memory_note": ("torch.cuda.max_memory_allocated during" if device == "cuda" else
+                        "peak of the CPU allocation trace of") + " one forward+backward step "
+        "(inputs allocated before) minus the returned gradients dh, dW; as a multiple of B = T * V_local * itemsize",
         "runs": [],
     }
     for name in dtypes:
-        r = run(T, H, V, getattr(torch, name), reps, impls, slime)
+        r = run(T, H, V, getattr(torch, name), reps, impls, slime, device)
         result["runs"].append(r)
         for k in impls:
             e = r[k]["errors_vs_float64"]
             errs = "  ".join(f"{q} {e[q]['max_abs']:.1e}" for q in ("logprob", "entropy", "dh", "dW") if q in e)
-            print(f"{name:9s} {k:16s} {r[k]['seconds_median']:8.3f} s  extra {r[k]['peak_extra_beyond_grads_over_B']:6.3f} B"
+            print(f"{name:9s} {k:16s} {r[k]['seconds_median'] * 1e3:9.2f} ms  extra {r[k]['peak_extra_beyond_grads_over_B']:6.3f} B"
                   f"  {errs}", flush=True)
     result["loadavg_after"] = os.getloadavg()
     result["uptime_after"] = _uptime()
