@@ -74,7 +74,7 @@ gpus=$(python -c "import torch; print(torch.cuda.device_count())")
 
 # pytest-xdist (when installed) spreads the first Triton compiles of the ~100 cases over 4 processes
 xdist=(); python -c "import xdist" 2>/dev/null && xdist=(-n 4)
-step tests 150 python -m pytest -q -p no:cacheprovider ${xdist[@]+"${xdist[@]}"} -m cuda tests/torch
+step tests 180 python -m pytest -q -p no:cacheprovider ${xdist[@]+"${xdist[@]}"} -m cuda tests/torch
 step verify 60 python -m dualvp verify --device cuda --tp 1
 if [ "$gpus" -ge 2 ]; then
   step verify_nccl 90 python -m dualvp verify --device cuda --tp "$([ "$gpus" -ge 4 ] && echo 4 || echo 2)"

@@ -1,7 +1,8 @@
 """dualvp_torch on a CUDA device (skipped without one): the shared cases against the float64 oracle.
 
 Run by ``scripts/gpu-check.sh`` on a GPU machine; CI has no GPU and skips
-this module. Multi-GPU NCCL runs are in the script, not here.
+this module. The cases also run over a one-rank NCCL group (any GPU machine)
+and over 2-4 NCCL ranks where that many GPUs exist.
 """
 
 import numpy as np
@@ -66,6 +67,15 @@ def _nccl_job(rank: int, world: int) -> list:
         if world in case.worlds:
             failures += _check(case, rank=rank, world=world, group=dist.group.WORLD, device=f"cuda:{rank}")
     return failures
+
+
+def test_cases_over_nccl_one_rank():
+    # A one-rank NCCL group still runs every collective of the op (the statistics' and the
+    # agreement record's all-gathers, on CUDA tensors): the NCCL path on a one-GPU machine.
+    from dualvp_torch.testing import run_ranks
+
+    failures = sum(run_ranks(_nccl_job, 1, backend="nccl", timeout=300), [])
+    assert not failures, "\n".join(failures[:30])
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
