@@ -37,6 +37,8 @@ def main(argv=None) -> None:
     ap.add_argument("--V", type=int, default=19008)
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--check-rows", type=int, default=64)
+    ap.add_argument("--impl", default="compiled", choices=kernels.IMPLEMENTATIONS,
+                    help="eager: the override has no effect (its sums are torch's own); for a quick check of this script")
     a = ap.parse_args(argv)
     dev = torch.device(a.device)
     sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
@@ -52,7 +54,7 @@ def main(argv=None) -> None:
     rg = reference.logprob_entropy_grad(zd[:n], yd[:n], gl[:n].double().numpy(), ge[:n].double().numpy())
     z0, y, gl, ge = z0.to(dev), y.to(dev), gl.to(dev), ge.to(dev)
     default = kernels.accumulation_dtype
-    print(f"device {dev}, T={a.T}, V_local={a.V}, float32, compiled, log-prob + entropy with gradient")
+    print(f"device {dev}, T={a.T}, V_local={a.V}, float32, {a.impl}, log-prob + entropy with gradient")
     for acc in (torch.float32, torch.float64):
         kernels.accumulation_dtype = lambda z, impl="compiled", acc=acc: acc if impl == "compiled" else default(z, impl)
         try:
@@ -61,7 +63,7 @@ def main(argv=None) -> None:
                 z = z0.detach().requires_grad_(True)
                 sync()
                 t = time.perf_counter()
-                lp, h = logprob_entropy(z, y, impl="compiled", validate=False)
+                lp, h = logprob_entropy(z, y, impl=a.impl, validate=False)
                 ((lp * gl).sum() + (h * ge).sum()).backward()
                 sync()
                 ts.append(time.perf_counter() - t)

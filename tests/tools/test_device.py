@@ -198,9 +198,10 @@ def test_bench_linear_quick_on_cuda(tmp_path):
 
 def test_gpu_profile_script_runs_on_cpu():
     # benchmarks/gpu_profile.py is a step of scripts/gpu-check.sh: it must not first fail on the GPU machine
+    # DUALVP_COMPILE=0: the script's plumbing without a compile (the compiled stages have their own tests)
     proc = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "gpu_profile.py"), "--T", "8", "--V", "64",
                            "--modes", "mask", "--calls", "1", "--top", "3"],
-                          capture_output=True, text=True, timeout=300, env=_env(), cwd=ROOT)
+                          capture_output=True, text=True, timeout=300, env=dict(_env(), DUALVP_COMPILE="0"), cwd=ROOT)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     heads = [ln for ln in proc.stdout.splitlines() if ln.startswith("== ")]
     assert [h.split()[1] for h in heads] == ["mask"] and "ms/call" in heads[0], proc.stdout
@@ -220,8 +221,9 @@ def test_jax_paths_script_runs_on_cpu():
 
 def test_gpu_precision_script_runs_on_cpu():
     # benchmarks/gpu_precision.py (a gpu-check step): one line per accumulation dtype, errors vs float64
+    # eager: the script's plumbing without a compile (the compiled stages have their own tests)
     proc = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "gpu_precision.py"), "--T", "32", "--V", "512",
-                           "--reps", "1", "--check-rows", "8"],
+                           "--reps", "1", "--check-rows", "8", "--impl", "eager"],
                           capture_output=True, text=True, timeout=300, env=_env(), cwd=ROOT)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     rows = [ln for ln in proc.stdout.splitlines() if ln.startswith("row sums in")]
