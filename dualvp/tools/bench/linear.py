@@ -127,12 +127,11 @@ def _naive(z, y):
 
 def _cuda_peak(fn) -> int:
     # the same quantity as _allocation_peak on the GPU: the most bytes allocated at once during fn
-    torch.cuda.synchronize()
-    base = torch.cuda.memory_allocated()
-    torch.cuda.reset_peak_memory_stats()
-    fn()
-    torch.cuda.synchronize()
-    return torch.cuda.max_memory_allocated() - base
+    from .worker import CudaPeak
+
+    with CudaPeak(torch) as pk:
+        fn()
+    return pk.extra
 
 
 def run(T: int, H: int, V: int, dtype: torch.dtype, reps: int, impls=("fused", "unfused"), slime=None,
