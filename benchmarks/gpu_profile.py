@@ -8,7 +8,10 @@ call, the device time summed over kernels, the number of kernel launches
 time, so that the next change aims at what costs. On the CPU it runs the
 same (CPU ops only), which is how it is tested.
 
-Usage: python benchmarks/gpu_profile.py [--device cuda] [--T 4096 --V 32000 --dtype float32 --modes lp,ent,mask]
+``--static-vocab`` compiles the shard stages for the given V_local (rows
+dynamic; ``kernels.STATIC_VOCAB_DEVICES``) instead of for every shape.
+
+Usage: python benchmarks/gpu_profile.py [--device cuda] [--T 4096 --V 32000 --dtype float32 --modes lp,ent,mask] [--static-vocab]
 """
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ import time
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from dualvp_torch import logprob_entropy
+from dualvp_torch import kernels, logprob_entropy
 
 
 def _call(z0, y, keep, with_entropy):
@@ -37,14 +40,19 @@ def main() -> None:
     ap.add_argument("--modes", default="lp,ent,mask")
     ap.add_argument("--calls", type=int, default=5)
     ap.add_argument("--top", type=int, default=12)
+    ap.add_argument("--static-vocab", action="store_true",
+                    help="compile the shard stages for this V_local, rows dynamic (kernels.STATIC_VOCAB_DEVICES)")
     a = ap.parse_args()
     dev, cuda = torch.device(a.device), a.device.startswith("cuda")
+    if a.static_vocab:
+        kernels.STATIC_VOCAB_DEVICES = frozenset({dev.type})
     g = torch.Generator(device=dev).manual_seed(0)
     z0 = (torch.randn(a.T, a.V, device=dev, generator=g) * 3 + 10).to(getattr(torch, a.dtype))
     y = torch.randint(0, a.V, (a.T,), device=dev, generator=g)
     keep = torch.rand(a.T, a.V, device=dev, generator=g) < 0.5
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
     sync = torch.cuda.synchronize if cuda else (lambda: None)
+    tag = " static V" if a.static_vocab else ""
     for mode in a.modes.split(","):
         args = (z0, y, keep if mode == "mask" else None, mode != "lp")
         for _ in range(3):
@@ -66,14 +74,14 @@ def main() -> None:
                 else "self_cuda_time_total"
             dev_us = sum(getattr(e, key) for e in kern) / a.calls
             launches = sum(e.count for e in kern) / a.calls
-            print(f"== {mode} {a.dtype} T={a.T} V={a.V}: wall {wall * 1e3:.3f} ms/call, kernels {dev_us / 1e3:.3f} ms/call, "
+            print(f"== {mode} {a.dtype} T={a.T} V={a.V}{tag}: wall {wall * 1e3:.3f} ms/call, kernels {dev_us / 1e3:.3f} ms/call, "
                   f"{launches:.0f} kernel launches/call")
             rows = sorted(kern, key=lambda e: -getattr(e, key))[: a.top]
             for e in rows:
                 print(f"   {getattr(e, key) / a.calls / 1e3:8.3f} ms  x{e.count // a.calls:<3d} {e.key[:110]}")
         else:
             ops = [e for e in ev if e.key.startswith("aten::")]
-            print(f"== {mode} {a.dtype} T={a.T} V={a.V}: wall {wall * 1e3:.3f} ms/call")
+            print(f"== {mode} {a.dtype} T={a.T} V={a.V}{tag}: wall {wall * 1e3:.3f} ms/call")
             for e in sorted(ops, key=lambda e: -e.self_cpu_time_total)[: a.top]:
                 print(f"   {e.self_cpu_time_total / a.calls / 1e3:8.3f} ms  x{e.count // a.calls:<3d} {e.key[:110]}")
 

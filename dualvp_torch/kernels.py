@@ -104,6 +104,7 @@ __all__ = [
     "INPLACE_FRACTION",
     "MIN_CHUNK_ELEMENTS",
     "CPU_CHUNK_SCRATCH_BYTES",
+    "STATIC_VOCAB_DEVICES",
     "compute_dtype",
     "accumulation_dtype",
     "compile_enabled",
@@ -318,21 +319,48 @@ _INDUCTOR_OPTIONS = {"realize_acc_reads_threshold": 64, "cpp.dynamic_threads": T
 _MASKED_OPTIONS = dict(_INDUCTOR_OPTIONS, realize_opcount_threshold=400, realize_reads_threshold=16)
 
 
+#: Device types ("cpu", "cuda") on which the shard stages are compiled for
+#: the vocabulary width they first see, with only the row count dynamic.
+#: Empty by default: every size is dynamic (one kernel for all shapes). An
+#: experiment for the GPU, where a reduction over a width known at compile
+#: time may get better kernels (alignment, block sizes) than a symbolic one;
+#: a new width recompiles (in training V_local is fixed). Not measured on a
+#: GPU yet: ``benchmarks/gpu_profile.py --static-vocab`` compares the two.
+STATIC_VOCAB_DEVICES: frozenset = frozenset()
+
+_SHARD_STAGES = ("_stats_stage", "_grad_stage", "_grad_inplace_stage")
+
+
+def _static_vocab(fn: Callable, z: torch.Tensor) -> bool:
+    return fn.__name__ in _SHARD_STAGES and z.device.type in STATIC_VOCAB_DEVICES
+
+
 def _compiled(fn: Callable, z: torch.Tensor, has_keep: bool, has_entropy: bool) -> Callable:
     # One compiled function per (stage, input dtype, mask present, entropy
     # gradient present), each over its own copy of the code object: dynamo's
     # recompile limit counts per code object, and these variants are expected,
     # not recompiles to be limited.
-    key = (fn.__name__, z.dtype, z.device.type, has_keep, has_entropy)
+    static = _static_vocab(fn, z)
+    key = (fn.__name__, z.dtype, z.device.type, has_keep, has_entropy, static)
     with _lock:
         compiled = _state.get(key)
         if compiled is None:
             name = (f"{fn.__name__.lstrip('_')}_{str(z.dtype).replace('torch.', '')}_{z.device.type}_"
-                    f"{'mask' if has_keep else 'nomask'}{'_ent' if has_entropy else ''}")
+                    f"{'mask' if has_keep else 'nomask'}{'_ent' if has_entropy else ''}{'_static_v' if static else ''}")
             code = fn.__code__.replace(co_name=name)
             variant = types.FunctionType(code, fn.__globals__, name, fn.__defaults__, fn.__closure__)
-            compiled = _state[key] = torch.compile(variant, dynamic=True, fullgraph=True, options=_MASKED_OPTIONS if has_keep else _INDUCTOR_OPTIONS)
+            # static: sizes are constants unless marked dynamic (_mark_rows_dynamic marks the row count)
+            compiled = _state[key] = torch.compile(variant, dynamic=None if static else True, fullgraph=True,
+                                                   options=_MASKED_OPTIONS if has_keep else _INDUCTOR_OPTIONS)
         return compiled
+
+
+def _mark_rows_dynamic(args: tuple) -> None:
+    # dim 0 of every tensor argument is the row count T (logits, mask, [T] vectors); a
+    # size of 0 or 1 cannot be marked (dynamo specialises it), and gets its own graph
+    for a in args:
+        if isinstance(a, torch.Tensor) and a.ndim >= 1 and a.shape[0] >= 2:
+            torch._dynamo.mark_dynamic(a, 0)
 
 
 # torch.fx.experimental._config (private; present since torch 2.1): holds the
@@ -378,6 +406,8 @@ def _run_compiled(fn: Callable, args: tuple, has_entropy: bool):
                  for a in args)
     try:
         with _no_duck_shapes():
+            if _static_vocab(fn, args[0]):
+                _mark_rows_dynamic(args)
             return _compiled(fn, args[0], args[3] is not None, has_entropy)(*args), True
     except _compile_errors() as exc:
         _note_failure(exc, stacklevel=5)

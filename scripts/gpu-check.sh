@@ -80,7 +80,9 @@ if [ "$gpus" -ge 2 ]; then
   step verify_nccl 90 python -m dualvp verify --device cuda --tp "$([ "$gpus" -ge 4 ] && echo 4 || echo 2)"
 fi
 # where a call's time goes (kernels, launches): the first H200 run found ~4 ms per call at any size
-step profile 45 bash -c "python benchmarks/gpu_profile.py --device cuda --T 16384 --V 19008 --modes lp,ent,mask \
+# and whether kernels compiled for the vocabulary width (rows dynamic) beat the all-dynamic ones
+step profile 75 bash -c "python benchmarks/gpu_profile.py --device cuda --T 16384 --V 19008 --modes lp,ent,mask \
+  && python benchmarks/gpu_profile.py --device cuda --T 16384 --V 19008 --modes lp,ent,mask --static-vocab \
   && python benchmarks/gpu_profile.py --device cuda --T 16384 --V 19008 --dtype bfloat16 --modes ent"
 slime=()  # expanded as ${slime[@]+...}: an empty array is fine under set -u on any bash
 [ -n "${SLIME_PATH:-}" ] && slime=(--slime-path "$SLIME_PATH")

@@ -203,6 +203,35 @@ def test_views_and_coincident_sizes_do_not_recompile(monkeypatch, masked):
     assert count() - before <= 4, f"{count() - before} graphs for the 2 stages"
 
 
+def test_static_vocab_compiles_once_per_width_with_dynamic_rows(monkeypatch):
+    # kernels.STATIC_VOCAB_DEVICES (the GPU experiment, off by default), checked on the CPU: one graph
+    # per stage for every row count (views and contiguous inputs alike), a new one per vocabulary
+    # width, and the same numbers as the dynamic-shape kernels.
+    monkeypatch.setattr(kernels, "_state", {"failed": False})
+    g = torch.Generator().manual_seed(5)
+    count = lambda: torch._dynamo.utils.counters["stats"]["unique_graphs"]  # noqa: E731
+
+    def step(t, v, static):
+        monkeypatch.setattr(kernels, "STATIC_VOCAB_DEVICES", frozenset({"cpu"} if static else ()))
+        gen = torch.Generator().manual_seed(t * 1000 + v)
+        x = torch.randn(t + 3, v, generator=gen)[2:-1]  # a view one row into its base
+        keep = torch.rand(t, v, generator=gen) < 0.7  # the mask's uint8 view is marked too
+        z = x.clone().requires_grad_(True)
+        lp, h = logprob_entropy(z, torch.randint(0, v, (t,), generator=gen), keep_mask=keep, impl="compiled")
+        (lp.sum() + h.sum()).backward()
+        return lp, h, z.grad
+
+    for t in (7, 9, 33):  # the dynamic-shape kernels first, for the comparison
+        step(t, 40, False)
+    before = count()
+    for t in (7, 9, 33, 12):
+        for a, b in zip(step(t, 40, True), step(t, 40, False)):
+            torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
+    assert count() - before == 2, f"{count() - before} graphs for 2 stages at one width, rows 7-33"
+    step(10, 56, True)
+    assert count() - before == 4, f"{count() - before - 2} graphs for a second width (expected 2)"
+
+
 def test_a_small_first_call_does_not_compile_serial_kernels(monkeypatch):
     # Inductor's C++ kernels decide at compile time, from the example sizes,
     # whether a loop is parallel; the dynamic-shape kernel then serves every
