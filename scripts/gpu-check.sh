@@ -97,9 +97,10 @@ step vs_slime 60 python benchmarks/vs_slime.py --device cuda ${slime[@]+"${slime
 # 4096 x 32000: the inputs and the float64 oracle are made on the CPU, which bounds the size here.
 # On the first H200 run (2026-12-04) 5 of its 8 workers took 141 s (each worker ~20-35 s:
 # process start, CUDA init, a cold Triton compile of the dualvp stages ~13 s), so 240 s; last of
-# the regular steps, as the one that may be cut at the deadline (its JSON is written as it goes).
+# the regular steps, as the one that may be cut at the deadline (its JSON is written as it goes;
+# dualvp and slime first, the comparison that matters; vs_slime above has torch-eager too).
 step bench 240 python -m dualvp bench --device cuda ${slime[@]+"${slime[@]}"} --sizes 4096x32000 --dtypes float32,bfloat16 \
-  --modes lp,lp+ent+grad,lp+ent+grad.keep --impls dualvp-torch,dualvp-torch-inplace,torch-eager,slime \
+  --modes lp,lp+ent+grad,lp+ent+grad.keep --impls dualvp-torch,slime,dualvp-torch-inplace,torch-eager \
   --reps 5 --out "$out/bench_cuda.json" \
   && python -m dualvp bench --report "$out/bench_cuda.json" > "$out/bench_cuda.md"
 # extras, while time is left. The fused LM-head op on the GPU (never measured there before;
