@@ -6,7 +6,7 @@ error of 2.4e-6 and an entropy-gradient error of 2.8e-6 at T=16384,
 V_local=19008, where the CPU path (float64 sums) gives 6.3e-7 and 1.6e-7 on
 the same inputs. This script runs ``logprob_entropy`` (compiled, log-prob and
 entropy, both differentiated) with the row sums in float32 and in float64
-(``accumulation_dtype`` overridden for the run), on the inputs of
+(``kernels.FLOAT64_SUMS_DEVICES`` without and with the device), on the inputs of
 ``benchmarks/vs_slime.py`` (same seed: the same numbers as its tables), and
 prints per variant the median forward + backward time and the largest
 errors against the float64 oracle (log-prob and entropy over all rows, the
@@ -38,7 +38,7 @@ def main(argv=None) -> None:
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--check-rows", type=int, default=64)
     ap.add_argument("--impl", default="compiled", choices=kernels.IMPLEMENTATIONS,
-                    help="eager: the override has no effect (its sums are torch's own); for a quick check of this script")
+                    help="eager: the setting has no effect (its sums are torch's own); for a quick check of this script")
     a = ap.parse_args(argv)
     dev = torch.device(a.device)
     sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
@@ -53,10 +53,10 @@ def main(argv=None) -> None:
     n = a.check_rows
     rg = reference.logprob_entropy_grad(zd[:n], yd[:n], gl[:n].double().numpy(), ge[:n].double().numpy())
     z0, y, gl, ge = z0.to(dev), y.to(dev), gl.to(dev), ge.to(dev)
-    default = kernels.accumulation_dtype
+    default = kernels.FLOAT64_SUMS_DEVICES
     print(f"device {dev}, T={a.T}, V_local={a.V}, float32, {a.impl}, log-prob + entropy with gradient")
     for acc in (torch.float32, torch.float64):
-        kernels.accumulation_dtype = lambda z, impl="compiled", acc=acc: acc if impl == "compiled" else default(z, impl)
+        kernels.FLOAT64_SUMS_DEVICES = default | {dev.type} if acc == torch.float64 else default - {dev.type}
         try:
             ts = []
             for _ in range(a.reps + 1):
@@ -68,7 +68,7 @@ def main(argv=None) -> None:
                 sync()
                 ts.append(time.perf_counter() - t)
         finally:
-            kernels.accumulation_dtype = default
+            kernels.FLOAT64_SUMS_DEVICES = default
         err = {k: float(np.max(np.abs(got.detach().double().cpu().numpy() - ref)))
                for k, got, ref in (("logprob", lp, rl), ("entropy", h, rh), ("grad", z.grad[:n], rg))}
         print(f"row sums in {str(acc).replace('torch.', ''):8s}: {statistics.median(ts[1:]) * 1e3:8.2f} ms   "

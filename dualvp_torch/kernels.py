@@ -105,6 +105,7 @@ __all__ = [
     "MIN_CHUNK_ELEMENTS",
     "CPU_CHUNK_SCRATCH_BYTES",
     "STATIC_VOCAB_DEVICES",
+    "FLOAT64_SUMS_DEVICES",
     "compute_dtype",
     "accumulation_dtype",
     "compile_enabled",
@@ -173,8 +174,15 @@ def compute_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
+#: Device types whose compiled kernels sum rows in float64 (see
+#: :func:`accumulation_dtype`). Add ``"cuda"`` for float64 sums on a GPU too:
+#: on the H200 the float32 sums left a float32 entropy error of 2.4e-6; its
+#: time cost there is not measured yet (``benchmarks/gpu_precision.py``).
+FLOAT64_SUMS_DEVICES: frozenset = frozenset({"cpu"})
+
+
 def accumulation_dtype(z: torch.Tensor, impl: str = "compiled") -> Optional[torch.dtype]:
-    """float64 row sums for compiled CPU kernels, the compute dtype (``None``) otherwise.
+    """float64 row sums for compiled kernels on :data:`FLOAT64_SUMS_DEVICES` (the CPU), else ``None``.
 
     The CPU code that inductor generates sums a row sequentially in a few
     vector lanes, so a float32 sum over ~1e5 columns drifts by ~sqrt(V) eps
@@ -185,11 +193,12 @@ def accumulation_dtype(z: torch.Tensor, impl: str = "compiled") -> Optional[torc
     copy of the chunk and two more passes. GPU kernels stay in float32: on
     the first H200 run (README "GPU") their float32 entropy error was
     1.3e-6 / 2.4e-6 (T=4096, V_local=32000 / T=16384, V_local=19008), above
-    the CPU path's 7.8e-7 and eager torch's 3.0e-7 / 1.5e-6 on that GPU;
-    whether the row sums or Triton's approximate exponential cost those
-    digits, and what float64 sums would cost there, is not measured yet.
+    the CPU path's 7.8e-7 and eager torch's 3.0e-7 / 1.5e-6 on that GPU.
+    The float32 sums are the likely cause (forced on the CPU they give the
+    same magnitude, ``benchmarks/gpu_precision.py``); what float64 sums cost
+    on a GPU is not measured yet, hence the opt-in.
     """
-    return torch.float64 if impl == "compiled" and z.device.type == "cpu" else None
+    return torch.float64 if impl == "compiled" and z.device.type in FLOAT64_SUMS_DEVICES else None
 
 
 def compile_enabled() -> bool:

@@ -32,6 +32,20 @@ def test_table_compiled(monkeypatch):
     assert not failures, "\n".join(failures[:30])
 
 
+@pytest.mark.parametrize("case", ["confident_lm", "everything"])
+def test_compiled_with_float32_sums_matches_the_oracle(monkeypatch, case):
+    # The GPU's configuration (kernels.FLOAT64_SUMS_DEVICES without the device), emulated on the CPU:
+    # the compiled kernels with float32 row sums stay within the shared tolerances.
+    from ._sweep import LOSS_MODES, run_case
+
+    monkeypatch.setenv("DUALVP_COMPILE", "1")
+    monkeypatch.setattr(kernels, "FLOAT64_SUMS_DEVICES", frozenset())
+    assert kernels.accumulation_dtype(torch.zeros(1)) is None
+    failures: list = []
+    run_case(next(c for c in cases.CASES if c.name == case), 0, 1, None, LOSS_MODES[0], failures)
+    assert not failures, "\n".join(failures)
+
+
 def test_table_eager():
     failures = sweep(0, 1)
     assert not failures, "\n".join(failures[:30])
