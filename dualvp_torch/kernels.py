@@ -543,6 +543,13 @@ def _eager_tau(tau, temperature):
     return 1 if temperature == 1 else tau
 
 
+# _ONE_ROW: a shard of one row runs the eager path even when the compiled one
+# is selected. Dynamo specialises a size of 1 (it cannot stand for every row
+# count), so a one-row call compiled its own graph per stage variant, seconds
+# each (5 of the W = 1 table's 35 graphs), for a call that costs microseconds
+# either way.
+
+
 def shard_stats(
     z, local, owns, keep, tau, *, with_entropy: bool = True, impl: Optional[str] = None,
     temperature: Optional[float] = None,
@@ -557,7 +564,7 @@ def shard_stats(
     n = z.shape[0]
     if n == 0:
         return torch.zeros((0, spec.N_STATS), dtype=tau.dtype, device=z.device)
-    if select(impl) == "compiled":
+    if select(impl) == "compiled" and n > 1:  # one row: eager (see _ONE_ROW)
         shift = _kept_shift(z, keep)
         args = (z, local, owns, _mask_arg(keep, z), tau, accumulation_dtype(z), with_entropy, shift)
         out, ok = _run_compiled(_stats_stage, args, with_entropy)
@@ -637,7 +644,7 @@ def shard_grad(
     if n == 0:
         return z if inplace else torch.empty_like(z, memory_format=torch.contiguous_format)
     args = (z, local, owns, keep, M, log_s, c, mk, log_sk, valid, gl, ge, tau)
-    if select(impl) == "compiled":
+    if select(impl) == "compiled" and n > 1:  # one row: eager (see _ONE_ROW)
         stage = _grad_inplace_stage if inplace else _grad_stage
         out, ok = _run_compiled(stage, (z, local, owns, _mask_arg(keep, z)) + args[4:], ge is not None)
         if ok:

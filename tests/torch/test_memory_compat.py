@@ -198,6 +198,8 @@ def test_views_and_coincident_sizes_do_not_recompile(monkeypatch, masked):
     for x in offset0:
         step(x)
     assert count() - before == 2, f"{count() - before} graphs for the 2 stages (statistics, gradient)"
+    step(torch.randn(1, V, generator=g))  # one row runs eager: no size-1 specialisation
+    assert count() - before == 2, f"{count() - before - 2} graphs for a one-row call"
     for x in offset_rows + offset0 + offset_rows:
         step(x)
     assert count() - before <= 4, f"{count() - before} graphs for the 2 stages"
