@@ -395,8 +395,12 @@ def _caused_by_oom(exc: BaseException) -> bool:
     return False
 
 
-def _run_compiled(fn: Callable, args: tuple, has_entropy: bool):
-    """Run the compiled stage; on a compilation failure warn once and return ``None``."""
+def _run_compiled(fn: Callable, args: tuple, has_entropy: bool, has_keep: Optional[bool] = None):
+    """Run the compiled stage; on a compilation failure warn once and return ``None``.
+
+    ``has_keep``: whether a keep mask is present; by default ``args[3] is not
+    None`` (the keep argument of the shard and block stages).
+    """
     # Dynamo guards a view argument on its base's sizes and strides as well:
     # the logits as a slice or reshape of a larger tensor, the uint8 view of
     # the bool mask, the [T] statistics as columns of the [T, 6] block, each
@@ -417,24 +421,20 @@ def _run_compiled(fn: Callable, args: tuple, has_entropy: bool):
         with _no_duck_shapes():
             if _static_vocab(fn, args[0]):
                 _mark_rows_dynamic(args)
-            return _compiled(fn, args[0], args[3] is not None, has_entropy)(*args), True
+            keep = args[3] is not None if has_keep is None else has_keep
+            return _compiled(fn, args[0], keep, has_entropy)(*args), True
     except _compile_errors() as exc:
-        _note_failure(exc, stacklevel=5)
+        if _caused_by_oom(exc):
+            raise
+        if not _state["failed"]:
+            _state["failed"] = True
+            warnings.warn(
+                f"dualvp_torch: torch.compile of the local kernels failed ({type(exc).__name__}: {exc}); "
+                "falling back to the eager row-chunked path for the rest of the process",
+                RuntimeWarning,
+                stacklevel=4,
+            )
         return None, False
-
-
-def _note_failure(exc: BaseException, stacklevel: int) -> None:
-    """Re-raise an out-of-memory error; else warn once and switch the process to the eager path."""
-    if _caused_by_oom(exc):
-        raise exc
-    if not _state["failed"]:
-        _state["failed"] = True
-        warnings.warn(
-            f"dualvp_torch: torch.compile of the local kernels failed ({type(exc).__name__}: {exc}); "
-            "falling back to the eager row-chunked path for the rest of the process",
-            RuntimeWarning,
-            stacklevel=stacklevel,
-        )
 
 
 # --- "eager" -------------------------------------------------------------------------
@@ -590,16 +590,11 @@ def merge(all_stats, valid, tau, *, impl: Optional[str] = None, compiled: Option
     """
     if compiled is None:
         compiled = all_stats.device.type != "cpu"
+    res = None
     if compiled and select(impl) == "compiled" and all_stats.shape[1] > 0:
-        try:
-            with _no_duck_shapes():
-                out = _compiled(_merge_stage, all_stats, False, False)(all_stats.detach(), valid.detach(), tau)
-        except _compile_errors() as exc:
-            out = None
-            _note_failure(exc, stacklevel=3)
-        if out is not None:
-            return spec.Combined(*out[:6]), out[6], out[7]
-    res = _merge_stage(all_stats, valid, tau)
+        res, _ = _run_compiled(_merge_stage, (all_stats, valid, tau), False, has_keep=False)
+    if res is None:
+        res = _merge_stage(all_stats, valid, tau)
     return spec.Combined(*res[:6]), res[6], res[7]
 
 
