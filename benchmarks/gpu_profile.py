@@ -9,14 +9,21 @@ time, so that the next change aims at what costs. On the CPU it runs the
 same (CPU ops only), which is how it is tested.
 
 ``--static-vocab`` compiles the shard stages for the given V_local (rows
-dynamic; ``kernels.STATIC_VOCAB_DEVICES``) instead of for every shape.
+dynamic; ``kernels.STATIC_VOCAB_DEVICES``, the default on CUDA) instead of
+for every shape; ``--dynamic-vocab`` the opposite.
 
-Usage: python benchmarks/gpu_profile.py [--device cuda] [--T 4096 --V 32000 --dtype float32 --modes lp,ent,mask] [--static-vocab]
+``--host`` adds, per mode, the host (Python) side of the same calls under
+cProfile: where a call whose wall time exceeds its kernel time waits.
+
+Usage: python benchmarks/gpu_profile.py [--device cuda] [--T 4096 --V 32000 --dtype float32 --modes lp,ent,mask] [--static-vocab | --dynamic-vocab] [--host]
 """
 
 from __future__ import annotations
 
 import argparse
+import cProfile
+import io
+import pstats
 import time
 
 import torch
@@ -42,17 +49,22 @@ def main() -> None:
     ap.add_argument("--top", type=int, default=12)
     ap.add_argument("--static-vocab", action="store_true",
                     help="compile the shard stages for this V_local, rows dynamic (kernels.STATIC_VOCAB_DEVICES)")
+    ap.add_argument("--dynamic-vocab", action="store_true",
+                    help="compile the shard stages for every shape (kernels.STATIC_VOCAB_DEVICES emptied)")
+    ap.add_argument("--host", action="store_true", help="also profile the host side (cProfile, top functions by own time)")
     a = ap.parse_args()
     dev, cuda = torch.device(a.device), a.device.startswith("cuda")
     if a.static_vocab:
         kernels.STATIC_VOCAB_DEVICES = frozenset({dev.type})
+    if a.dynamic_vocab:
+        kernels.STATIC_VOCAB_DEVICES = frozenset()
     g = torch.Generator(device=dev).manual_seed(0)
     z0 = (torch.randn(a.T, a.V, device=dev, generator=g) * 3 + 10).to(getattr(torch, a.dtype))
     y = torch.randint(0, a.V, (a.T,), device=dev, generator=g)
     keep = torch.rand(a.T, a.V, device=dev, generator=g) < 0.5
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
     sync = torch.cuda.synchronize if cuda else (lambda: None)
-    tag = " static V" if a.static_vocab else ""
+    tag = " static V" if a.static_vocab else " dynamic V" if a.dynamic_vocab else ""
     for mode in a.modes.split(","):
         args = (z0, y, keep if mode == "mask" else None, mode != "lp")
         for _ in range(3):
@@ -84,6 +96,17 @@ def main() -> None:
             print(f"== {mode} {a.dtype} T={a.T} V={a.V}{tag}: wall {wall * 1e3:.3f} ms/call")
             for e in sorted(ops, key=lambda e: -e.self_cpu_time_total)[: a.top]:
                 print(f"   {e.self_cpu_time_total / a.calls / 1e3:8.3f} ms  x{e.count // a.calls:<3d} {e.key[:110]}")
+        if a.host:
+            pr = cProfile.Profile()
+            pr.enable()
+            for _ in range(a.calls):
+                _call(*args)
+            sync()
+            pr.disable()
+            buf = io.StringIO()
+            pstats.Stats(pr, stream=buf).sort_stats("tottime").print_stats(a.top)
+            print(f"-- host, {a.calls} calls (cProfile adds its own overhead):")
+            print("\n".join(ln for ln in buf.getvalue().splitlines() if ln.strip())[-4000:])
 
 
 if __name__ == "__main__":

@@ -175,14 +175,12 @@ def compute_dtype(dtype: torch.dtype) -> torch.dtype:
 
 
 #: Device types whose compiled kernels sum rows in float64 (see
-#: :func:`accumulation_dtype`). Add ``"cuda"`` for float64 sums on a GPU too:
-#: on the H200 the float32 sums left a float32 entropy error of 2.4e-6; its
-#: time cost there is not measured yet (``benchmarks/gpu_precision.py``).
-FLOAT64_SUMS_DEVICES: frozenset = frozenset({"cpu"})
+#: :func:`accumulation_dtype`). Remove ``"cuda"`` for float32 sums on a GPU.
+FLOAT64_SUMS_DEVICES: frozenset = frozenset({"cpu", "cuda"})
 
 
 def accumulation_dtype(z: torch.Tensor, impl: str = "compiled") -> Optional[torch.dtype]:
-    """float64 row sums for compiled kernels on :data:`FLOAT64_SUMS_DEVICES` (the CPU), else ``None``.
+    """float64 row sums for compiled kernels on :data:`FLOAT64_SUMS_DEVICES` (CPU and CUDA), else ``None``.
 
     The CPU code that inductor generates sums a row sequentially in a few
     vector lanes, so a float32 sum over ~1e5 columns drifts by ~sqrt(V) eps
@@ -190,13 +188,11 @@ def accumulation_dtype(z: torch.Tensor, impl: str = "compiled") -> Optional[torc
     torch's cascade summation); float64 accumulation costs one conversion per
     element inside the fused loop. Eager torch sums are cascaded (as precise
     as the float64 path here), and there a float64 sum would cost a float64
-    copy of the chunk and two more passes. GPU kernels stay in float32: on
-    the first H200 run (README "GPU") their float32 entropy error was
-    1.3e-6 / 2.4e-6 (T=4096, V_local=32000 / T=16384, V_local=19008), above
-    the CPU path's 7.8e-7 and eager torch's 3.0e-7 / 1.5e-6 on that GPU.
-    The float32 sums are the likely cause (forced on the CPU they give the
-    same magnitude, ``benchmarks/gpu_precision.py``); what float64 sums cost
-    on a GPU is not measured yet, hence the opt-in.
+    copy of the chunk and two more passes. On a GPU the same holds: on the
+    H200 (README "GPU", T=16384, V_local=19008, float32, lp + entropy with
+    gradient, ``benchmarks/gpu_precision.py``) float32 sums gave an entropy
+    error of 2.8e-6 and a gradient error of 2.8e-6, float64 sums 1.0e-6 and
+    3.0e-7, for 3.48 ms per call against 3.40 ms (+2 %).
     """
     return torch.float64 if impl == "compiled" and z.device.type in FLOAT64_SUMS_DEVICES else None
 
@@ -329,13 +325,15 @@ _MASKED_OPTIONS = dict(_INDUCTOR_OPTIONS, realize_opcount_threshold=400, realize
 
 
 #: Device types ("cpu", "cuda") on which the shard stages are compiled for
-#: the vocabulary width they first see, with only the row count dynamic.
-#: Empty by default: every size is dynamic (one kernel for all shapes). An
-#: experiment for the GPU, where a reduction over a width known at compile
-#: time may get better kernels (alignment, block sizes) than a symbolic one;
-#: a new width recompiles (in training V_local is fixed). Not measured on a
-#: GPU yet: ``benchmarks/gpu_profile.py --static-vocab`` compares the two.
-STATIC_VOCAB_DEVICES: frozenset = frozenset()
+#: the vocabulary width they first see, with only the row count dynamic (a
+#: new width recompiles; in training V_local is fixed). On the H200 (README
+#: "GPU", T=16384, V_local=19008, float32, ``benchmarks/gpu_profile.py``) the
+#: kernels of one forward + backward took 1.19 / 1.32 / 2.12 ms (lp / + entropy
+#: / + keep mask) against 3.18 / 2.30 / 3.73 ms with a symbolic width: the
+#: gradient kernel over a known width ran at 0.74 ms instead of 2.59 ms. On
+#: the CPU a fixed width made no difference, and one kernel for every shape
+#: spares the tests (many widths) their compiles.
+STATIC_VOCAB_DEVICES: frozenset = frozenset({"cuda"})
 
 _SHARD_STAGES = ("_stats_stage", "_grad_stage", "_grad_inplace_stage")
 

@@ -200,12 +200,13 @@ def test_gpu_profile_script_runs_on_cpu():
     # benchmarks/gpu_profile.py is a step of scripts/gpu-check.sh: it must not first fail on the GPU machine
     # DUALVP_COMPILE=0: the script's plumbing without a compile (the compiled stages have their own tests)
     proc = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "gpu_profile.py"), "--T", "8", "--V", "64",
-                           "--modes", "mask", "--calls", "1", "--top", "3"],
+                           "--modes", "mask", "--calls", "1", "--top", "3", "--host"],
                           capture_output=True, text=True, timeout=300, env=dict(_env(), DUALVP_COMPILE="0"), cwd=ROOT)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     heads = [ln for ln in proc.stdout.splitlines() if ln.startswith("== ")]
     assert [h.split()[1] for h in heads] == ["mask"] and "ms/call" in heads[0], proc.stdout
     assert len(proc.stdout.splitlines()) > len(heads), proc.stdout  # the costliest ops follow the head
+    assert "-- host, 1 calls" in proc.stdout and "tottime" in proc.stdout, proc.stdout  # --host: cProfile's table
 
 
 def test_jax_paths_script_runs_on_cpu():

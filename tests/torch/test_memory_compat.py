@@ -206,7 +206,7 @@ def test_views_and_coincident_sizes_do_not_recompile(monkeypatch, masked):
 
 
 def test_static_vocab_compiles_once_per_width_with_dynamic_rows(monkeypatch):
-    # kernels.STATIC_VOCAB_DEVICES (the GPU experiment, off by default), checked on the CPU: one graph
+    # kernels.STATIC_VOCAB_DEVICES (the GPU's default, off on the CPU), checked on the CPU: one graph
     # per stage for every row count (views and contiguous inputs alike), a new one per vocabulary
     # width, and the same numbers as the dynamic-shape kernels.
     monkeypatch.setattr(kernels, "_state", {"failed": False})

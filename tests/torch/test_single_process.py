@@ -33,7 +33,7 @@ def test_table_compiled(monkeypatch):
 
 
 def test_compiled_with_float32_sums_matches_the_oracle(monkeypatch, case="everything"):
-    # The GPU's configuration (kernels.FLOAT64_SUMS_DEVICES without the device), emulated on the CPU:
+    # Float32 row sums (kernels.FLOAT64_SUMS_DEVICES without the device: the opt-out), on the CPU:
     # the compiled kernels with float32 row sums stay within the shared tolerances ("everything":
     # keep mask, temperature, ignored rows, -inf logits).
     from ._sweep import LOSS_MODES, run_case
