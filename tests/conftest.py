@@ -16,6 +16,11 @@ if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", "")
 # level in XLA_FLAGS is kept.
 if "xla_backend_optimization_level" not in os.environ["XLA_FLAGS"]:
     os.environ["XLA_FLAGS"] += " --xla_backend_optimization_level=0"
+# Inductor compiles kernels in a pool of subprocesses (compile_threads = the
+# core count, 2 here): each process that compiles (both xdist workers, the
+# compiled torch ranks) starts its pool, two more Python processes importing
+# torch, only to share the same two cores. One thread compiles in-process.
+os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
 # A compilation cache shared by this run's processes (both xdist workers, the
 # CLI and bench subprocesses, which inherit the environment): several tests
 # compile the same program (the same op at the same shapes from different
