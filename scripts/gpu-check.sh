@@ -1,22 +1,25 @@
 #!/usr/bin/env bash
-# The CUDA/NCCL path on one GPU machine, in 8 minutes: the op's CUDA
+# The CUDA/NCCL path on one GPU machine, in under 9 minutes: the op's CUDA
 # tests (pytest -m cuda tests/torch: tests/torch/test_cuda.py), `dualvp
-# verify --device cuda`, `dualvp bench --device cuda` (vs slime's op when
-# SLIME_PATH holds a checkout with slime/utils/ppo_utils.py), the per-call
-# cost of validate=True (benchmarks/validate_cost.py), a profile of one call
-# (benchmarks/gpu_profile.py: kernels, launches), float32 vs float64 row sums
-# (benchmarks/gpu_precision.py: time and errors), verify --op linear,
-# benchmarks/vs_slime.py at T=16384, V_local=19008 (with the floors), and,
-# while time is left, the tests of the --device cuda commands (pytest -m cuda
-# tests/tools), the fused LM-head op's bench (bench_linear_cuda.json),
-# dualvp_jax's two forwards on the GPU (benchmarks/jax_paths.py)
-# and dualvp-jax / jax-naive on the GPU beside dualvp-torch (bench_jax_cuda.json).
+# verify --device cuda`, then what no GPU run has measured yet: the fused
+# LM-head op's bench (bench_linear_cuda.json), dualvp_jax's two forwards on
+# the GPU (benchmarks/jax_paths.py) and `dualvp bench --device cuda` at
+# T=4096, V_local=32000 (vs slime's op when SLIME_PATH holds a checkout with
+# slime/utils/ppo_utils.py); then, while time is left, what two H200
+# sessions answered (re-measured with the current code): a profile of one
+# call (benchmarks/gpu_profile.py: kernels, launches, host side),
+# benchmarks/vs_slime.py at T=16384, V_local=19008 (with the floors),
+# verify --op linear, the per-call cost of validate=True
+# (benchmarks/validate_cost.py), float32 vs float64 row sums
+# (benchmarks/gpu_precision.py), the tests of the --device cuda commands
+# (pytest -m cuda tests/tools) and dualvp-jax / jax-naive on the GPU beside
+# dualvp-torch (bench_jax_cuda.json).
 # With two or more GPUs verify also runs on NCCL ranks (the tests do too).
 # Figures go to $OUT_DIR (default gpu-results/): summary.txt, one log per
-# step, bench_cuda.json / .md, validate_cost.jsonl, vs_slime_cuda.json.
+# step, the JSON files.
 #
 # Every step has its own timeout and the whole run a deadline (GPU_CHECK_BUDGET
-# seconds, default 480, kill grace included): a step is cut to the time left,
+# seconds, default 520, kill grace included): a step is cut to the time left,
 # and an extra step that would not get 30 s is skipped. Without CUDA the
 # script stops after the env step, exit 2.
 #
@@ -30,7 +33,7 @@ out=${OUT_DIR:-gpu-results}
 mkdir -p "$out"
 : > "$out/summary.txt"
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
-deadline=$((SECONDS + ${GPU_CHECK_BUDGET:-480}))
+deadline=$((SECONDS + ${GPU_CHECK_BUDGET:-520}))
 grace=10
 rc=0
 say() { echo "$*" | tee -a "$out/summary.txt"; }
@@ -82,38 +85,35 @@ step verify 60 python -m dualvp verify --device cuda --tp 1
 if [ "$gpus" -ge 2 ]; then
   step verify_nccl 90 python -m dualvp verify --device cuda --tp "$([ "$gpus" -ge 4 ] && echo 4 || echo 2)"
 fi
-# where a call's time goes (kernels, launches, host side): the second H200 run found the kernels
-# 2.7x faster compiled for the vocabulary width (now the CUDA default) and a wall time 2x the
-# kernel time with them: the host side
-step profile 75 bash -c "python benchmarks/gpu_profile.py --device cuda --T 16384 --V 19008 --modes lp,ent,mask --host \
-  && python benchmarks/gpu_profile.py --device cuda --T 16384 --V 19008 --dtype bfloat16 --modes ent,mask"
 slime=()  # expanded as ${slime[@]+...}: an empty array is fine under set -u on any bash
 [ -n "${SLIME_PATH:-}" ] && slime=(--slime-path "$SLIME_PATH")
-step validate_cost 45 bash -c "python benchmarks/validate_cost.py --device cuda --T 16384 --V 19008 \
-  > $out/validate_cost.jsonl && cat $out/validate_cost.jsonl"
-# float32 vs float64 row sums on the GPU: the first run's entropy (gradient) errors, 2.4e-6 (2.8e-6),
-# match the CPU's with float32 sums (5.7e-6 / 2.3e-6 at T=2048) and not its float64 default's
-step precision 45 python benchmarks/gpu_precision.py --device cuda --T 16384 --V 19008
-step verify_linear 45 python -m dualvp verify --device cuda --tp 1 --op linear --hidden 256
-step vs_slime 60 python benchmarks/vs_slime.py --device cuda ${slime[@]+"${slime[@]}"} --T 16384 --V 19008 \
-  --dtypes float32,bfloat16 --rounds 2 --reps 5 --out "$out/vs_slime_cuda.json"
-# 4096 x 32000: the inputs and the float64 oracle are made on the CPU, which bounds the size here.
-# On the first H200 run (2026-12-04) 5 of its 8 workers took 141 s (each worker ~20-35 s:
-# process start, CUDA init, a cold Triton compile of the dualvp stages ~13 s), so 240 s; last of
-# the regular steps, as the one that may be cut at the deadline (its JSON is written as it goes;
-# dualvp and slime first, the comparison that matters; vs_slime above has torch-eager too).
-step bench 240 python -m dualvp bench --device cuda ${slime[@]+"${slime[@]}"} --sizes 4096x32000 --dtypes float32,bfloat16 \
-  --modes lp,lp+ent+grad,lp+ent+grad.keep --impls dualvp-torch,slime,dualvp-torch-inplace,torch-eager \
+# Order: what no GPU run has measured yet first (after the tests and verify), what two
+# H200 sessions already answered last, as extras. The fused LM-head op on the GPU (the
+# inputs and the float64 oracle are on the CPU, ~10-20 s per dtype at this size):
+step bench_linear 120 python -m dualvp bench --op linear --device cuda ${slime[@]+"${slime[@]}"} \
+  --T 4096 --hidden 2048 --V 32000 --dtypes bfloat16,float32 --reps 5 --out "$out/bench_linear_cuda.json"
+# Issue 14's per-platform choice: dualvp_jax's whole-shard forward vs its row chunks on the GPU
+step jax_paths 60 env JAX_PLATFORMS=cuda XLA_PYTHON_CLIENT_PREALLOCATE=false \
+  python benchmarks/jax_paths.py --T 16384 --V 19008 --reps 10
+# 4096 x 32000 with the CUDA defaults of the second H200 session (cut at its deadline in both
+# sessions before: 8 workers of ~20-35 s each, process start, CUDA init, a cold Triton compile;
+# now 6; its JSON is written as it goes, dualvp and slime first; vs_slime below has in-place)
+step bench 200 python -m dualvp bench --device cuda ${slime[@]+"${slime[@]}"} --sizes 4096x32000 --dtypes float32,bfloat16 \
+  --modes lp,lp+ent+grad,lp+ent+grad.keep --impls dualvp-torch,slime,torch-eager \
   --reps 5 --out "$out/bench_cuda.json" \
   && python -m dualvp bench --report "$out/bench_cuda.json" > "$out/bench_cuda.md"
-# extras, while time is left. The fused LM-head op on the GPU (never measured there before;
-# the inputs and the float64 oracle are on the CPU, ~10-20 s per dtype at this size)
-extra bench_linear 120 python -m dualvp bench --op linear --device cuda ${slime[@]+"${slime[@]}"} \
-  --T 4096 --hidden 2048 --V 32000 --dtypes bfloat16,float32 --reps 5 --out "$out/bench_linear_cuda.json"
-# Issue 14's per-platform choice: dualvp_jax's whole-shard
-# forward vs its row chunks on the GPU
-extra jax_paths 60 env JAX_PLATFORMS=cuda XLA_PYTHON_CLIENT_PREALLOCATE=false \
-  python benchmarks/jax_paths.py --T 16384 --V 19008 --reps 10
+# extras, while time is left. Where a call's time goes (kernels, launches, host side): the
+# second H200 session found the kernels 2.7x faster compiled for the vocabulary width (now the
+# CUDA default) and, with them, a wall time 2x the kernel time: the host side
+extra profile 75 bash -c "python benchmarks/gpu_profile.py --device cuda --T 16384 --V 19008 --modes lp,ent,mask --host \
+  && python benchmarks/gpu_profile.py --device cuda --T 16384 --V 19008 --dtype bfloat16 --modes ent,mask"
+extra vs_slime 90 python benchmarks/vs_slime.py --device cuda ${slime[@]+"${slime[@]}"} --T 16384 --V 19008 \
+  --dtypes float32,bfloat16 --rounds 2 --reps 5 --out "$out/vs_slime_cuda.json"
+extra verify_linear 45 python -m dualvp verify --device cuda --tp 1 --op linear --hidden 256
+extra validate_cost 45 bash -c "python benchmarks/validate_cost.py --device cuda --T 16384 --V 19008 \
+  > $out/validate_cost.jsonl && cat $out/validate_cost.jsonl"
+# float32 vs float64 row sums (the second session made float64 the CUDA default: 3.48 vs 3.40 ms)
+extra precision 60 python benchmarks/gpu_precision.py --device cuda --T 16384 --V 19008
 # the --device cuda commands' own tests repeat what verify ran (79 s on the H200)
 extra tests_cli 150 python -m pytest -q -p no:cacheprovider -m cuda tests/tools
 extra bench_jax 90 python -m dualvp bench --device cuda --sizes 4096x32000 --dtypes float32,bfloat16 \
