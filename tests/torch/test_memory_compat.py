@@ -253,3 +253,43 @@ def test_a_small_first_call_does_not_compile_serial_kernels(monkeypatch):
     assert kernels_src, codes
     for k in kernels_src:
         assert "#pragma omp parallel" in k and "num_threads(1)" not in k, k[:2000]
+
+
+def _thp_mode():
+    try:
+        with open("/sys/kernel/mm/transparent_hugepage/enabled") as f:
+            return f.read().split("[")[1].split("]")[0]
+    except (OSError, IndexError):
+        return None
+
+
+def _smaps_field(addr, field):
+    """``field`` (e.g. ``THPeligible``) of the mapping of this process that holds ``addr``."""
+    with open("/proc/self/smaps") as f:
+        inside = False
+        for line in f:
+            head = line.split()[0]
+            if "-" in head and ":" not in head:
+                lo, hi = (int(x, 16) for x in head.split("-"))
+                inside = lo <= addr < hi
+            elif inside and line.startswith(field + ":"):
+                return int(line.split()[1])
+    return None
+
+
+@pytest.mark.skipif(_thp_mode() in (None, "never"), reason="no transparent huge pages on this machine")
+def test_fresh_gradient_buffers_are_advised_as_huge_pages():
+    # kernels.advise_huge_pages: the kernel records the advice on a large buffer's mapping (smaps'
+    # THPeligible, 0 without the advice when the system's policy is "madvise"), and the op's fresh
+    # gradient is allocated that way on the CPU; small buffers are left alone.
+    big = torch.empty(kernels.HUGE_PAGE_MIN_BYTES // 4 + 4096)  # float32, its own mapping
+    addr = big.data_ptr() + big.numel() * 2  # the middle of the buffer
+    if _thp_mode() == "madvise":
+        assert _smaps_field(addr, "THPeligible") == 0
+    assert kernels.advise_huge_pages(big)
+    assert _smaps_field(addr, "THPeligible") == 1
+    assert not kernels.advise_huge_pages(torch.empty(1024))  # below HUGE_PAGE_MIN_BYTES
+    z = torch.randn(kernels.HUGE_PAGE_MIN_BYTES // (4 * 256) + 8, 256)
+    g = kernels._fresh_grad(z)
+    assert g.shape == z.shape and g.dtype == z.dtype and g.is_contiguous()
+    assert _smaps_field(g.data_ptr() + g.numel() * 2, "THPeligible") == 1

@@ -113,9 +113,14 @@ def test_kernels_match_spec(monkeypatch, compiled, mask):
     comb = spec.combine_stats(xp, want[None], temperature=tau)
     gl, ge = torch.randn(64, dtype=torch.float64), torch.randn(64, dtype=torch.float64)
     gl0 = torch.where(valid, gl, torch.zeros_like(gl))
-    g = kernels.shard_grad(z, local, owns, keep, comb.M, comb.log_s, comb.c, comb.mk, comb.log_sk, valid, gl, ge, tau_t)
     gw = spec.grad_logits(xp, z, local, owns, keep, comb, valid, gl, ge, tau)
-    torch.testing.assert_close(g, gw, rtol=1e-12, atol=1e-12)
+    # the gradient into a buffer of its own (the CPU's default, kernels.HUGE_PAGE_DEVICES) and as the
+    # stage's own output (the GPU's)
+    for devices in (kernels.HUGE_PAGE_DEVICES | {"cpu"}, frozenset()):
+        monkeypatch.setattr(kernels, "HUGE_PAGE_DEVICES", devices)
+        g = kernels.shard_grad(z, local, owns, keep, comb.M, comb.log_s, comb.c, comb.mk, comb.log_sk, valid, gl, ge,
+                               tau_t)
+        torch.testing.assert_close(g, gw, rtol=1e-12, atol=1e-12)
     # the merge (compiled on a GPU by default; forced here) against the spec's, with another rank's statistics
     other = spec.shard_stats(xp, torch.randn(64, 40, dtype=torch.float64), local, torch.zeros_like(owns), keep, tau)
     all_stats = torch.stack([other, want])

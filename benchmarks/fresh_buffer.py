@@ -1,0 +1,66 @@
+"""What a fresh ``[T, V_local]`` buffer costs to write, with and without huge-page advice (CPU).
+
+The op returns its gradient in a fresh buffer. Its first write faults in
+every page; with 4 KiB pages that can cost more than the arithmetic
+(``kernels.HUGE_PAGE_DEVICES``). This prints, per size and dtype, the median
+time of ``torch.empty(...).fill_(1)`` plain and after
+``dualvp_torch.kernels.advise_huge_pages``, and of ``x * 2`` into a plain or
+advised buffer (read one, write one).
+
+Usage: python benchmarks/fresh_buffer.py [--T 2048 --V 32000,152064 --dtypes float32,bfloat16 --reps 9]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+
+from dualvp_torch.kernels import advise_huge_pages
+
+
+def _median_ms(fn, reps: int) -> float:
+    for _ in range(2):
+        fn()
+    ts = []
+    for _ in range(reps):
+        t = time.perf_counter()
+        fn()
+        ts.append(time.perf_counter() - t)
+    return statistics.median(ts) * 1e3
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--T", type=int, default=2048)
+    ap.add_argument("--V", default="32000,152064")
+    ap.add_argument("--dtypes", default="float32,bfloat16")
+    ap.add_argument("--reps", type=int, default=9)
+    a = ap.parse_args()
+    for v in (int(s) for s in a.V.split(",")):
+        for name in a.dtypes.split(","):
+            x = torch.randn(a.T, v).to(getattr(torch, name))
+
+            def fresh(advise):
+                out = torch.empty_like(x)
+                took = advise_huge_pages(out) if advise else False
+                return out, took
+
+            def fill(advise):
+                return fresh(advise)[0].fill_(1)
+
+            def mul(advise):
+                return torch.mul(x, 2, out=fresh(advise)[0])
+
+            took = fresh(True)[1]
+            row = [f"{a.T}x{v} {name:9s} B={x.numel() * x.element_size() / 2**20:6.0f} MiB"]
+            for label, fn in (("fill", fill), ("x*2", mul)):
+                plain, adv = _median_ms(lambda: fn(False), a.reps), _median_ms(lambda: fn(True), a.reps)
+                row.append(f"{label}: plain {plain:7.1f} ms, advised {adv:7.1f} ms")
+            print("  ".join(row) + ("" if took else "  (advice refused: no effect expected)"))
+
+
+if __name__ == "__main__":
+    main()
