@@ -45,6 +45,9 @@ def test_bench_quick_writes_json_and_png(tmp_path):
     assert doc["failures"] == []
     meta = doc["meta"]
     assert meta["memory_method"] and meta["machine"]["cpus"]
+    assert {"transparent_hugepage", "glibc_tunables", "thp_mem_alloc_enable"} <= set(meta["machine"])
+    if os.path.exists("/sys/kernel/mm/transparent_hugepage/enabled"):
+        assert "[" in meta["machine"]["transparent_hugepage"], meta["machine"]
     assert meta["sizes"] == [{"T": 16, "V_local": 256}]
     got = {(r["impl"], r["mode"]) for r in doc["results"]}
     assert got == {(i, m) for i in impls for m in modes}

@@ -251,7 +251,20 @@ def _machine() -> dict:
         "numpy": np.__version__,
         "megatron-core": _version("megatron-core"),
         "gpu": None,
+        # fresh buffers' page faults are a large part of CPU times here (README, "Huge-page gradient
+        # buffers"): the transparent-huge-page policy and glibc's tunables change every result
+        "transparent_hugepage": _first_line("/sys/kernel/mm/transparent_hugepage/enabled"),
+        "glibc_tunables": os.environ.get("GLIBC_TUNABLES"),
+        "thp_mem_alloc_enable": os.environ.get("THP_MEM_ALLOC_ENABLE"),
     }
+
+
+def _first_line(path: str):
+    try:
+        with open(path) as f:
+            return f.readline().strip()
+    except OSError:
+        return None
 
 
 def _meta(args, plan: _Plan) -> dict:
