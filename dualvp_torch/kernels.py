@@ -701,23 +701,25 @@ def shard_grad(
     writes the gradient into ``z`` itself (``z`` must be contiguous) and
     returns ``z``. ``temperature``: as in :func:`shard_stats`.
     """
-    n, v = z.shape
+    n = z.shape[0]
     if n == 0:
         return z if inplace else torch.empty_like(z, memory_format=torch.contiguous_format)
     args = (z, local, owns, keep, M, log_s, c, mk, log_sk, valid, gl, ge, tau)
+    # the output buffer: z itself, or one advised before its first write (HUGE_PAGE_DEVICES), which
+    # the eager path reuses if compiling fails; None: the compiled stage allocates its own
+    out = z if inplace else _fresh_grad(z) if z.device.type in HUGE_PAGE_DEVICES else None
     if select(impl) == "compiled" and n > 1:  # one row: eager (see _ONE_ROW)
         stage_args = (z, local, owns, _mask_arg(keep, z)) + args[4:]
-        if inplace:
-            _, ok = _run_compiled(_grad_inplace_stage, stage_args, ge is not None)
-            out = z
-        elif z.device.type in HUGE_PAGE_DEVICES:  # into a buffer advised before the kernel writes it
-            out = _fresh_grad(z)
-            _, ok = _run_compiled(_grad_into_stage, stage_args + (out,), ge is not None)
-        else:
+        if out is None:
             out, ok = _run_compiled(_grad_stage, stage_args, ge is not None)
+        elif inplace:
+            _, ok = _run_compiled(_grad_inplace_stage, stage_args, ge is not None)
+        else:
+            _, ok = _run_compiled(_grad_into_stage, stage_args + (out,), ge is not None)
         if ok:
             return out
-    out = z if inplace else _fresh_grad(z)
+    if out is None:
+        out = _fresh_grad(z)
     _grad_eager(z, out, *args[1:-1], _eager_tau(tau, temperature))
     return out
 
