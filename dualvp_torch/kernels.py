@@ -343,6 +343,18 @@ _MASKED_OPTIONS = dict(_INDUCTOR_OPTIONS, realize_opcount_threshold=400, realize
 #: spares the tests (many widths) their compiles.
 STATIC_VOCAB_DEVICES: frozenset = frozenset({"cuda"})
 
+#: Input dtypes whose compiled CPU statistics always include the entropy's
+#: ``t`` (``with_entropy=False`` then only drops it afterwards: the log-prob
+#: does not depend on it). Without ``t`` inductor tiles the bfloat16 sum loop
+#: 32 columns wide (float64 accumulators four vectors deep), with it 16 wide,
+#: and the leaner kernel is the slower one: on the 2-core EPYC the
+#: log-prob-only forward took 37 vs 29 ms (bfloat16), 33 vs 25 ms (float16)
+#: at T=2048, V_local=32000, 152 vs 113 ms (bfloat16) at V_local=152064, lean
+#: vs with ``t`` (``benchmarks/lean_stats.py``; the same log-probs). float32
+#: is the other way round (23 vs 28 ms, 110 vs 135 ms), so it keeps the lean
+#: statistics.
+FULL_STATS_CPU_DTYPES: frozenset = frozenset({torch.bfloat16, torch.float16})
+
 _SHARD_STAGES = ("_stats_stage", "_grad_stage", "_grad_inplace_stage", "_grad_into_stage")
 
 
@@ -563,7 +575,8 @@ def shard_stats(
     """``[T, 6]`` statistics ``spec.block_stats`` of the shard ``z [T, V_local]``.
 
     ``tau`` is a 0-d tensor of the compute dtype; ``with_entropy=False``
-    skips the entropy's statistic (see ``spec.block_stats``); ``impl`` as in
+    skips the entropy's statistic (see ``spec.block_stats``; the compiled CPU
+    stage computes it anyway for :data:`FULL_STATS_CPU_DTYPES`); ``impl`` as in
     :func:`select`; ``temperature``: the same temperature as a Python
     number, when the caller has it (the eager path skips dividing by 1).
     """
@@ -572,8 +585,9 @@ def shard_stats(
         return torch.zeros((0, spec.N_STATS), dtype=tau.dtype, device=z.device)
     if select(impl) == "compiled" and n > 1:  # one row: eager (see _ONE_ROW)
         shift = _kept_shift(z, keep)
-        args = (z, local, owns, _mask_arg(keep, z), tau, accumulation_dtype(z), with_entropy, shift)
-        out, ok = _run_compiled(_stats_stage, args, with_entropy)
+        full = with_entropy or (z.device.type == "cpu" and z.dtype in FULL_STATS_CPU_DTYPES)
+        args = (z, local, owns, _mask_arg(keep, z), tau, accumulation_dtype(z), full, shift)
+        out, ok = _run_compiled(_stats_stage, args, full)
         if ok:
             if shift == "max":
                 _redo_marked_rows(out, z, local, owns, keep, _eager_tau(tau, temperature), with_entropy)
