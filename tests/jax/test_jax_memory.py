@@ -17,8 +17,10 @@ is a trace-time error: the shard_map cases would not compile.
 
 The second half checks the chunked path's values: every shared case at
 W = 1, 2, 4 with 4 rows per chunk (so most have an overlapping last chunk)
-against the float64 oracle, and the whole-shard path (the one other platforms
-take) on a subset.
+through the global-array API against the float64 oracle (the JAX backend's
+check of the whole scenario table; tests/cross runs the same API on every
+case at W = 2 and 8 with the default chunks, one chunk at these sizes), and
+the whole-shard path (the one other platforms take) on a subset.
 """
 
 import re
@@ -221,11 +223,15 @@ _CHUNK_PARAMS = [pytest.param(c, w, id=f"{c.name}-W{w}") for c in cases.CASES fo
 
 
 def _check_case(case, world):
+    """The global-array API on a jax.make_mesh mesh (explicit axes): values, gradients, dtypes, shapes."""
     prob = cases.make(case)
     refs = reference_of(prob)
     with x64_for(case.dtype):
         z, y, k, gl, ge = inputs(prob)
         out = sharded_runner(world, "explicit", case.temperature, case.ignore_index, k is not None)(z, y, k, gl, ge)
+        lp, h, g = out
+        assert lp.dtype == h.dtype == (jnp.float64 if case.dtype == "float64" else jnp.float32)
+        assert g.dtype == z.dtype and g.shape == z.shape
         for name, x, ref in zip(("logprob", "entropy", "grad"), out, refs):
             check_close(case.name, x, ref, case.dtype, name)
 

@@ -3,7 +3,6 @@
 import pytest
 
 jax = pytest.importorskip("jax")
-import jax.numpy as jnp  # noqa: E402
 
 from dualvp.testing import cases  # noqa: E402
 from ._helpers import (  # noqa: E402
@@ -15,21 +14,9 @@ def _check_outputs(case, outs, refs):
         check_close(case.name, x, ref, case.dtype, name)
 
 
-_PARAMS = [pytest.param(c, w, id=f"{c.name}-W{w}") for c in cases.CASES for w in c.worlds]
-
-
-@pytest.mark.parametrize("case,world", _PARAMS)
-def test_sharded_api_vs_reference(case, world):
-    """Global-array API on a jax.make_mesh mesh (explicit axes): values and gradients."""
-    prob = cases.make(case)
-    ref_lp, ref_h, ref_g = reference_of(prob)
-    with x64_for(case.dtype):
-        z, y, k, gl, ge = inputs(prob)
-        run = sharded_runner(world, "explicit", case.temperature, case.ignore_index, k is not None)
-        lp, h, g = run(z, y, k, gl, ge)
-        assert lp.dtype == h.dtype == (jnp.float64 if case.dtype == "float64" else jnp.float32)
-        assert g.dtype == z.dtype and g.shape == z.shape
-        _check_outputs(case, (lp, h, g), (ref_lp, ref_h, ref_g))
+# Every case through the global-array API (jax.make_mesh, explicit axes) is checked, with 4-row
+# chunks, by tests/jax/test_jax_memory.py::TestChunked at W = 1, 2, 4, and without chunks by
+# tests/cross/test_cross_backends.py at W = 2 and 8 (the same API, against the oracle and torch).
 
 
 # The user-level shard_map path on jax.sharding.Mesh (auto axes), at the largest W of a
