@@ -1,18 +1,18 @@
 #!/usr/bin/env bash
 # The CUDA/NCCL path on one GPU machine, in under 9 minutes: the op's CUDA
 # tests (pytest -m cuda tests/torch: tests/torch/test_cuda.py), `dualvp
-# verify --device cuda`, then what no GPU run has measured yet: the fused
-# LM-head op's bench (bench_linear_cuda.json), dualvp_jax's two forwards on
-# the GPU (benchmarks/jax_paths.py) and `dualvp bench --device cuda` at
-# T=4096, V_local=32000 (vs slime's op when SLIME_PATH holds a checkout with
-# slime/utils/ppo_utils.py); then, while time is left, what two H200
-# sessions answered (re-measured with the current code): a profile of one
-# call (benchmarks/gpu_profile.py: kernels, launches, host side),
-# benchmarks/vs_slime.py at T=16384, V_local=19008 (with the floors),
-# verify --op linear, the per-call cost of validate=True
-# (benchmarks/validate_cost.py), float32 vs float64 row sums
-# (benchmarks/gpu_precision.py), the tests of the --device cuda commands
-# (pytest -m cuda tests/tools) and dualvp-jax / jax-naive on the GPU beside
+# verify --device cuda`, then what the code changed since the last GPU run
+# (the per-call host work): a profile of one call with its host side
+# (benchmarks/gpu_profile.py --host, at 16384 x 19008 and 4096 x 32000),
+# `dualvp bench --device cuda` at T=4096, V_local=32000 (vs slime's op when
+# SLIME_PATH holds a checkout with slime/utils/ppo_utils.py) and
+# benchmarks/vs_slime.py at T=16384, V_local=19008; then, while time is
+# left, what the three H200 runs answered, re-measured: verify --op linear,
+# the per-call cost of validate=True (benchmarks/validate_cost.py), float32
+# vs float64 row sums (benchmarks/gpu_precision.py), the fused LM-head op's
+# bench (bench_linear_cuda.json), dualvp_jax's two forwards
+# (benchmarks/jax_paths.py), the tests of the --device cuda commands
+# (pytest -m cuda tests/tools) and dualvp-jax / jax-naive beside
 # dualvp-torch (bench_jax_cuda.json).
 # With two or more GPUs verify also runs on NCCL ranks (the tests do too).
 # Figures go to $OUT_DIR (default gpu-results/): summary.txt, one log per
@@ -87,34 +87,33 @@ if [ "$gpus" -ge 2 ]; then
 fi
 slime=()  # expanded as ${slime[@]+...}: an empty array is fine under set -u on any bash
 [ -n "${SLIME_PATH:-}" ] && slime=(--slime-path "$SLIME_PATH")
-# Order: what no GPU run has measured yet first (after the tests and verify), what two
-# H200 sessions already answered last, as extras. The fused LM-head op on the GPU (the
-# inputs and the float64 oracle are on the CPU, ~10-20 s per dtype at this size):
-step bench_linear 120 python -m dualvp bench --op linear --device cuda ${slime[@]+"${slime[@]}"} \
-  --T 4096 --hidden 2048 --V 32000 --dtypes bfloat16,float32 --reps 5 --out "$out/bench_linear_cuda.json"
-# Issue 14's per-platform choice: dualvp_jax's whole-shard forward vs its row chunks on the GPU
-step jax_paths 60 env JAX_PLATFORMS=cuda XLA_PYTHON_CLIENT_PREALLOCATE=false \
-  python benchmarks/jax_paths.py --T 16384 --V 19008 --reps 10
-# 4096 x 32000 with the CUDA defaults of the second H200 session (cut at its deadline in both
-# sessions before: 8 workers of ~20-35 s each, process start, CUDA init, a cold Triton compile;
-# now 6; its JSON is written as it goes, dualvp and slime first; vs_slime below has in-place)
-step bench 200 python -m dualvp bench --device cuda ${slime[@]+"${slime[@]}"} --sizes 4096x32000 --dtypes float32,bfloat16 \
+# Order (after the tests and verify): what this code changed since the last GPU run first.
+# The fourth session cut the per-call host work (row marks and the duck-sizing patch only at a
+# compiled variant's first call; 373 -> 291 us per fwd+bwd on the CPU with the GPU's settings),
+# which the third GPU run found to bound the op at T = 4096 (~2 ms per forward for ~0.1 ms of
+# kernels): the profile with --host, then the 4096 x 32000 bench (float32 first, dualvp and slime
+# first: its JSON is written as it goes), then vs_slime at 16384 x 19008.
+step profile 75 bash -c "python benchmarks/gpu_profile.py --device cuda --T 16384 --V 19008 --modes lp,ent,mask --host \
+  && python benchmarks/gpu_profile.py --device cuda --T 4096 --V 32000 --modes lp,ent,mask --host"
+step bench 170 python -m dualvp bench --device cuda ${slime[@]+"${slime[@]}"} --sizes 4096x32000 --dtypes float32,bfloat16 \
   --modes lp,lp+ent+grad,lp+ent+grad.keep --impls dualvp-torch,slime,torch-eager \
   --reps 5 --out "$out/bench_cuda.json" \
   && python -m dualvp bench --report "$out/bench_cuda.json" > "$out/bench_cuda.md"
-# extras, while time is left. Where a call's time goes (kernels, launches, host side): the
-# second H200 session found the kernels 2.7x faster compiled for the vocabulary width (now the
-# CUDA default) and, with them, a wall time 2x the kernel time: the host side
-extra profile 75 bash -c "python benchmarks/gpu_profile.py --device cuda --T 16384 --V 19008 --modes lp,ent,mask --host \
-  && python benchmarks/gpu_profile.py --device cuda --T 16384 --V 19008 --dtype bfloat16 --modes ent,mask"
-extra vs_slime 90 python benchmarks/vs_slime.py --device cuda ${slime[@]+"${slime[@]}"} --T 16384 --V 19008 \
+extra vs_slime 100 python benchmarks/vs_slime.py --device cuda ${slime[@]+"${slime[@]}"} --T 16384 --V 19008 \
   --dtypes float32,bfloat16 --rounds 2 --reps 5 --out "$out/vs_slime_cuda.json"
+# Extras that the three H200 runs answered (re-measured with the current code while time is left):
+# verify --op linear, validate=True's per-call cost, float32 vs float64 row sums, the --device cuda
+# commands' own tests (79 s), dualvp-jax beside dualvp-torch, the fused LM-head op's bench (run 6:
+# fused 37 / 47 ms vs unfused 5.3 / 35 ms, bf16 / fp32) and dualvp_jax's two forwards (run 6:
+# chunks 4.7-5.8x slower than the whole shard on the GPU: the CPU-only choice stands).
 extra verify_linear 45 python -m dualvp verify --device cuda --tp 1 --op linear --hidden 256
 extra validate_cost 45 bash -c "python benchmarks/validate_cost.py --device cuda --T 16384 --V 19008 \
   > $out/validate_cost.jsonl && cat $out/validate_cost.jsonl"
-# float32 vs float64 row sums (the second session made float64 the CUDA default: 3.48 vs 3.40 ms)
 extra precision 60 python benchmarks/gpu_precision.py --device cuda --T 16384 --V 19008
-# the --device cuda commands' own tests repeat what verify ran (79 s on the H200)
+extra bench_linear 120 python -m dualvp bench --op linear --device cuda ${slime[@]+"${slime[@]}"} \
+  --T 4096 --hidden 2048 --V 32000 --dtypes bfloat16,float32 --reps 5 --out "$out/bench_linear_cuda.json"
+extra jax_paths 60 env JAX_PLATFORMS=cuda XLA_PYTHON_CLIENT_PREALLOCATE=false \
+  python benchmarks/jax_paths.py --T 16384 --V 19008 --reps 10
 extra tests_cli 150 python -m pytest -q -p no:cacheprovider -m cuda tests/tools
 extra bench_jax 90 python -m dualvp bench --device cuda --sizes 4096x32000 --dtypes float32,bfloat16 \
   --modes lp,lp+ent+grad --impls dualvp-torch,dualvp-jax,jax-naive --reps 5 --out "$out/bench_jax_cuda.json"
