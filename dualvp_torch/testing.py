@@ -92,7 +92,16 @@ def _picklable_error(exc: BaseException) -> BaseException:
 
 
 #: What the forkserver imports before it forks a rank (the costly imports of every rank).
+#: The modules named in ``DUALVP_FORKSERVER_PRELOAD`` (comma-separated, read when the server
+#: starts) are imported too: a framework that every rank of a job imports (megatron-core's
+#: import takes ~2 s, once in the server instead of once per rank). One that cannot be
+#: imported is skipped (multiprocessing ignores an ImportError of a preloaded module).
 PRELOAD = ("numpy", "torch", "torch.distributed", "dualvp_torch")
+
+
+def _preload() -> list:
+    extra = os.environ.get("DUALVP_FORKSERVER_PRELOAD", "")
+    return list(PRELOAD) + [m.strip() for m in extra.split(",") if m.strip()]
 
 
 def _context():
@@ -100,7 +109,7 @@ def _context():
     if "forkserver" in mp.get_all_start_methods():
         ctx = mp.get_context("forkserver")
         # Takes effect when the server starts (the first call); later calls reuse it.
-        ctx.set_forkserver_preload(list(PRELOAD))
+        ctx.set_forkserver_preload(_preload())
         return ctx
     return mp.get_context("spawn")
 

@@ -33,6 +33,14 @@ if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
     os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
     os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "-1")
 
+# The 8-rank Megatron job (tests/torch/test_torch_compat.py) imports megatron-core in every
+# rank, ~2 s each: the ranks' forkserver imports it once instead (dualvp_torch.testing). Set
+# only where megatron is installed (find_spec of the top-level package imports nothing).
+import importlib.util  # noqa: E402
+
+if importlib.util.find_spec("megatron") is not None:
+    os.environ.setdefault("DUALVP_FORKSERVER_PRELOAD", "megatron.core.tensor_parallel")
+
 # Hypothesis: a bounded profile for CI; DUALVP_FUZZ_EXAMPLES raises the budget
 # for a longer opt-in run.
 from hypothesis import HealthCheck, settings

@@ -245,6 +245,9 @@ def test_slime_errors():
 
 def _megatron_job(rank: int, world: int) -> dict:
     """Every rank: a bare call on the 8-rank world, then compat next to megatron-core at TP=4 x PP=2, then TP=1."""
+    import sys
+
+    preloaded = "megatron.core.tensor_parallel" in sys.modules  # forked with it (tests/conftest.py)
     os.environ["DUALVP_COMPILE"] = "0"
     import megatron.core.parallel_state as ps
     from megatron.core.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy as mcore
@@ -302,6 +305,7 @@ def _megatron_job(rank: int, world: int) -> dict:
         (mcore(z1.clone(), y1, a), compat.vocab_parallel_cross_entropy(z1, y1, a)) for a in (0.0, 0.1, 0.5)
     ]
     ps.destroy_model_parallel()
+    out["preloaded"] = preloaded
     return out
 
 
@@ -313,6 +317,16 @@ def _job():
         _megatron_core()  # skip if megatron-core is missing
         _JOB["res"] = run_ranks(_megatron_job, 8, timeout=400)
     return _JOB["res"]
+
+
+def test_megatron_ranks_fork_with_megatron_imported():
+    # tests/conftest.py names megatron-core in DUALVP_FORKSERVER_PRELOAD: the ranks' forkserver
+    # imports it once, and every rank starts with it (not ~2 s of import each)
+    from dualvp_torch import testing
+
+    res = _job()  # skips where megatron-core is missing
+    assert "megatron.core.tensor_parallel" in testing._preload()
+    assert [r["preloaded"] for r in res] == [True] * 8
 
 
 @pytest.mark.slow
