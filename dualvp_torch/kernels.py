@@ -527,7 +527,41 @@ def _map_chunks(fn: Callable, z: torch.Tensor, fraction: float, scratch_bytes: i
         with torch.no_grad():  # grad mode is thread-local: a worker starts with it on
             return fn(*c)
 
-    return list(_executor(min(workers, len(chunks))).map(run, chunks))
+    try:
+        return list(_executor(min(workers, len(chunks))).map(run, chunks))
+    finally:
+        _release_chunk_scratch()
+
+
+@functools.lru_cache(maxsize=1)
+def _malloc_trim() -> Optional[Callable]:
+    import ctypes
+    import ctypes.util
+    import sys
+
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        fn = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim
+    except (OSError, AttributeError):  # not glibc
+        return None
+    fn.argtypes = [ctypes.c_size_t]
+    fn.restype = ctypes.c_int
+    return fn
+
+
+def _release_chunk_scratch() -> None:
+    # Each worker thread allocates from a glibc arena of its own, and glibc
+    # keeps the chunk scratch freed there (its mmap threshold rises to the
+    # size of what was freed, so later chunks come from the arenas): the
+    # forward's scratch was still resident when the backward allocated the
+    # gradient. Peak extra RSS of the eager bfloat16 log-prob forward +
+    # backward at T=2048, V_local=32000: 1.90 B, 1.09-1.10 B with this trim
+    # after each stage (1.01-1.04 B trimming after every chunk, 3x slower;
+    # MALLOC_ARENA_MAX=1: 1.07-1.21 B).
+    trim = _malloc_trim()
+    if trim is not None:
+        trim(0)
 
 
 def _rows(x, i, j):
