@@ -442,9 +442,10 @@ def _run_compiled(fn: Callable, args: tuple, has_entropy: bool, has_keep: Option
         # The row marks and duck sizing matter when dynamo traces: at a
         # variant's first call (compiled for the width: its first call at each
         # width). Later calls run without them: on every call they cost 25 us
-        # a marked tensor and 13 us the patch, ~0.4 ms of host time per forward
-        # + backward of the 16 marked tensors (the kernels of T = 4096 rows take
-        # about 0.1 ms on the H200).
+        # a marked tensor and 13 us the patch (host time per forward + backward
+        # with the GPU's settings on the CPU at T=64: 373 -> 291 us log-prob
+        # only, 463 -> 333 us with a mask; on the H200 the kernels of T = 4096
+        # rows take about 0.1 ms of the ~3.8 ms a call took).
         first = ("first call", compiled, args[0].shape[-1] if static else None)
         if first not in _state:
             with _no_duck_shapes():
