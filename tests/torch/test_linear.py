@@ -17,6 +17,7 @@ torch = pytest.importorskip("torch")
 from torch.profiler import ProfilerActivity, profile  # noqa: E402
 
 from . import _linear_ranks  # noqa: E402
+from ._alloc import allocations, peak as peak_of  # noqa: E402
 from dualvp import reference  # noqa: E402
 from dualvp.testing.cases import round_to_dtype  # noqa: E402
 from dualvp.testing.metrics import max_errors, tolerance, within_tolerance  # noqa: E402
@@ -262,13 +263,6 @@ def test_bad_inputs(name):
 # --- memory ----------------------------------------------------------------------
 
 
-def _allocations(fn):
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        fn()
-    events = [e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"]
-    events.sort(key=lambda e: e.start_ns())
-    return [e.nbytes() for e in events]
-
 
 @pytest.mark.parametrize("dtype,limit", [("float32", 0.125), ("bfloat16", 0.3)])
 def test_memory_well_under_the_logits(dtype, limit):
@@ -286,11 +280,8 @@ def test_memory_well_under_the_logits(dtype, limit):
 
     step()
     h.grad = w.grad = None
-    sizes = _allocations(step)
-    cur = peak = 0
-    for s in sizes:
-        cur += s
-        peak = max(peak, cur)
+    sizes = allocations(step)
+    peak = peak_of(sizes)
     assert h.grad is not None and w.grad is not None
     assert peak - grads <= limit * B, (peak - grads) / B
     assert max(sizes) < T * V * 4 / 4  # no allocation anywhere near a [T, V_local] float32 buffer

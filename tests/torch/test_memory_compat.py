@@ -4,29 +4,12 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from torch.profiler import ProfilerActivity, profile  # noqa: E402
-
 from dualvp.testing.modes import MODES  # noqa: E402
 from dualvp_torch import kernels, logprob_entropy  # noqa: E402
 
+from ._alloc import allocations as _allocations, peak as _peak  # noqa: E402
+
 T, V = 512, 4096  # B = 8 MiB in float32, 4 MiB in bfloat16
-
-
-def _allocations(fn):
-    """Sizes of every CPU allocation (+) and free (-) while ``fn`` runs, in order."""
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        fn()
-    events = [e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"]
-    events.sort(key=lambda e: e.start_ns())
-    return [e.nbytes() for e in events]
-
-
-def _peak(sizes):
-    cur = peak = 0
-    for s in sizes:
-        cur += s
-        peak = max(peak, cur)
-    return peak
 
 
 # modes of the shared table (dualvp.testing.modes) whose memory differs
