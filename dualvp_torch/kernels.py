@@ -535,8 +535,9 @@ def _map_chunks(fn: Callable, z: torch.Tensor, fraction: float, scratch_bytes: i
             _release_chunk_scratch()
 
 
-@functools.lru_cache(maxsize=1)
-def _malloc_trim() -> Optional[Callable]:
+@functools.lru_cache(maxsize=None)
+def _libc_function(name: str, *argtypes: str) -> Optional[Callable]:
+    """The C library's ``name`` on Linux (``int name(argtypes...)``, ctypes type names), else ``None``."""
     import ctypes
     import ctypes.util
     import sys
@@ -544,12 +545,16 @@ def _malloc_trim() -> Optional[Callable]:
     if not sys.platform.startswith("linux"):
         return None
     try:
-        fn = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim
-    except (OSError, AttributeError):  # not glibc
+        fn = getattr(ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6"), name)
+    except (OSError, AttributeError):  # no C library, or not glibc (malloc_trim)
         return None
-    fn.argtypes = [ctypes.c_size_t]
+    fn.argtypes = [getattr(ctypes, t) for t in argtypes]
     fn.restype = ctypes.c_int
     return fn
+
+
+def _malloc_trim() -> Optional[Callable]:
+    return _libc_function("malloc_trim", "c_size_t")
 
 
 def _release_chunk_scratch() -> None:
@@ -713,21 +718,8 @@ HUGE_PAGE_MIN_BYTES = 32 << 20
 _MADV_HUGEPAGE = 14  # <sys/mman.h> on Linux
 
 
-@functools.lru_cache(maxsize=1)
 def _madvise() -> Optional[Callable]:
-    import ctypes
-    import ctypes.util
-    import sys
-
-    if not sys.platform.startswith("linux"):
-        return None
-    try:
-        fn = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True).madvise
-    except (OSError, AttributeError):
-        return None
-    fn.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-    fn.restype = ctypes.c_int
-    return fn
+    return _libc_function("madvise", "c_void_p", "c_size_t", "c_int")
 
 
 def advise_huge_pages(t: torch.Tensor) -> bool:
