@@ -45,6 +45,7 @@ def test_forward_stage_releases_its_scratch(monkeypatch):
     # backward (peak RSS of the eager bf16 log-prob fwd + bwd at 2048 x 32000: 1.90 B, 1.03-1.07 B
     # with it; README "Benchmark"). Here: the forward releases once, the backward not (it cost
     # time and no peak), and the process's libc has the call (Linux with glibc).
+    import platform
     import sys
 
     if torch.get_num_threads() < 2:
@@ -56,5 +57,5 @@ def test_forward_stage_releases_its_scratch(monkeypatch):
     z0 = torch.randn(64, 4096, generator=g)
     _run(z0, torch.randint(0, 4096, (64,), generator=g), None)
     assert len(calls) == 1, calls
-    if sys.platform.startswith("linux") and "glibc" in " ".join(__import__("platform").libc_ver()):
+    if sys.platform.startswith("linux") and "glibc" in " ".join(platform.libc_ver()):
         assert kernels._malloc_trim() is not None

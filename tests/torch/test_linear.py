@@ -263,7 +263,6 @@ def test_bad_inputs(name):
 # --- memory ----------------------------------------------------------------------
 
 
-
 @pytest.mark.parametrize("dtype,limit", [("float32", 0.125), ("bfloat16", 0.3)])
 def test_memory_well_under_the_logits(dtype, limit):
     T, H, V = 512, 32, 8192
