@@ -99,10 +99,11 @@ def run_case(case, rank: int, world: int, group, mode, failures: list) -> None:
             failures.append(f"{tag}: input {label} modified")
 
 
-def sweep(rank: int, world: int, modes=None, case_names=None, compiled_dtypes=None) -> list:
+def sweep(rank: int, world: int, modes=None, case_names=None, compiled_dtypes=None, dtype_modes=None) -> list:
     """Run the table; ``compiled_dtypes`` (a set of dtype names, or ``None`` for
     "leave DUALVP_COMPILE as it is") selects the cases run on the compiled path,
-    the others run eagerly (``DUALVP_COMPILE`` is read at each call)."""
+    the others run eagerly (``DUALVP_COMPILE`` is read at each call).
+    ``dtype_modes`` maps a dtype name to the modes its cases run instead of ``modes``."""
     import os
 
     import torch.distributed as dist
@@ -115,7 +116,7 @@ def sweep(rank: int, world: int, modes=None, case_names=None, compiled_dtypes=No
             continue
         if compiled_dtypes is not None:
             os.environ["DUALVP_COMPILE"] = "1" if case.dtype in compiled_dtypes else "0"
-        for mode in modes:
+        for mode in (dtype_modes or {}).get(case.dtype, modes):
             try:
                 run_case(case, rank, world, group, mode, failures)
             except Exception as exc:  # report, keep going (all ranks raise alike)
