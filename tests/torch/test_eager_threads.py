@@ -59,3 +59,79 @@ def test_forward_stage_releases_its_scratch(monkeypatch):
     assert len(calls) == 1, calls
     if sys.platform.startswith("linux") and "glibc" in " ".join(platform.libc_ver()):
         assert kernels._malloc_trim() is not None
+
+
+
+# glibc alone (no torch in the process, whose import moves the same thresholds): a worker
+# thread's chunk loop, temporaries that add up to argv[2] bytes a chunk, allocated as torch's
+# CPU allocator does (posix_memalign, 64-byte alignment) and freed; minor page faults of 20
+# chunks, then the same after freeing one block of argv[1] bytes (what
+# kernels._keep_chunk_scratch_mapped does).
+_FAULTS_SCRIPT = r"""
+import ctypes, resource, sys, threading
+libc = ctypes.CDLL("libc.so.6")
+libc.posix_memalign.argtypes = [ctypes.POINTER(ctypes.c_void_p), ctypes.c_size_t, ctypes.c_size_t]
+libc.malloc.restype, libc.malloc.argtypes = ctypes.c_void_p, [ctypes.c_size_t]
+libc.free.argtypes = [ctypes.c_void_p]
+libc.memset.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_size_t]
+block, n = int(sys.argv[1]), 7
+size = int(sys.argv[2]) // n
+
+def alloc():
+    p = ctypes.c_void_p()
+    libc.posix_memalign(ctypes.byref(p), 64, size)
+    return p.value
+
+def chunks(out):
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    for _ in range(20):
+        ps = [alloc() for _ in range(n)]
+        for p in ps:
+            libc.memset(p, 1, size)
+        for p in reversed(ps):
+            libc.free(p)
+    out.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
+
+def in_a_thread():
+    out = []
+    t = threading.Thread(target=chunks, args=(out,))
+    t.start()
+    t.join()
+    return out[0]
+
+in_a_thread()  # glibc's own rule has raised its threshold to the temporaries' size
+default = in_a_thread()
+libc.free(libc.malloc(block))
+print(default, in_a_thread())
+"""
+
+
+def test_chunk_scratch_stays_mapped_between_chunks(monkeypatch):
+    # kernels._keep_chunk_scratch_mapped: glibc returns a heap's free top to the kernel past a trim
+    # threshold that follows the largest mmap'd block freed so far; the chunk temporaries alone
+    # leave it below one chunk's scratch, and every chunk faulted its pages in again (150-300
+    # thousand minor faults per float32 call at 2048 x 32000). The eager CPU path makes the call
+    # (once per process), and one freed block of CPU_CHUNK_SCRATCH_BYTES keeps a chunk loop's
+    # pages mapped (checked on glibc itself, in a fresh process).
+    import platform
+    import subprocess
+    import sys
+
+    calls = []
+    monkeypatch.setattr(kernels, "_keep_chunk_scratch_mapped", lambda: calls.append(1))
+    g = torch.Generator().manual_seed(2)
+    _run(torch.randn(8, 512, generator=g), torch.randint(0, 512, (8,), generator=g), None)
+    assert calls, "the eager CPU path did not raise glibc's thresholds"
+    if not (sys.platform.startswith("linux") and "glibc" in " ".join(platform.libc_ver())):
+        return
+    block = kernels.CPU_CHUNK_SCRATCH_BYTES
+    # a chunk's live temporaries: 8-26 B per element against the 28 B bound (STATS_SCRATCH_BYTES)
+    scratch = block * 3 // 4
+    out = subprocess.run([sys.executable, "-c", _FAULTS_SCRIPT, str(block), str(scratch)], capture_output=True,
+                         text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    default, kept = map(int, out.stdout.split())
+    pages = 20 * scratch // 4096  # if every chunk faults its scratch in
+    # without the block, chunks fault in a good part of their scratch again (~40 % here); with it, few
+    assert default > pages // 4, (default, kept, pages)
+    assert kept < pages // 20, (default, kept, pages)
