@@ -39,10 +39,11 @@ def test_workers_match_serial_and_keep_thread_settings(monkeypatch, with_mask):
         assert torch.equal(a, b)  # rows are independent: chunking changes no bit
 
 
-def test_forward_stage_releases_its_scratch(monkeypatch):
+@pytest.mark.parametrize("workers", [1, 2])
+def test_forward_stage_releases_its_scratch(monkeypatch, workers):
     # kernels._release_chunk_scratch (glibc malloc_trim) runs after the forward's statistics when
-    # they ran on the worker threads: their arenas kept the freed chunk scratch resident into the
-    # backward (peak RSS of the eager bf16 log-prob fwd + bwd at 2048 x 32000: 1.90 B, 1.03-1.07 B
+    # they ran in chunks, on the worker threads or (one worker) in the calling thread: the arenas
+    # kept the freed chunk scratch resident into the backward (peak RSS of the eager bf16 log-prob fwd + bwd at 2048 x 32000: 1.90 B, 1.03-1.07 B
     # with it; README "Benchmark"). Here: the forward releases once, the backward not (it cost
     # time and no peak), and the process's libc has the call (Linux with glibc).
     import platform
@@ -51,6 +52,7 @@ def test_forward_stage_releases_its_scratch(monkeypatch):
     if torch.get_num_threads() < 2:
         torch.set_num_threads(2)
     calls = []
+    monkeypatch.setattr(kernels, "MAX_EAGER_WORKERS", workers)  # 1: the chunks run in the calling thread
     monkeypatch.setattr(kernels, "_release_chunk_scratch", lambda: calls.append(1))
     monkeypatch.setattr(kernels, "MIN_CHUNK_ELEMENTS", 4096)
     g = torch.Generator().manual_seed(1)
