@@ -40,7 +40,10 @@ Implementations (the registry :data:`IMPLEMENTATIONS`)
     :data:`GRAD_FRACTION` next to a fresh gradient buffer (peak ``<= 1.1
     B``), :data:`INPLACE_FRACTION` for the in-place gradient (``<= 0.05 B``);
     and on CPU, a chunk's scratch is at most :data:`CPU_CHUNK_SCRATCH_BYTES`
-    (temporaries that stay in cache and are not page-faulted afresh); a chunk
+    (temporaries that stay in cache and are not page-faulted afresh: the
+    first CPU chunk loop of a process raises glibc's heap trim threshold
+    above that bound, so that a chunk reuses the pages the chunk before it
+    freed); a chunk
     has at least :data:`MIN_CHUNK_ELEMENTS` elements, so that tiny shards do
     not run one row at a time. Row sums accumulate in float32
     (eager torch sums are cascaded). On CPU the chunks run in parallel on up
