@@ -84,27 +84,27 @@ def alloc():
     libc.posix_memalign(ctypes.byref(p), 64, size)
     return p.value
 
-def chunks(out):
-    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+def chunks():
+    before = resource.getrusage(resource.RUSAGE_THREAD).ru_minflt
     for _ in range(20):
         ps = [alloc() for _ in range(n)]
         for p in ps:
             libc.memset(p, 1, size)
         for p in reversed(ps):
             libc.free(p)
-    out.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
+    return resource.getrusage(resource.RUSAGE_THREAD).ru_minflt - before
 
-def in_a_thread():
-    out = []
-    t = threading.Thread(target=chunks, args=(out,))
-    t.start()
-    t.join()
-    return out[0]
+def worker(out):  # one thread throughout: one arena
+    chunks()  # glibc's own rule has raised its threshold to the temporaries' size
+    out.append(chunks())
+    libc.free(libc.malloc(block))
+    out.append(chunks())
 
-in_a_thread()  # glibc's own rule has raised its threshold to the temporaries' size
-default = in_a_thread()
-libc.free(libc.malloc(block))
-print(default, in_a_thread())
+out = []
+t = threading.Thread(target=worker, args=(out,))
+t.start()
+t.join()
+print(*out)
 """
 
 
