@@ -542,7 +542,10 @@ def _map_chunks(fn: Callable, z: torch.Tensor, fraction: float, scratch_bytes: i
 
 @functools.lru_cache(maxsize=None)
 def _libc_function(name: str, *argtypes: str, restype: Optional[str] = "c_int") -> Optional[Callable]:
-    """The C library's ``name`` on Linux (``restype name(argtypes...)``, ctypes type names; ``None``: void), else ``None``."""
+    """The C library's ``name`` on Linux, else ``None``.
+
+    ``restype name(argtypes...)`` in ctypes type names; ``restype=None``: void.
+    """
     import ctypes
     import ctypes.util
     import sys
