@@ -16,22 +16,14 @@ Usage::
 
 from __future__ import annotations
 
-import argparse
-import statistics
-import time
-
 import torch
+from _alternating import medians_ms, size_args
 
 from dualvp_torch import kernels, logprob_entropy
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--T", type=int, default=2048)
-    ap.add_argument("--V", type=int, default=32000)
-    ap.add_argument("--dtypes", default="bfloat16,float32,float16")
-    ap.add_argument("--reps", type=int, default=9)
-    a = ap.parse_args()
+    a = size_args(__doc__, "bfloat16,float32,float16")
     g = torch.Generator().manual_seed(0)
     default = kernels.FULL_STATS_CPU_DTYPES
     for name in a.dtypes.split(","):
@@ -42,23 +34,16 @@ def main() -> None:
         def call(full: bool, with_entropy: bool = False):
             kernels.FULL_STATS_CPU_DTYPES = frozenset({dt}) if full else frozenset()
             with torch.no_grad():
-                t0 = time.perf_counter()
-                lp, _ = logprob_entropy(z, y, with_entropy=with_entropy, impl="compiled")
-                return time.perf_counter() - t0, lp
+                return logprob_entropy(z, y, with_entropy=with_entropy, impl="compiled")[0]
 
         variants = {"lean": (False, False), "full": (True, False), "with entropy": (False, True)}
-        times: dict = {k: [] for k in variants}
-        outs = {k: call(*v)[1] for k, v in variants.items()}  # compile each
-        for _ in range(a.reps):
-            for k, v in variants.items():
-                times[k].append(call(*v)[0])
+        outs = {k: call(*v) for k, v in variants.items()}  # compile each
+        ms = medians_ms({k: (lambda v=v: call(*v)) for k, v in variants.items()}, a.reps, warm=0)
         kernels.FULL_STATS_CPU_DTYPES = default
         same = torch.equal(outs["lean"], outs["full"])
-        print(f"{name:9s} T={a.T} V={a.V}: log-prob-only forward, lean {statistics.median(times['lean']) * 1e3:.1f} ms, "
-              f"full {statistics.median(times['full']) * 1e3:.1f} ms; forward with entropy "
-              f"{statistics.median(times['with entropy']) * 1e3:.1f} ms; log-probs identical: {same}; "
-              f"default: {'full' if dt in default else 'lean'}")
-
+        print(f"{name:9s} T={a.T} V={a.V}: log-prob-only forward, lean {ms['lean']:.1f} ms, "
+              f"full {ms['full']:.1f} ms; forward with entropy {ms['with entropy']:.1f} ms; "
+              f"log-probs identical: {same}; default: {'full' if dt in default else 'lean'}")
 
 if __name__ == "__main__":
     main()

@@ -25,11 +25,8 @@ Usage::
 
 from __future__ import annotations
 
-import argparse
-import statistics
-import time
-
 import torch
+from _alternating import medians_ms, size_args
 
 from dualvp_torch import logprob_entropy
 
@@ -61,12 +58,7 @@ def _floor_mask_kmax(z, k):
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--T", type=int, default=2048)
-    ap.add_argument("--V", type=int, default=32000)
-    ap.add_argument("--dtypes", default="bfloat16,float32")
-    ap.add_argument("--reps", type=int, default=9)
-    a = ap.parse_args()
+    a = size_args(__doc__, "bfloat16,float32")
     g = torch.Generator().manual_seed(0)
     for name in a.dtypes.split(","):
         z = (torch.randn(a.T, a.V, generator=g) * 3).to(getattr(torch, name))
@@ -85,15 +77,7 @@ def main() -> None:
             "op": lambda: op(None),
             "op+mask": lambda: op(keep),
         }
-        times: dict = {k: [] for k in fns}
-        for f in fns.values():  # compile, warm
-            f(), f()
-        for _ in range(a.reps):
-            for k, f in fns.items():
-                t0 = time.perf_counter()
-                f()
-                times[k].append(time.perf_counter() - t0)
-        ms = {k: statistics.median(v) * 1e3 for k, v in times.items()}
+        ms = medians_ms(fns, a.reps, warm=2)  # compile, warm
         print(f"{name:9s} T={a.T} V={a.V}: " + ", ".join(f"{k} {v:.1f} ms" for k, v in ms.items()))
         print(f"{'':9s} masked / unmasked: floor {ms['floor+mask'] / ms['floor']:.2f}, with the kept max "
               f"{ms['floor+mask+kept max'] / ms['floor']:.2f}; op {ms['op+mask'] / ms['op']:.2f}")

@@ -1,0 +1,37 @@
+"""What the single-process CPU timing scripts share (``lean_stats.py``, ``mask_floor.py``).
+
+Their variants are timed in one process with calls alternating, so that every
+variant sees the same machine load; each is called ``warm`` times first
+(compiles, first touches), then ``reps`` rounds of one call each.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from typing import Callable
+
+
+def size_args(doc: str, dtypes: str) -> argparse.Namespace:
+    """The scripts' options: ``--T``, ``--V``, ``--dtypes`` (comma list, default ``dtypes``), ``--reps``."""
+    ap = argparse.ArgumentParser(description=doc.split("\n\n")[0])
+    ap.add_argument("--T", type=int, default=2048)
+    ap.add_argument("--V", type=int, default=32000)
+    ap.add_argument("--dtypes", default=dtypes)
+    ap.add_argument("--reps", type=int, default=9)
+    return ap.parse_args()
+
+
+def medians_ms(fns: dict[str, Callable[[], object]], reps: int, warm: int = 1) -> dict[str, float]:
+    """Median wall time of each ``fns`` value, milliseconds, calls alternating between them."""
+    for f in fns.values():
+        for _ in range(warm):
+            f()
+    times: dict = {k: [] for k in fns}
+    for _ in range(reps):
+        for k, f in fns.items():
+            t0 = time.perf_counter()
+            f()
+            times[k].append(time.perf_counter() - t0)
+    return {k: statistics.median(v) * 1e3 for k, v in times.items()}
