@@ -128,8 +128,50 @@ def summarize(results: list[dict]) -> dict:
         check("gradient error >= 10x smaller than every baseline",
               [s.get(f"grad_err_ratio_{b}") for s in rows for b in BASELINES], lambda v: v >= 10),
         check("dualvp-jax within 2x of dualvp-torch", [s.get("jax_over_torch") for s in rows], lambda v: v <= 2),
-    ]
+    ] + _kernel_goals(by, check)
     return {"per_case": rows, "goals": goals}
+
+
+def _kernel_goals(by: dict, check) -> list:
+    """The kernels issue's goals (and the frugal-JAX issue's unsharded ones) over ``by[(T, V, dtype, mode)][impl]``."""
+    def ratio(num, den, modes, field="fwdbwd_s", num_mode=None):
+        out = []
+        for (T, V, dt, mode), d in by.items():
+            if mode in modes:
+                a = by.get((T, V, dt, num_mode(mode)), {}) if num_mode else d
+                if num in a and den in d:
+                    out.append(a[num][field] / d[den][field])
+        return out
+
+    def value(impl, field, dtypes=None):
+        return [d[impl][field] if not isinstance(field, tuple) else (d[impl].get(field[0]) or {}).get(field[1])
+                for (T, V, dt, mode), d in by.items() if impl in d and (dtypes is None or dt in dtypes)]
+
+    grad, keep = ("lp+ent+grad",), ("lp+ent+grad.keep",)
+    unmasked = ("lp", "lp+ent", "lp+ent+grad")
+    return [
+        check("dualvp-torch lp+ent+grad >= 3x faster than slime", ratio("slime", "dualvp-torch", grad),
+              lambda v: v >= 3),
+        check("dualvp-torch-inplace lp+ent+grad >= 4.5x faster than slime",
+              ratio("slime", "dualvp-torch-inplace", grad), lambda v: v >= 4.5),
+        check("dualvp-torch with a keep mask >= 2.5x faster than slime", ratio("slime", "dualvp-torch", keep),
+              lambda v: v >= 2.5),
+        check("dualvp-torch lp >= 2x faster than slime", ratio("slime", "dualvp-torch", ("lp",)), lambda v: v >= 2),
+        check("dualvp-torch masked forward within 1.3x of the unmasked forward",
+              ratio("dualvp-torch", "dualvp-torch", unmasked, "fwd_s", lambda m: m + ".keep"), lambda v: v <= 1.3),
+        check("dualvp-torch-eager within 1.5x of torch-eager", ratio("dualvp-torch-eager", "torch-eager", tuple(MODES)),
+              lambda v: v <= 1.5),
+        check("dualvp-torch-eager peak extra memory <= 1.1 B", value("dualvp-torch-eager", "peak_extra_B"),
+              lambda v: v <= 1.1),
+        check("dualvp-torch-inplace peak extra memory <= 0.05 B", value("dualvp-torch-inplace", "peak_extra_B"),
+              lambda v: v <= 0.05),
+        check("dualvp-torch float32 entropy and gradient errors <= 1e-6",
+              [e for q in ("entropy", "grad") for e in value("dualvp-torch", ("errors", q), ("float32",))],
+              lambda v: v <= 1e-6),
+        check("dualvp-jax peak extra memory <= 1.05 B", value("dualvp-jax", "peak_extra_B"), lambda v: v <= 1.05),
+        check("dualvp-jax no slower than dualvp-torch", ratio("dualvp-jax", "dualvp-torch", tuple(MODES)),
+              lambda v: v <= 1),
+    ]
 
 
 # --------------------------------------------------------------------------- chart
@@ -277,7 +319,8 @@ def markdown_report(doc: dict) -> str:
         out.append("")
         out += _markdown_rows(modes, present)
         out.append("")
-    goals = (doc.get("summary") or {}).get("goals", [])
+    # recomputed, so that a result file written before a goal was added reports it too
+    goals = summarize(doc["results"])["goals"] if doc.get("results") else []
     if goals:
         out.append("Goals: " + "; ".join(f"{g['goal']}: **{g['status']}**"
                                           + (f" (worst {g['worst']:.3g})" if "worst" in g else "") for g in goals))
