@@ -46,4 +46,5 @@ def test_kernel_goals_miss_and_absent_impls():
     assert g["dualvp-torch-inplace lp+ent+grad >= 4.5x faster than slime"]["status"] == "not measured"
     assert g["dualvp-jax no slower than dualvp-torch"]["status"] == "not measured"
     # --report recomputes the verdicts from the records, whatever summary the file holds
-    assert "**missed** (worst 2)" in markdown_report({"meta": {"command": "-", "machine": {}}, "results": res, "summary": {"goals": []}})
+    doc = {"meta": {"command": "-", "machine": {}}, "results": res, "summary": {"goals": []}}
+    assert "**missed** (worst 2)" in markdown_report(doc)
