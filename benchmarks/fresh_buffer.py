@@ -3,9 +3,9 @@
 The op returns its gradient in a fresh buffer. Its first write faults in
 every page; with 4 KiB pages that can cost more than the arithmetic
 (``kernels.HUGE_PAGE_DEVICES``). This prints, per size and dtype, the median
-time of ``torch.empty(...).fill_(1)`` plain and after
+time (and the range) of ``torch.empty(...).fill_(1)`` plain and after
 ``dualvp_torch.kernels.advise_huge_pages``, and of ``x * 2`` into a plain or
-advised buffer (read one, write one).
+advised buffer (read one, write one); plain and advised calls alternate.
 
 Usage: python benchmarks/fresh_buffer.py [--T 2048 --V 32000,152064 --dtypes float32,bfloat16 --reps 9]
 """
@@ -21,15 +21,26 @@ import torch
 from dualvp_torch.kernels import advise_huge_pages
 
 
-def _median_ms(fn, reps: int) -> float:
-    for _ in range(2):
+def _alternating_ms(fns, reps: int) -> list:
+    """Per function, its times in ms over ``reps`` rounds that call every function once, in turn.
+
+    Alternating keeps the host's drift (and, in a VM, what the host has kept
+    of the guest's free memory) out of the comparison.
+    """
+    for fn in fns:
         fn()
-    ts = []
+        fn()
+    ts = [[] for _ in fns]
     for _ in range(reps):
-        t = time.perf_counter()
-        fn()
-        ts.append(time.perf_counter() - t)
-    return statistics.median(ts) * 1e3
+        for t_list, fn in zip(ts, fns):
+            t = time.perf_counter()
+            fn()
+            t_list.append((time.perf_counter() - t) * 1e3)
+    return ts
+
+
+def _fmt(ts: list) -> str:
+    return f"{statistics.median(ts):7.1f} ms ({min(ts):.0f}-{max(ts):.0f})"
 
 
 def main() -> None:
@@ -57,8 +68,8 @@ def main() -> None:
             took = fresh(True)[1]
             row = [f"{a.T}x{v} {name:9s} B={x.numel() * x.element_size() / 2**20:6.0f} MiB"]
             for label, fn in (("fill", fill), ("x*2", mul)):
-                plain, adv = _median_ms(lambda: fn(False), a.reps), _median_ms(lambda: fn(True), a.reps)
-                row.append(f"{label}: plain {plain:7.1f} ms, advised {adv:7.1f} ms")
+                plain, adv = _alternating_ms([lambda: fn(False), lambda: fn(True)], a.reps)
+                row.append(f"{label}: plain {_fmt(plain)}, advised {_fmt(adv)}")
             print("  ".join(row) + ("" if took else "  (advice refused: no effect expected)"))
 
 

@@ -251,9 +251,13 @@ def _machine() -> dict:
         "numpy": np.__version__,
         "megatron-core": _version("megatron-core"),
         "gpu": None,
-        # fresh buffers' page faults are a large part of CPU times here (README, "Huge-page gradient
-        # buffers"): the transparent-huge-page policy and glibc's tunables change every result
+        # fresh buffers' page faults are a large part of CPU times here (README, "Benchmark"): the
+        # transparent-huge-page policy and glibc's tunables change every result; in a VM whose
+        # balloon reports free pages of this order (9: 2 MiB) to the host, a huge-page fault may
+        # land on a reported block that the host must fault in again, and fresh-buffer times swing
         "transparent_hugepage": _first_line("/sys/kernel/mm/transparent_hugepage/enabled"),
+        "thp_defrag": _first_line("/sys/kernel/mm/transparent_hugepage/defrag"),
+        "page_reporting_order": _first_line("/sys/module/page_reporting/parameters/page_reporting_order"),
         "glibc_tunables": os.environ.get("GLIBC_TUNABLES"),
         "thp_mem_alloc_enable": os.environ.get("THP_MEM_ALLOC_ENABLE"),
     }
