@@ -44,7 +44,7 @@ def test_forward_stage_releases_its_scratch(monkeypatch, workers):
     # kernels._release_chunk_scratch (glibc malloc_trim) runs after the forward's statistics when
     # they ran in chunks, on the worker threads or (one worker) in the calling thread: the arenas
     # kept the freed chunk scratch resident into the backward (peak RSS of the eager bf16 log-prob
-    # fwd + bwd at 2048 x 32000: 1.90 B, 1.03-1.07 B with it; README "Benchmark"). Here: the
+    # fwd + bwd at 2048 x 32000: 1.90 B, 1.03-1.07 B with it; docs/measurements.md). Here: the
     # forward releases once, the backward not (it cost time and no peak), and the process's libc
     # has the call (Linux with glibc).
     import platform
