@@ -140,15 +140,18 @@ def _over_tau(x, tau):
     return x if isinstance(tau, (int, float)) and tau == 1 else x / tau
 
 
-def _shifted(xp, z, m, tau):
-    # d = (z - m) / tau per row, with -inf (a banned column) clamped to the
-    # dtype's lowest finite value: e^d is 0 there as before, and the products
-    # e^d d and p (c - d) are 0 rather than 0 * inf = NaN, with no compare and
-    # select per element (c <= 0, so c - d cannot overflow). NaN stays NaN.
-    # (finfo's own scalar, not a Python float: NumPy 1.x's value-based
-    # casting promotes float32 to float64 for a float of that magnitude.)
+def _shifted(xp, z, m, tau, *, products: bool = True):
+    # d = (z - m) / tau per row. With ``products`` (the entropy's e^d d and
+    # p (c - d) will be formed), -inf (a banned column) is clamped to the
+    # dtype's lowest finite value: e^d is 0 there as before, and those
+    # products are 0 rather than 0 * inf = NaN, with no compare and select
+    # per element (c <= 0, so c - d cannot overflow). Without them e^-inf = 0
+    # needs no clamp (one chunk-sized op fewer on an eager backend; the same
+    # values). NaN stays NaN. (finfo's own scalar, not a Python float: NumPy
+    # 1.x's value-based casting promotes float32 to float64 for a float of
+    # that magnitude.)
     d = _over_tau(z - _finite_or_zero(xp, m)[..., None], tau)
-    return xp.clip(d, xp.finfo(d.dtype).min, None)
+    return xp.clip(d, xp.finfo(d.dtype).min, None) if products else d
 
 
 # Python scalars (weakly typed: they take the array's dtype) rather than
@@ -326,7 +329,7 @@ def block_stats(
     z = _cast(xp, z, dtype)
     tau = _tau(xp, temperature, z.dtype)
     m = xp.max(z, axis=-1)
-    d = _shifted(xp, z, m, tau)
+    d = _shifted(xp, z, m, tau, products=with_entropy)
     zy = _target_logit(xp, z, local, owns, start)
     if keep is None:
         e = xp.exp(d)
@@ -479,7 +482,7 @@ def block_grad(
     """
     z = _cast(xp, z, dtype)
     tau = _tau(xp, temperature, z.dtype)
-    d = _shifted(xp, z, comb.M, tau)
+    d = _shifted(xp, z, comb.M, tau, products=g_entropy is not None)
     is_y = _target_columns(xp, z, local, owns, start)
     if keep is None:
         p = q = xp.exp(d - comb.log_s[..., None])
