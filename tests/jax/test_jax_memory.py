@@ -108,6 +108,26 @@ def test_value_and_grad_scratch(dtype, mode, world):
     assert _gathers(vg) == _gathers(fw) == (1 if world > 1 else 0)
 
 
+@pytest.mark.parametrize("world", [1, 2])
+@pytest.mark.parametrize("mode", list(MODES))
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_donated_logits_take_the_gradient(dtype, mode, world):
+    """jit(value_and_grad, donate_argnums=0): XLA writes the gradient into the logits' own buffer.
+
+    The JAX counterpart of the torch op's ``inplace_grad=True`` (README, JAX): the
+    aliased bytes are the whole logits shard, so the call allocates no [T, V_local]
+    buffer. Measured at this size (dualvp bench, dualvp-jax-donated): 0.00-0.05 B
+    of peak extra memory against 1.00-1.05 B undonated.
+    """
+    with_ent, masked = MODES[mode]
+    mesh, z, y, k = _specs(jnp.dtype(dtype), world, masked)
+    B = T * V * jnp.dtype(dtype).itemsize
+    vg = jax.jit(jax.value_and_grad(_loss_fn(_outputs_fn(mesh, with_ent, masked))), donate_argnums=0)
+    ma = vg.lower(z, y, k).compile().memory_analysis()
+    assert ma.alias_size_in_bytes == B, (ma.alias_size_in_bytes / B, "B aliased")  # per device: one shard
+    assert ma.temp_size_in_bytes <= SCRATCH_VG * B, (ma.temp_size_in_bytes / B, "B of scratch")
+
+
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_backward_alone_is_one_pass_without_collective(dtype):
     """The vjp closure compiled by itself (2 shards, keep mask): the gradient buffer only, no all-gather."""

@@ -64,6 +64,9 @@ class Impl:
       gloo: also run on W gloo ranks to count its collectives.
       nonleaf_logits: the logits must be the output of an autograd node
         (``inplace_grad``); see :func:`dualvp.tools.bench.worker.run_torch`.
+      donate_logits: (JAX) forward and backward run as one ``jit`` that
+        donates the logits, so that XLA may write the gradient into their
+        buffer; see :func:`dualvp.tools.bench.worker.run_jax`.
       locate: ``locate(args) -> options dict`` or a string saying why it
         cannot run; the default checks ``needs``.
     """
@@ -78,6 +81,7 @@ class Impl:
     process_group: bool = False
     gloo: bool = False
     nonleaf_logits: bool = False
+    donate_logits: bool = False
     locate: Optional[Callable[[argparse.Namespace], Union[str, dict]]] = None
 
 
@@ -319,6 +323,9 @@ IMPLS: dict[str, Impl] = {i.name: i for i in (
     Impl("dualvp-torch-inplace-eager", "torch", _DUALVP_TORCH, _dualvp_torch_inplace,
          "the same with DUALVP_COMPILE=0", env={"DUALVP_COMPILE": "0"}, nonleaf_logits=True),
     Impl("dualvp-jax", "jax", ("jax", "dualvp_jax"), _dualvp_jax, "dualvp_jax.logprob_entropy under jax.jit"),
+    Impl("dualvp-jax-donated", "jax", ("jax", "dualvp_jax"), _dualvp_jax,
+         "the same, forward and backward in one jit that donates the logits (the gradient takes their buffer)",
+         donate_logits=True),
     Impl("torch-eager", "torch", ("torch",), _torch_eager,
          "log_softmax + gather, entropy -(p*log p).sum, autograd, in the input dtype", baseline=True),
     Impl("jax-naive", "jax", ("jax",), _jax_naive, "the same in JAX under jit (jax.vjp)", baseline=True),
