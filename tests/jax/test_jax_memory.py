@@ -128,6 +128,27 @@ def test_donated_logits_take_the_gradient(dtype, mode, world):
     assert ma.temp_size_in_bytes <= SCRATCH_VG * B, (ma.temp_size_in_bytes / B, "B of scratch")
 
 
+def test_logits_made_in_the_same_jit_share_their_gradient_buffer():
+    """Logits computed inside the jit (h @ W^T): they and their gradient take one [T, V] buffer, no donation.
+
+    float32 only: XLA:CPU has no bfloat16 GEMM, and a bfloat16 ``h @ W^T`` makes a
+    float32 product first (3.1 B of scratch at this size, most of it the matmul's).
+    """
+    dtype, H = "float32", 64
+    h = jax.ShapeDtypeStruct((T, H), jnp.dtype(dtype))
+    w = jax.ShapeDtypeStruct((V, H), jnp.dtype(dtype))
+    y = jax.ShapeDtypeStruct((T,), jnp.int32)
+    B = T * V * jnp.dtype(dtype).itemsize
+
+    def loss(h, w, y):
+        lp, ent = dualvp_jax.logprob_entropy(h @ w.T, y)
+        return jnp.sum(lp) + 0.5 * jnp.sum(ent)
+
+    vg = jax.jit(jax.value_and_grad(loss, argnums=(0, 1))).lower(h, w, y).compile()
+    temp = vg.memory_analysis().temp_size_in_bytes
+    assert temp <= (1 + SCRATCH_VG) * B, (temp / B, "B of scratch: logits and gradient in separate buffers?")
+
+
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_backward_alone_is_one_pass_without_collective(dtype):
     """The vjp closure compiled by itself (2 shards, keep mask): the gradient buffer only, no all-gather."""
