@@ -444,9 +444,7 @@ def run_jax(job: dict, data: dict) -> None:
             def bwd(out):
                 pass
 
-            def clear():
-                renew()
-
+            clear = renew
             renew()
         else:
             def fwd():
