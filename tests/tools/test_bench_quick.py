@@ -25,9 +25,11 @@ def _have(mod):
 def test_bench_quick_writes_json_and_png(tmp_path):
     # Eager implementations (no compile: the compiled kernels are held against
     # the oracle by tests/torch), the in-place one among them (its gradient is
-    # read back from the overwritten logits), two modes, W=2 gloo run.
+    # read back from the overwritten logits), the donated JAX one (one program
+    # per call, on a fresh copy), two modes, W=2 gloo run.
     impls = [i for i, m in (("torch-eager", "torch"), ("jax-naive", "jax"), ("dualvp-torch-eager", "dualvp_torch"),
-                            ("dualvp-torch-inplace-eager", "dualvp_torch"), ("dualvp-jax", "dualvp_jax")) if _have(m)]
+                            ("dualvp-torch-inplace-eager", "dualvp_torch"), ("dualvp-jax", "dualvp_jax"),
+                            ("dualvp-jax-donated", "dualvp_jax")) if _have(m)]
     if not impls:
         pytest.skip("neither torch nor jax installed")
     out = tmp_path / "bench.json"
@@ -45,7 +47,8 @@ def test_bench_quick_writes_json_and_png(tmp_path):
     assert doc["failures"] == []
     meta = doc["meta"]
     assert meta["memory_method"] and meta["machine"]["cpus"]
-    assert {"transparent_hugepage", "glibc_tunables", "thp_mem_alloc_enable"} <= set(meta["machine"])
+    assert {"transparent_hugepage", "thp_defrag", "page_reporting_order", "glibc_tunables",
+            "thp_mem_alloc_enable"} <= set(meta["machine"])
     if os.path.exists("/sys/kernel/mm/transparent_hugepage/enabled"):
         assert "[" in meta["machine"]["transparent_hugepage"], meta["machine"]
     assert meta["sizes"] == [{"T": 16, "V_local": 256}]
