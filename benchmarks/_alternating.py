@@ -1,4 +1,4 @@
-"""What the single-process CPU timing scripts share (``lean_stats.py``, ``mask_floor.py``).
+"""What the single-process CPU timing scripts share (``lean_stats.py``, ``mask_floor.py``, ``fresh_buffer.py``).
 
 Their variants are timed in one process with calls alternating, so that every
 variant sees the same machine load; each is called ``warm`` times first
@@ -23,8 +23,8 @@ def size_args(doc: str, dtypes: str) -> argparse.Namespace:
     return ap.parse_args()
 
 
-def medians_ms(fns: dict[str, Callable[[], object]], reps: int, warm: int = 1) -> dict[str, float]:
-    """Median wall time of each ``fns`` value, milliseconds, calls alternating between them."""
+def times_ms(fns: dict[str, Callable[[], object]], reps: int, warm: int = 1) -> dict[str, list]:
+    """Wall times of each ``fns`` value, milliseconds, ``reps`` calls alternating between them."""
     for f in fns.values():
         for _ in range(warm):
             f()
@@ -33,5 +33,10 @@ def medians_ms(fns: dict[str, Callable[[], object]], reps: int, warm: int = 1) -
         for k, f in fns.items():
             t0 = time.perf_counter()
             f()
-            times[k].append(time.perf_counter() - t0)
-    return {k: statistics.median(v) * 1e3 for k, v in times.items()}
+            times[k].append((time.perf_counter() - t0) * 1e3)
+    return times
+
+
+def medians_ms(fns: dict[str, Callable[[], object]], reps: int, warm: int = 1) -> dict[str, float]:
+    """Median of :func:`times_ms` per function."""
+    return {k: statistics.median(v) for k, v in times_ms(fns, reps, warm).items()}

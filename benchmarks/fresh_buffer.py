@@ -14,29 +14,11 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import time
 
 import torch
+from _alternating import times_ms
 
 from dualvp_torch.kernels import advise_huge_pages
-
-
-def _alternating_ms(fns, reps: int) -> list:
-    """Per function, its times in ms over ``reps`` rounds that call every function once, in turn.
-
-    Alternating keeps the host's drift (and, in a VM, what the host has kept
-    of the guest's free memory) out of the comparison.
-    """
-    for fn in fns:
-        fn()
-        fn()
-    ts = [[] for _ in fns]
-    for _ in range(reps):
-        for t_list, fn in zip(ts, fns):
-            t = time.perf_counter()
-            fn()
-            t_list.append((time.perf_counter() - t) * 1e3)
-    return ts
 
 
 def _fmt(ts: list) -> str:
@@ -68,8 +50,10 @@ def main() -> None:
             took = fresh(True)[1]
             row = [f"{a.T}x{v} {name:9s} B={x.numel() * x.element_size() / 2**20:6.0f} MiB"]
             for label, fn in (("fill", fill), ("x*2", mul)):
-                plain, adv = _alternating_ms([lambda: fn(False), lambda: fn(True)], a.reps)
-                row.append(f"{label}: plain {_fmt(plain)}, advised {_fmt(adv)}")
+                # alternating keeps the host's drift (and, in a VM, what the host has kept of the
+                # guest's free memory) out of the comparison
+                ts = times_ms({"plain": lambda: fn(False), "advised": lambda: fn(True)}, a.reps, warm=2)
+                row.append(f"{label}: plain {_fmt(ts['plain'])}, advised {_fmt(ts['advised'])}")
             print("  ".join(row) + ("" if took else "  (advice refused: no effect expected)"))
 
 
