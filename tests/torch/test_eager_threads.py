@@ -9,6 +9,13 @@ torch = pytest.importorskip("torch")
 from dualvp_torch import kernels, logprob_entropy  # noqa: E402
 
 
+def _on_glibc() -> bool:
+    import platform
+    import sys
+
+    return sys.platform.startswith("linux") and "glibc" in " ".join(platform.libc_ver())
+
+
 def _run(z0, y, keep):
     z = z0.clone().requires_grad_(True)
     lp, h = logprob_entropy(z, y, keep_mask=keep, impl="eager")
@@ -47,9 +54,6 @@ def test_forward_stage_releases_its_scratch(monkeypatch, workers):
     # fwd + bwd at 2048 x 32000: 1.90 B, 1.03-1.07 B with it; docs/measurements.md). Here: the
     # forward releases once, the backward not (it cost time and no peak), and the process's libc
     # has the call (Linux with glibc).
-    import platform
-    import sys
-
     if torch.get_num_threads() < 2:
         torch.set_num_threads(2)
     calls = []
@@ -60,7 +64,7 @@ def test_forward_stage_releases_its_scratch(monkeypatch, workers):
     z0 = torch.randn(64, 4096, generator=g)
     _run(z0, torch.randint(0, 4096, (64,), generator=g), None)
     assert len(calls) == 1, calls
-    if sys.platform.startswith("linux") and "glibc" in " ".join(platform.libc_ver()):
+    if _on_glibc():
         assert kernels._malloc_trim() is not None
 
 
@@ -115,7 +119,6 @@ def test_chunk_scratch_stays_mapped_between_chunks(monkeypatch):
     # thousand minor faults per float32 call at 2048 x 32000). The eager CPU path makes the call
     # (once per process), and one freed block of CPU_CHUNK_SCRATCH_BYTES keeps a chunk loop's
     # pages mapped (checked on glibc itself, in a fresh process).
-    import platform
     import subprocess
     import sys
 
@@ -124,7 +127,7 @@ def test_chunk_scratch_stays_mapped_between_chunks(monkeypatch):
     g = torch.Generator().manual_seed(2)
     _run(torch.randn(8, 512, generator=g), torch.randint(0, 512, (8,), generator=g), None)
     assert calls, "the eager CPU path did not raise glibc's thresholds"
-    if not (sys.platform.startswith("linux") and "glibc" in " ".join(platform.libc_ver())):
+    if not _on_glibc():
         return
     block = kernels.CPU_CHUNK_SCRATCH_BYTES
     # a chunk's live temporaries: 8-26 B per element against the 28 B bound (STATS_SCRATCH_BYTES)
@@ -143,43 +146,35 @@ def test_chunk_scratch_stays_mapped_between_chunks(monkeypatch):
 # fresh process: peak extra RSS of the second call (the kernel's counter reset before it), as a
 # multiple of the shard's bytes.
 _FORWARD_PEAK_SCRIPT = r"""
-import ctypes, gc
 import torch
+from dualvp.tools.bench.worker import PeakRSS
 from dualvp_torch import kernels, logprob_entropy
 kernels.MAX_EAGER_WORKERS = 1
 kernels.CPU_CHUNK_SCRATCH_BYTES = 1 << 20
-
-def status(key):
-    for line in open("/proc/self/status"):
-        if line.startswith(key):
-            return int(line.split()[1]) * 1024
 
 g = torch.Generator().manual_seed(3)
 T, V = 2048, 16384
 z = torch.randn(T, V, generator=g)
 y = torch.randint(0, V, (T,), generator=g)
 for _ in range(2):
-    gc.collect()
-    ctypes.CDLL("libc.so.6").malloc_trim(0)
-    open("/proc/self/clear_refs", "w").write("5")
-    before = status("VmRSS")
-    logprob_entropy(z, y, with_entropy=False, impl="eager")
-print((status("VmHWM") - before) / z.nbytes)
+    with PeakRSS() as pk:
+        logprob_entropy(z, y, with_entropy=False, impl="eager")
+assert PeakRSS.method == "VmHWM-reset", PeakRSS.method  # not the sampler, which can miss a peak
+print(pk.extra / z.nbytes)
 """
 
 
 def test_forward_keeps_no_chunk_result_between_chunks():
     # _stats_eager writes each chunk's statistics into one buffer of the shard's rows. When it kept
-    # a list of per-chunk results (concatenated at the end), each small result could land at the
-    # top of glibc's heap, above the chunk's freed temporaries, and the next chunk's temporaries
-    # went above it: the heap grew by about one chunk's scratch per chunk. Eager bfloat16 forward
+    # a list of per-chunk results (concatenated at the end), glibc's heap grew by about one chunk's
+    # scratch per chunk (likely: each small result at the heap's top, above its chunk's freed
+    # temporaries, so the next chunk's went above it). Eager bfloat16 forward
     # at 2048 x 152064: 0.7-1.9 B of peak RSS (in two of three processes); in this script (fresh
     # process, deterministic): 0.80-0.91 B before, 0.00-0.05 B with the buffer (1 MiB of scratch).
-    import platform
     import subprocess
     import sys
 
-    if not (sys.platform.startswith("linux") and "glibc" in " ".join(platform.libc_ver())):
+    if not _on_glibc():
         pytest.skip("measures glibc's heap through /proc")
     out = subprocess.run([sys.executable, "-c", _FORWARD_PEAK_SCRIPT], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr
