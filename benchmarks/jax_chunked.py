@@ -23,6 +23,11 @@ with ``B`` = bytes of one logits shard:
   alternate call by call so that they see the same machine load. ``cpu_s``:
   the median process CPU time of the same calls (all threads), less
   sensitive than wall time to other work on a shared machine.
+- ``fwd_time_s``: median wall time of the forward alone (``jit`` of the
+  outputs, O(T): no gradient and so none of its page faults), timed in the
+  same alternating rounds; what the row chunks changed is the forward, the
+  backward is the same fused pass in both revisions, so ``time_s -
+  fwd_time_s`` (``bwd_s``) shows what neither can win back.
 - ``all_gathers``: all-gather ops in the compiled HLO (forward + backward).
 - ``max_diff``: largest absolute difference between the two implementations'
   log-prob, entropy and gradient (float32).
@@ -198,6 +203,7 @@ def main(argv=None):
                         ma, fma = comp.memory_analysis(), fcomp.memory_analysis()
                         hlo = comp.as_text()
                         fns[name] = comp
+                        fwds[name] = fcomp
                         rec[name] = {
                             "temp_B": ma.temp_size_in_bytes / B,
                             "out_B": ma.output_size_in_bytes / B,
@@ -205,8 +211,10 @@ def main(argv=None):
                             "all_gathers": len(re.findall(r"\ball-gather(?:-start)?\(", hlo)),
                             "times": [],
                             "cpu_times": [],
+                            "fwd_times": [],
                         }
                         jax.block_until_ready(comp(logits(), y, gl, gh, k))  # warm-up
+                        jax.block_until_ready(fcomp(z, y, gl, gh, k))
                     res = {}
                     for name, comp in fns.items():
                         zc = logits()
@@ -223,6 +231,10 @@ def main(argv=None):
                             jax.block_until_ready(comp(zc, y, gl, gh, k))
                             rec[name]["times"].append(time.perf_counter() - t0)
                             rec[name]["cpu_times"].append(time.process_time() - c0)
+                            del zc
+                            t0 = time.perf_counter()
+                            jax.block_until_ready(fwds[name](z, y, gl, gh, k))
+                            rec[name]["fwd_times"].append(time.perf_counter() - t0)
                     diff = [float(np.max(np.abs(np.nan_to_num(u - v)))) if u.size else 0.0
                             for u, v in zip(res["old"], res["new"])]
                     del res
@@ -232,15 +244,20 @@ def main(argv=None):
                         r = rec[name]
                         r["time_s"] = statistics.median(r["times"])
                         r["cpu_s"] = statistics.median(r["cpu_times"])
+                        r["fwd_time_s"] = statistics.median(r["fwd_times"])
+                        r["bwd_s"] = r["time_s"] - r["fwd_time_s"]
                         row[name] = r
                     row["time_ratio"] = row["new"]["time_s"] / row["old"]["time_s"]
                     row["cpu_ratio"] = row["new"]["cpu_s"] / row["old"]["cpu_s"]
+                    row["fwd_ratio"] = row["new"]["fwd_time_s"] / row["old"]["fwd_time_s"]
                     rows.append(row)
                     print(f"V={V} {dname:8s} {mode:4s} W={world}  old {row['old']['time_s']:.3f}s "
                           f"peak {row['old']['peak_B']:.2f}B temp {row['old']['temp_B']:.3f}B | new "
                           f"{row['new']['time_s']:.3f}s peak {row['new']['peak_B']:.2f}B temp "
                           f"{row['new']['temp_B']:.3f}B fwd {row['new']['fwd_temp_B']:.3f}B | ratio "
-                          f"{row['time_ratio']:.2f} (cpu {row['cpu_ratio']:.2f}) gathers {row['new']['all_gathers']} diff "
+                          f"{row['time_ratio']:.2f} (cpu {row['cpu_ratio']:.2f}; fwd {row['old']['fwd_time_s']:.3f}s/"
+                          f"{row['new']['fwd_time_s']:.3f}s = {row['fwd_ratio']:.2f}, rest {row['old']['bwd_s']:.3f}s/"
+                          f"{row['new']['bwd_s']:.3f}s) gathers {row['new']['all_gathers']} diff "
                           f"{max(diff):.2e}", flush=True)
                     del fns
                 del z, keep
@@ -249,6 +266,8 @@ def main(argv=None):
     cpu_ratios = [r["cpu_ratio"] for r in rows]
     summary = {"time_ratio_max": max(ratios), "time_ratio_median": statistics.median(ratios),
                "cpu_ratio_max": max(cpu_ratios), "cpu_ratio_median": statistics.median(cpu_ratios),
+               "fwd_ratio_max": max(r["fwd_ratio"] for r in rows),
+               "fwd_ratio_median": statistics.median(r["fwd_ratio"] for r in rows),
                "peak_B_new_max": max(r["new"]["peak_B"] for r in rows),
                "temp_B_new_max": max(r["new"]["temp_B"] for r in rows),
                "fwd_temp_B_new_max": max(r["new"]["fwd_temp_B"] for r in rows)}
