@@ -6,6 +6,9 @@ gets a materialised float32 ``[T, V_local]`` input: the upcast of bfloat16
 logits, ``exp(d)``, ``e * d``, the masked logits. :func:`map_row_chunks` runs
 such a function over bounded blocks of rows instead, so each of those
 intermediates is ``[rows, V_local]`` (a few MiB, see :data:`CHUNK_BYTES`).
+The same library runs a reduction over more than 2**15 columns on about one
+core: :func:`column_blocks` splits wider rows into blocks within that
+(:data:`COLUMN_BLOCK`), whose statistics the caller merges.
 
 Three things each brought a full-size copy back while this was written, and
 ``tests/jax/test_jax_memory.py`` pins each one:
@@ -35,7 +38,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-__all__ = ["CHUNK_BYTES", "chunk_rows", "map_row_chunks"]
+__all__ = ["CHUNK_BYTES", "COLUMN_BLOCK", "chunk_rows", "column_blocks", "map_row_chunks"]
 
 #: Budget, in bytes, of one float32 ``[rows, V_local]`` intermediate of a chunk.
 #: A chunk of the op's statistics holds two or three such buffers at once, so
@@ -67,6 +70,35 @@ def chunk_rows(n_rows: int, width: int, budget: Optional[int] = None) -> int:
     rows = int(budget) // max(1, 4 * int(width))
     rows = max(4, rows - rows % 4)
     return max(1, min(rows, int(n_rows)))
+
+
+#: Widest column block, in columns, of one row reduction on XLA:CPU. XLA's
+#: reduction library (YNNPACK fusions, jax 0.10) runs a row reduction on both
+#: cores of the 2-core test machine up to 2**15 columns and on about one core
+#: from 2**15 + 1 (measured, float32 log-prob forward, T = 2048: 0.26-0.28
+#: ns per element up to 32768 columns, 0.45-0.67 from 32769). Wider shards
+#: are therefore reduced in column blocks of at most this many columns, merged
+#: with ``spec.reduce_stats`` (the merge that combines shards): the forward at
+#: V_local = 152064 took 0.63-0.81x the time of whole rows, and 16384-column
+#: blocks were slower than 32768 (``benchmarks/jax_columns.py``).
+COLUMN_BLOCK = 1 << 15
+
+
+def column_blocks(width: int, max_width: Optional[int] = None) -> list[tuple[int, int]]:
+    """``[(start, stop), ...]``: ``width`` columns in the fewest blocks of at most ``max_width``.
+
+    ``max_width`` defaults to :data:`COLUMN_BLOCK` (read at call time, i.e. at
+    trace time of the op). The blocks are contiguous, in order, and their
+    widths differ by at most one (152064 -> 5 blocks of 30412-30413). A width
+    of at most ``max_width`` (or 0) is one block.
+    """
+    max_width = COLUMN_BLOCK if max_width is None else int(max_width)
+    if max_width < 1:
+        raise ValueError(f"max_width: expected >= 1, got {max_width}")
+    width = int(width)
+    k = max(1, -(-width // max_width))
+    edges = [width * i // k for i in range(k + 1)]
+    return list(zip(edges[:-1], edges[1:]))
 
 
 def map_row_chunks(fn: Callable, arrays: Sequence[Optional[jnp.ndarray]], rows: int):

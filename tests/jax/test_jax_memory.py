@@ -42,6 +42,7 @@ from ._helpers import (  # noqa: E402
 )
 
 T, V = 2048, 32000  # rows, columns per shard (the bench size)
+V_WIDE = 152064  # the bench's wide shard: more columns than chunks.COLUMN_BLOCK
 MODES = {"lp": (False, False), "ent": (True, False), "keep": (True, True)}  # (with entropy, masked)
 SCRATCH_VG = 0.05  # value_and_grad: scratch beyond arguments and the gradient output, in B
 SCRATCH_FWD = 0.1  # forward alone
@@ -49,12 +50,12 @@ SCRATCH_FWD = 0.1  # forward alone
 pytestmark = pytest.mark.skipif(jax.default_backend() != "cpu", reason="the chunked path is the CPU one")
 
 
-def _specs(dtype, world, masked):
+def _specs(dtype, world, masked, v=V):
     mesh = mesh_1d(world) if world > 1 else None
     sh = (lambda s: NamedSharding(mesh, s)) if mesh else (lambda s: None)
-    z = jax.ShapeDtypeStruct((T, world * V), dtype, sharding=sh(P(None, "tp")))
+    z = jax.ShapeDtypeStruct((T, world * v), dtype, sharding=sh(P(None, "tp")))
     y = jax.ShapeDtypeStruct((T,), jnp.int32, sharding=sh(P(None)))
-    k = jax.ShapeDtypeStruct((T, world * V), jnp.bool_, sharding=sh(P(None, "tp"))) if masked else None
+    k = jax.ShapeDtypeStruct((T, world * v), jnp.bool_, sharding=sh(P(None, "tp"))) if masked else None
     return mesh, z, y, k
 
 
@@ -88,14 +89,18 @@ def _gathers(compiled) -> int:
     return len(re.findall(r"\ball-gather(?:-start)?\(", compiled.as_text()))
 
 
+@pytest.mark.parametrize("v", [V, V_WIDE])
 @pytest.mark.parametrize("world", [1, 2])
 @pytest.mark.parametrize("mode", list(MODES))
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_value_and_grad_scratch(dtype, mode, world):
-    """jit(value_and_grad): the gradient (1 B) and a few MiB of chunk scratch, no [T, V_local] copy."""
+def test_value_and_grad_scratch(dtype, mode, world, v):
+    """jit(value_and_grad): the gradient (1 B) and a few MiB of chunk scratch, no [T, V_local] copy.
+
+    ``V_WIDE`` columns per shard go through column blocks as well (5 at 152064).
+    """
     with_ent, masked = MODES[mode]
-    mesh, z, y, k = _specs(jnp.dtype(dtype), world, masked)
-    B = T * V * jnp.dtype(dtype).itemsize
+    mesh, z, y, k = _specs(jnp.dtype(dtype), world, masked, v)
+    B = T * v * jnp.dtype(dtype).itemsize
     outs = _outputs_fn(mesh, with_ent, masked)
     vg = jax.jit(jax.value_and_grad(_loss_fn(outs))).lower(z, y, k).compile()
     ma = vg.memory_analysis()
@@ -106,6 +111,32 @@ def test_value_and_grad_scratch(dtype, mode, world):
     assert fw.memory_analysis().temp_size_in_bytes <= SCRATCH_FWD * B, fw.memory_analysis().temp_size_in_bytes / B
     # one all-gather of O(T) statistics per call (forward), none in the backward
     assert _gathers(vg) == _gathers(fw) == (1 if world > 1 else 0)
+
+
+def _widest_reduction(compiled) -> int:
+    """The most elements any ``reduce`` in the compiled HLO folds into one (its reduced dimensions' product)."""
+    txt = compiled.as_text()
+    shapes = dict(re.findall(r"(%[\w.-]+) = \w+\[([\d,]*)\]", txt))
+    widest = 0
+    for operand, dims in re.findall(r" reduce\((%[\w.-]+),[^\n]*?dimensions=\{([\d,]*)\}", txt):
+        shape = [int(d) for d in shapes[operand].split(",") if d]
+        widest = max(widest, int(np.prod([shape[int(d)] for d in dims.split(",") if d])))
+    return widest
+
+
+@pytest.mark.parametrize("mode", list(MODES))
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_wide_rows_reduce_in_column_blocks(dtype, mode):
+    """At V_local > chunks.COLUMN_BLOCK no reduction of the forward spans more than COLUMN_BLOCK columns.
+
+    XLA:CPU's reduction library runs a row reduction over more than 2**15 columns
+    on about one core (chunks.COLUMN_BLOCK); the op reduces such rows in column
+    blocks, merged like shards. Without them (checked) the widest is V_WIDE.
+    """
+    with_ent, masked = MODES[mode]
+    mesh, z, y, k = _specs(jnp.dtype(dtype), 1, masked, V_WIDE)
+    fw = jax.jit(_outputs_fn(mesh, with_ent, masked)).lower(z, y, k).compile()
+    assert 1000 < _widest_reduction(fw) <= chunks.COLUMN_BLOCK, _widest_reduction(fw)
 
 
 @pytest.mark.parametrize("world", [1, 2])
@@ -233,6 +264,26 @@ def test_chunk_rows_budget():
     assert chunks.chunk_rows(0, 32000) == 1
 
 
+@pytest.mark.parametrize("width,max_width,n", [
+    (1, 8, 1), (8, 8, 1), (9, 8, 2), (0, 8, 1), (10, 3, 4), (2, 1, 2),
+    (152064, None, 5), (32768, None, 1), (32769, None, 2),
+])
+def test_column_blocks(width, max_width, n):
+    """The fewest blocks within max_width, contiguous from 0 to width, widths within one of each other."""
+    blocks = chunks.column_blocks(width, max_width)
+    assert len(blocks) == n, blocks
+    assert blocks[0][0] == 0 and blocks[-1][1] == width
+    assert all(a[1] == b[0] for a, b in zip(blocks, blocks[1:])), blocks
+    widths = [b - a for a, b in blocks]
+    assert max(widths) <= (chunks.COLUMN_BLOCK if max_width is None else max_width)
+    assert max(widths) - min(widths) <= 1, widths
+
+
+def test_column_blocks_bad_width():
+    with pytest.raises(ValueError, match="max_width"):
+        chunks.column_blocks(10, 0)
+
+
 # --- values of the chunked (and the whole-shard) path ----------------------------
 
 
@@ -279,33 +330,45 @@ def _check_case(case, world):
 
 class TestChunked:
     """Every shared case at W = 1, 2, 4 through the chunked path with 4 rows per chunk (so most have an
-    overlapping last chunk). The jit caches are cleared once before the class and once after it, and
-    ``chunk_rows`` gives 4 rows for the whole class: every program run here was traced here, chunked. A case
-    whose shapes, dtype and options repeat an earlier one's reuses that compiled program (42 compilations
-    for 72 cases) instead of compiling it again."""
+    overlapping last chunk), once with whole rows and once with every row in three column blocks (uneven
+    where V_local is not a multiple of 3; the path of shards wider than chunks.COLUMN_BLOCK). The jit
+    caches are cleared before and after each of the two, and ``chunk_rows`` (and ``column_blocks``) are
+    patched throughout it: every program run here was traced here, chunked. A case whose shapes, dtype and
+    options repeat an earlier one's reuses that compiled program (42 compilations for 72 cases) instead of
+    compiling it again."""
 
-    @pytest.fixture(scope="class")
-    def four_row_chunks(self):
+    @pytest.fixture(scope="class", params=["rows", "rows_and_columns"])
+    def four_row_chunks(self, request):
         jax.clear_caches()
-        calls = []
+        calls, widths = [], []
+        column_blocks = chunks.column_blocks
 
         def four(n, width, budget=None):
             calls.append(n)
             return max(1, min(4, n))
 
+        def three(width, max_width=None):
+            widths.append(width)
+            return column_blocks(width, max(1, -(-width // 3)))
+
         with pytest.MonkeyPatch.context() as mp:
             mp.setattr(chunks, "chunk_rows", four)
-            yield calls
+            if request.param == "rows_and_columns":
+                mp.setattr(chunks, "column_blocks", three)
+            yield calls, widths
         jax.clear_caches()
 
     @pytest.mark.parametrize("case,world", _CHUNK_PARAMS)
-    def test_vs_reference(self, case, world, four_row_chunks):
-        traces, calls = TRACES["sharded"], len(four_row_chunks)
+    def test_vs_reference(self, case, world, four_row_chunks, request):
+        rows, widths = four_row_chunks
+        traces, calls, blocked = TRACES["sharded"], len(rows), len(widths)
         _check_case(case, world)
-        new = four_row_chunks[calls:]
+        new = rows[calls:]
         if TRACES["sharded"] > traces:
             # traced here, through the chunked path (the primal and the vjp forward)
             assert new and set(new) == {int(np.prod(case.lead))}, new
+            if "rows_and_columns" in request.node.callspec.id:
+                assert set(widths[blocked:]) == {case.vocab // world}, widths[blocked:]
         else:
             # the program of an earlier case of this class (same shapes and options), checked there
             assert not new, new
