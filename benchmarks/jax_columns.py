@@ -4,8 +4,9 @@ XLA:CPU's reduction library (YNNPACK fusions in jax 0.10) runs a row
 reduction over at most 2**15 columns on all cores, a wider one on about one
 (``dualvp_jax.chunks.COLUMN_BLOCK``). For each (dtype, mode) this compiles the
 op's forward (``jit`` of ``sum(logprob) + sum(entropy)``, unsharded) once per
-``--blocks`` entry (a column-block width, ``none``: whole rows) and times the
-programs in alternating rounds (``benchmarks/_alternating.py``): median and
+``--blocks`` entry (a column-block width, ``none``: whole rows) and
+``--chunk-bytes`` entry (``dualvp_jax.chunks.CHUNK_BYTES``, the row budget)
+and times the programs in alternating rounds (``benchmarks/_alternating.py``): median and
 range, milliseconds. ``--grad`` times ``jit(grad)`` instead (forward and
 backward, a fresh gradient per call). ``temp`` is the program's scratch
 (``memory_analysis``) in B = bytes of the float32 logits.
@@ -35,6 +36,8 @@ def main(argv=None):
     ap.add_argument("--dtypes", default="float32,bfloat16")
     ap.add_argument("--modes", default="lp,ent,keep")
     ap.add_argument("--blocks", default="32768,none", help="column-block widths; 'none' for whole rows")
+    ap.add_argument("--chunk-bytes", default=None,
+                    help="comma list of row-chunk budgets in bytes (default: chunks.CHUNK_BYTES)")
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--grad", action="store_true", help="time jit(grad) instead of the forward")
     ap.add_argument("--out", default=None)
@@ -48,6 +51,8 @@ def main(argv=None):
     from dualvp_jax import chunks
     from _alternating import times_ms
 
+    budgets = [int(x) for x in a.chunk_bytes.split(",")] if a.chunk_bytes else [chunks.CHUNK_BYTES]
+    variants = [(b, c) for b in a.blocks.split(",") for c in budgets]
     rows = []
     rng = np.random.default_rng(0)
     for dname in a.dtypes.split(","):
@@ -57,10 +62,13 @@ def main(argv=None):
         for mode in a.modes.split(","):
             with_ent, k = mode != "lp", (keep if mode == "keep" else None)
             fns, temps = {}, {}
-            for b in a.blocks.split(","):
+            for b, c in variants:
                 # read at trace time; clear_caches so that the op's inner jit traces again
                 chunks.COLUMN_BLOCK = 1 << 62 if b == "none" else int(b)
+                chunks.CHUNK_BYTES = c
                 jax.clear_caches()
+                if len(budgets) > 1:
+                    b = f"{b}/{c >> 10}K"
 
                 def loss(z, k):
                     lp, h = dualvp_jax.logprob_entropy(z, y, keep_mask=k, with_entropy=with_ent)
@@ -78,7 +86,7 @@ def main(argv=None):
                 for b, t in times.items()), flush=True)
     if a.out:
         with open(a.out, "w") as f:
-            json.dump({"meta": {"T": a.T, "V": a.V, "blocks": a.blocks, "grad": a.grad, "reps": a.reps,
+            json.dump({"meta": {"T": a.T, "V": a.V, "blocks": a.blocks, "chunk_bytes": budgets, "grad": a.grad, "reps": a.reps,
                                 "jax": jax.__version__, "cpus": os.cpu_count()}, "rows": rows}, f, indent=1)
     return 0
 

@@ -13,7 +13,7 @@ On CPU the shard statistics are computed over bounded blocks of rows
 whatever ``T``): XLA:CPU would otherwise materialise a float32
 ``[T, V_local]`` input for each row reduction (1 to 6 B of scratch, B = the
 bytes of the shard). Each block runs ``spec.block_stats`` itself; rows are
-independent, so the result is the same statistics. Rows wider than
+independent, so the result is the same statistics. Unmasked rows wider than
 ``chunks.COLUMN_BLOCK`` columns are split into column blocks, merged with
 ``spec.reduce_stats`` like shards (XLA:CPU reduces wider rows on one core).
 Other platforms fuse the reductions and take the whole shard at once (:func:`_shard_stats`).
@@ -203,8 +203,8 @@ def _shard_stats(logits, local, owns, keep, tau, cdt, with_entropy: bool = True)
     XLA:CPU would otherwise materialise a float32 ``[..., V_local]`` input for
     each row reduction (up to 6 B of scratch for bfloat16 logits with a keep
     mask, B = bytes of the logits); chunked, the forward's scratch is about
-    ``3 * chunks.CHUNK_BYTES`` whatever the row count. Rows wider than
-    ``chunks.COLUMN_BLOCK`` are reduced in column blocks (``start=`` of
+    ``3 * chunks.CHUNK_BYTES`` whatever the row count. Unmasked rows wider
+    than ``chunks.COLUMN_BLOCK`` are reduced in column blocks (``start=`` of
     ``spec.block_stats``) merged with ``spec.reduce_stats``, which XLA:CPU
     runs on all cores (one for wider reductions). On other platforms
     (GPU, TPU) XLA fuses the elementwise work into its reductions itself and a
@@ -215,12 +215,13 @@ def _shard_stats(logits, local, owns, keep, tau, cdt, with_entropy: bool = True)
         return spec.block_stats(jnp, z, local, owns, keep, tau, dtype=cdt, with_entropy=with_entropy)
 
     def blocked(z, local, owns, keep):
-        # Blocks merge like shards; one block when the rows fit chunks.COLUMN_BLOCK.
+        # Blocks merge like shards. Not with a keep mask: there the blocks took
+        # as long as whole rows and raised the 2-device peak by 0.05 B.
         bounds = chunks.column_blocks(z.shape[-1])
-        if len(bounds) == 1:
+        if len(bounds) == 1 or keep is not None:
             return whole(z, local, owns, keep)
-        parts = [spec.block_stats(jnp, z[..., a:b], local, owns, None if keep is None else keep[..., a:b], tau,
-                                  start=a, dtype=cdt, with_entropy=with_entropy) for a, b in bounds]
+        parts = [spec.block_stats(jnp, z[..., a:b], local, owns, None, tau, start=a, dtype=cdt,
+                                  with_entropy=with_entropy) for a, b in bounds]
         return spec.reduce_stats(jnp, jnp.stack(parts), axis=0, temperature=tau)
 
     def chunked(z, local, owns, keep):

@@ -124,7 +124,7 @@ def _widest_reduction(compiled) -> int:
     return widest
 
 
-@pytest.mark.parametrize("mode", list(MODES))
+@pytest.mark.parametrize("mode", ["lp", "ent"])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_wide_rows_reduce_in_column_blocks(dtype, mode):
     """At V_local > chunks.COLUMN_BLOCK no reduction of the forward spans more than COLUMN_BLOCK columns.
@@ -132,6 +132,7 @@ def test_wide_rows_reduce_in_column_blocks(dtype, mode):
     XLA:CPU's reduction library runs a row reduction over more than 2**15 columns
     on about one core (chunks.COLUMN_BLOCK); the op reduces such rows in column
     blocks, merged like shards. Without them (checked) the widest is V_WIDE.
+    With a keep mask the rows stay whole (dualvp_jax.function._shard_stats).
     """
     with_ent, masked = MODES[mode]
     mesh, z, y, k = _specs(jnp.dtype(dtype), 1, masked, V_WIDE)
@@ -330,8 +331,9 @@ def _check_case(case, world):
 
 class TestChunked:
     """Every shared case at W = 1, 2, 4 through the chunked path with 4 rows per chunk (so most have an
-    overlapping last chunk), once with whole rows and once with every row in three column blocks (uneven
-    where V_local is not a multiple of 3; the path of shards wider than chunks.COLUMN_BLOCK). The jit
+    overlapping last chunk), once with whole rows and once with every row of the unmasked cases in three
+    column blocks (uneven where V_local is not a multiple of 3; the path of unmasked shards wider than
+    chunks.COLUMN_BLOCK). The jit
     caches are cleared before and after each of the two, and ``chunk_rows`` (and ``column_blocks``) are
     patched throughout it: every program run here was traced here, chunked. A case whose shapes, dtype and
     options repeat an earlier one's reuses that compiled program (42 compilations for 72 cases) instead of
