@@ -26,8 +26,12 @@ with ``B`` = bytes of one logits shard:
 - ``fwd_time_s``: median wall time of the forward alone (``jit`` of the
   outputs, O(T): no gradient and so none of its page faults), timed in the
   same alternating rounds; what the row chunks changed is the forward, the
-  backward is the same fused pass in both revisions, so ``time_s -
-  fwd_time_s`` (``bwd_s``) shows what neither can win back.
+  backward is the same fused pass in both revisions, so the new revision's
+  ``bwd_s = time_s - fwd_time_s`` over the old ``time_s`` is the ratio a
+  forward of no cost would reach. The old revision's ``bwd_s`` can come out
+  near zero or below: its forward alone allocates full-size temporaries
+  (and pays their page faults), which under ``value_and_grad`` XLA places
+  in the gradient's buffer.
 - ``all_gathers``: all-gather ops in the compiled HLO (forward + backward).
 - ``max_diff``: largest absolute difference between the two implementations'
   log-prob, entropy and gradient (float32).
