@@ -80,13 +80,13 @@ def chunk_rows(n_rows: int, width: int, budget: Optional[int] = None) -> int:
 #: ns per element up to 32768 columns, 0.45-0.67 from 32769). Wider unmasked
 #: shards are therefore reduced in column blocks of at most this many
 #: columns, merged with ``spec.reduce_stats`` (the merge that combines
-#: shards): the forward at V_local = 152064 took 0.63-0.82x the time of whole
+#: shards): the forward at V_local = 152064 took 0.63-0.85x the time of whole
 #: rows, and 16384-column blocks were slower than 32768
 #: (``benchmarks/jax_columns.py``). With a keep mask the blocks took 1.0-1.07x
 #: the time of whole rows and raised the peak of 2 host devices in one
 #: process by 0.05 B, so masked rows stay whole. Reshaping each row into
 #: ``[k, V_local / k]`` instead of slicing took 0.89-1.24x the time of whole
-#: rows (slices: 0.63-0.82x).
+#: rows (slices: 0.63-0.85x).
 COLUMN_BLOCK = 1 << 15
 
 
