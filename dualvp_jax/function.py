@@ -211,8 +211,8 @@ def _shard_stats(logits, local, owns, keep, tau, cdt, with_entropy: bool = True)
     loop of small chunks would only add steps: the whole shard is one call
     there (not measured on such a machine in this repository).
     """
-    def whole(z, local, owns, keep):
-        return spec.block_stats(jnp, z, local, owns, keep, tau, dtype=cdt, with_entropy=with_entropy)
+    def whole(z, local, owns, keep, start=0):
+        return spec.block_stats(jnp, z, local, owns, keep, tau, start=start, dtype=cdt, with_entropy=with_entropy)
 
     def blocked(z, local, owns, keep):
         # Blocks merge like shards. Not with a keep mask: there the blocks took
@@ -220,8 +220,7 @@ def _shard_stats(logits, local, owns, keep, tau, cdt, with_entropy: bool = True)
         bounds = chunks.column_blocks(z.shape[-1])
         if len(bounds) == 1 or keep is not None:
             return whole(z, local, owns, keep)
-        parts = [spec.block_stats(jnp, z[..., a:b], local, owns, None, tau, start=a, dtype=cdt,
-                                  with_entropy=with_entropy) for a, b in bounds]
+        parts = [whole(z[..., a:b], local, owns, None, start=a) for a, b in bounds]
         return spec.reduce_stats(jnp, jnp.stack(parts), axis=0, temperature=tau)
 
     def chunked(z, local, owns, keep):
