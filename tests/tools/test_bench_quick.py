@@ -29,7 +29,7 @@ def test_bench_quick_writes_json_and_png(tmp_path):
     # per call, on a fresh copy), two modes, W=2 gloo run.
     impls = [i for i, m in (("torch-eager", "torch"), ("jax-naive", "jax"), ("dualvp-torch-eager", "dualvp_torch"),
                             ("dualvp-torch-inplace-eager", "dualvp_torch"), ("dualvp-jax", "dualvp_jax"),
-                            ("dualvp-jax-donated", "dualvp_jax")) if _have(m)]
+                            ("dualvp-jax-donated", "dualvp_jax"), ("dualvp-jax-hugetlb", "dualvp_jax")) if _have(m)]
     if not impls:
         pytest.skip("neither torch nor jax installed")
     out = tmp_path / "bench.json"
@@ -56,9 +56,14 @@ def test_bench_quick_writes_json_and_png(tmp_path):
     assert got == {(i, m) for i in impls for m in modes}
     for r in doc["results"]:
         assert r["dtype"] == "float32" and r["T"] == 16 and r["V_local"] == 256
-        for k in ("fwd_s", "bwd_s", "fwdbwd_s", "peak_extra_B", "B"):
+        for k in ("fwd_s", "bwd_s", "fwdbwd_s", "mean_fwdbwd_s", "peak_extra_B", "B"):
             assert isinstance(r[k], (int, float)) and r[k] >= 0, (k, r)
         assert set(r["first_call_s"]) == {"fwd", "bwd"}
+        assert r["mean_fwdbwd_s"] * r["reps"] == pytest.approx(sum(r["times_fwdbwd_s"]))
+        assert isinstance(r["minor_faults_fwdbwd"], (int, float)) and r["minor_faults_fwdbwd"] >= 0, r
+        # the *-hugetlb workers are started with the glibc tunable, the others with the parent's environment
+        want = "glibc.malloc.hugetlb=1" if r["impl"].endswith("-hugetlb") else os.environ.get("GLIBC_TUNABLES")
+        assert r["glibc_tunables"] == want, r
         assert r["B"] == 16 * 256 * 4
         e = r["errors"]
         # float32 against the float64 oracle: small, and the entropy is

@@ -48,6 +48,7 @@ import ctypes
 import gc
 import json
 import os
+import resource
 import statistics
 import sys
 import time
@@ -85,6 +86,10 @@ def _trim() -> None:
         _libc.malloc_trim(0)
     except OSError:
         pass
+
+
+def _minor_faults() -> int:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
 
 
 class PeakRSS:
@@ -513,13 +518,14 @@ def _measure(job, mode, fwd, bwd, clear, counter, B, sync=None, peak=PeakRSS) ->
     # Timed calls; each one is also a memory measurement (the peak-RSS reset
     # and the malloc_trim happen outside the timed region). The outputs of the
     # last call are returned for the error check.
-    tf, tb, tfb, cpu, peaks = [], [], [], [], []
+    tf, tb, tfb, cpu, peaks, faults = [], [], [], [], [], []
     out = None
     for i in range(max(1, job["reps"])):
         if out is not None:
             del out
             clear()
         with peak() as pk:
+            f0 = _minor_faults()
             c0 = time.process_time()
             t0 = clock()
             out = fwd()
@@ -527,11 +533,13 @@ def _measure(job, mode, fwd, bwd, clear, counter, B, sync=None, peak=PeakRSS) ->
             bwd(out)
             t2 = clock()
             c1 = time.process_time()
+            f1 = _minor_faults()
         tf.append(t1 - t0)
         tb.append(t2 - t1)
         tfb.append(t2 - t0)
         cpu.append(c1 - c0)
         peaks.append(pk.extra)
+        faults.append(f1 - f0)
     rec = {
         "impl": job["impl"],
         "mode": mode,
@@ -545,13 +553,21 @@ def _measure(job, mode, fwd, bwd, clear, counter, B, sync=None, peak=PeakRSS) ->
         "bwd_s": statistics.median(tb) if tb else None,
         "fwdbwd_s": statistics.median(tfb) if tfb else None,
         "times_fwdbwd_s": tfb,
+        # what a loop of such calls pays; far above the median when some calls stall (on a VM,
+        # fresh huge pages that the host must back again: benchmarks/fresh_buffer.py)
+        "mean_fwdbwd_s": statistics.mean(tfb) if tfb else None,
         "cpu_fwdbwd_s": statistics.median(cpu),
+        # first-touch page faults of the whole process per call: a fresh [T, V] buffer in 4 KiB
+        # pages costs B / 4096 of them, which is most of its cost on a CPU
+        "minor_faults_fwdbwd": statistics.median(faults),
         "reps": len(tfb),
         "B": B,
         "peak_extra_bytes": None if None in peaks else max(peaks),
         "peak_extra_B": None if None in peaks else max(peaks) / B,
         "memory_method": pk.method,
         "device": job.get("device", "cpu"),
+        # the worker's own (an implementation may set it: *-hugetlb); meta.machine has the parent's
+        "glibc_tunables": os.environ.get("GLIBC_TUNABLES"),
     }
     if coll is not None:
         rec["collectives"] = coll
