@@ -160,6 +160,41 @@ def test_donated_logits_take_the_gradient(dtype, mode, world):
     assert ma.temp_size_in_bytes <= SCRATCH_VG * B, (ma.temp_size_in_bytes / B, "B of scratch")
 
 
+@pytest.mark.parametrize("world", [1, 2])
+@pytest.mark.parametrize("mode", list(MODES))
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_previous_gradient_buffer_takes_the_next_gradient(dtype, mode, world):
+    """Donating the last step's gradient (unused, ``keep_unused=True``): XLA writes the new one into it.
+
+    For logits that must outlive the step (README, JAX): the gradient then needs no
+    fresh [T, V_local] buffer and its pages are already faulted in. Without
+    ``keep_unused`` jit drops the unused argument, and with it the donation.
+    """
+    with_ent, masked = MODES[mode]
+    mesh, z, y, k = _specs(jnp.dtype(dtype), world, masked)
+    B = T * V * jnp.dtype(dtype).itemsize
+    vg = jax.value_and_grad(_loss_fn(_outputs_fn(mesh, with_ent, masked)))
+    step = jax.jit(lambda z, y, k, old: vg(z, y, k), donate_argnums=3, keep_unused=True)
+    ma = step.lower(z, y, k, z).compile().memory_analysis()
+    assert ma.alias_size_in_bytes == B, (ma.alias_size_in_bytes / B, "B aliased")  # per device: one shard
+    assert ma.temp_size_in_bytes <= SCRATCH_VG * B, (ma.temp_size_in_bytes / B, "B of scratch")
+
+
+def test_recycled_gradient_buffer_holds_the_same_gradient():
+    """The donated-buffer step returns the fresh step's gradient bit for bit, call after call."""
+    z = jax.random.normal(jax.random.PRNGKey(0), (64, 1000), jnp.float32) * 3
+    y = jax.random.randint(jax.random.PRNGKey(1), (64,), 0, 1000)
+    vg = jax.value_and_grad(_loss_fn(_outputs_fn(None, True, False)))
+    want = jax.jit(vg)(z, y, None)[1]
+    step = jax.jit(lambda z, y, old: vg(z, y, None), donate_argnums=2, keep_unused=True)
+    g = jnp.full_like(z, jnp.nan)
+    for _ in range(2):
+        old = g
+        _, g = step(z, y, old)
+        assert old.is_deleted()  # its buffer was taken
+        np.testing.assert_array_equal(np.asarray(g), np.asarray(want))
+
+
 def test_logits_made_in_the_same_jit_share_their_gradient_buffer():
     """Logits computed inside the jit (h @ W^T): they and their gradient take one [T, V] buffer, no donation.
 

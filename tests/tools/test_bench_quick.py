@@ -29,7 +29,8 @@ def test_bench_quick_writes_json_and_png(tmp_path):
     # per call, on a fresh copy), two modes, W=2 gloo run.
     impls = [i for i, m in (("torch-eager", "torch"), ("jax-naive", "jax"), ("dualvp-torch-eager", "dualvp_torch"),
                             ("dualvp-torch-inplace-eager", "dualvp_torch"), ("dualvp-jax", "dualvp_jax"),
-                            ("dualvp-jax-donated", "dualvp_jax"), ("dualvp-jax-hugetlb", "dualvp_jax")) if _have(m)]
+                            ("dualvp-jax-donated", "dualvp_jax"), ("dualvp-jax-recycled", "dualvp_jax"),
+                            ("dualvp-jax-hugetlb", "dualvp_jax")) if _have(m)]
     if not impls:
         pytest.skip("neither torch nor jax installed")
     out = tmp_path / "bench.json"

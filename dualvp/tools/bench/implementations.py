@@ -64,9 +64,10 @@ class Impl:
       gloo: also run on W gloo ranks to count its collectives.
       nonleaf_logits: the logits must be the output of an autograd node
         (``inplace_grad``); see :func:`dualvp.tools.bench.worker.run_torch`.
-      donate_logits: (JAX) forward and backward run as one ``jit`` that
-        donates the logits, so that XLA may write the gradient into their
-        buffer; see :func:`dualvp.tools.bench.worker.run_jax`.
+      donate: (JAX) ``"logits"`` or ``"gradient"``: forward and backward run
+        as one ``jit`` that donates the logits, or the previous call's
+        gradient, so that XLA may write the gradient into that buffer; see
+        :func:`dualvp.tools.bench.worker.run_jax`.
       locate: ``locate(args) -> options dict`` or a string saying why it
         cannot run; the default checks ``needs``.
     """
@@ -81,7 +82,7 @@ class Impl:
     process_group: bool = False
     gloo: bool = False
     nonleaf_logits: bool = False
-    donate_logits: bool = False
+    donate: str = ""
     locate: Optional[Callable[[argparse.Namespace], Union[str, dict]]] = None
 
 
@@ -332,7 +333,11 @@ IMPLS: dict[str, Impl] = {i.name: i for i in (
     Impl("dualvp-jax", "jax", ("jax", "dualvp_jax"), _dualvp_jax, "dualvp_jax.logprob_entropy under jax.jit"),
     Impl("dualvp-jax-donated", "jax", ("jax", "dualvp_jax"), _dualvp_jax,
          "the same, forward and backward in one jit that donates the logits (the gradient takes their buffer)",
-         donate_logits=True),
+         donate="logits"),
+    Impl("dualvp-jax-recycled", "jax", ("jax", "dualvp_jax"), _dualvp_jax,
+         "the same, donating the previous call's gradient instead (keep_unused=True), which XLA reuses for the "
+         "new one: the logits stay, one gradient is held between calls (resident before the measured call)",
+         donate="gradient"),
     Impl("dualvp-jax-hugetlb", "jax", ("jax", "dualvp_jax"), _dualvp_jax,
          "dualvp-jax in workers started with " + _HUGETLB + " (XLA's fresh gradient then faults in 2 MiB "
          "pages, not 4 KiB ones; dualvp-torch advises its own gradient buffer)",

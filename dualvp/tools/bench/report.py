@@ -191,6 +191,11 @@ def _kernel_goals(by: dict, check) -> list:
         # mean can be several times its median (README "Benchmark")
         check("dualvp-jax no slower than dualvp-torch, by mean time per call",
               ratio("dualvp-jax", "dualvp-torch", tuple(MODES), _mean_s), lambda v: v <= 1),
+        # the JAX op with the previous call's gradient buffer donated: no fresh gradient to fault in
+        check("dualvp-jax-recycled no slower than dualvp-torch",
+              ratio("dualvp-jax-recycled", "dualvp-torch", tuple(MODES)), lambda v: v <= 1),
+        check("dualvp-jax-recycled no slower than dualvp-torch, by mean time per call",
+              ratio("dualvp-jax-recycled", "dualvp-torch", tuple(MODES), _mean_s), lambda v: v <= 1),
         # the same comparison with both workers' large allocations advised as huge pages, so that
         # neither pays 4 KiB first-touch faults on its fresh gradient (dualvp-torch advises its own)
         check("dualvp-jax-hugetlb no slower than dualvp-torch-hugetlb",
@@ -294,7 +299,7 @@ _SHORT = {"dualvp-torch": "dualvp", "dualvp-torch-inplace": "inplace", "torch-ea
 _SPEEDUP_VS = ("torch-eager", "megatron", "slime")
 _SECONDS_ORDER = ("dualvp-torch", "dualvp-torch-inplace", "torch-eager", "megatron", "slime", "dualvp-jax",
                   "jax-naive", "dualvp-torch-eager", "dualvp-torch-inplace-eager", "dualvp-jax-donated",
-                  "dualvp-torch-hugetlb", "dualvp-jax-hugetlb")
+                  "dualvp-jax-recycled", "dualvp-torch-hugetlb", "dualvp-jax-hugetlb")
 
 
 def _fmt(x, spec: str) -> str:

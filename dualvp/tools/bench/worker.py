@@ -423,25 +423,45 @@ def run_jax(job: dict, data: dict) -> None:
         keep = keep_t if masked else None
         state: dict[str, Any] = {}
 
-        if impl.donate_logits:
-            # One program, forward and backward, that donates its copy of the
-            # logits: XLA may then write the gradient into their buffer (the
-            # JAX counterpart of inplace_grad). The copy is made outside the
-            # measured call, as the LM head's output exists before the op;
-            # the whole call counts as the forward (bwd 0).
+        if impl.donate:
+            # One program, forward and backward, that donates a buffer of the
+            # gradient's shape and dtype: XLA may then write the gradient into
+            # it. "logits": its copy of the logits (the JAX counterpart of
+            # inplace_grad), made outside the measured call, as the LM head's
+            # output exists before the op. "gradient": the previous call's
+            # gradient, unused by the program (hence keep_unused, without
+            # which jit drops the argument and the donation); it is resident
+            # before the measured call, so the call's own peak omits it. The
+            # whole call counts as the forward (bwd 0).
             def both(zz):
                 outs, vjp_fn = jax.vjp(lambda q: f(q, y, keep), zz)
                 return outs, jb(vjp_fn, outs)
 
-            step = jax.jit(both, donate_argnums=0)
+            if impl.donate == "logits":
+                step = jax.jit(both, donate_argnums=0)
 
-            def renew():
-                state.pop("g", None)
-                state["z"] = jnp.copy(z)
-                state["z"].block_until_ready()
+                def renew():
+                    state.pop("g", None)
+                    state["z"] = jnp.copy(z)
+                    state["z"].block_until_ready()
+
+                def call():
+                    return step(state.pop("z"))
+
+                clear = renew
+                renew()
+            else:
+                step = jax.jit(lambda zz, old: both(zz), donate_argnums=1, keep_unused=True)
+                state["g"] = jnp.zeros_like(z)
+
+                def call():
+                    return step(z, state.pop("g"))
+
+                def clear():
+                    pass
 
             def fwd():
-                outs, g = step(state.pop("z"))
+                outs, g = call()
                 jax.block_until_ready((outs, g))
                 state["g"] = g
                 return outs, None
@@ -449,8 +469,6 @@ def run_jax(job: dict, data: dict) -> None:
             def bwd(out):
                 pass
 
-            clear = renew
-            renew()
         else:
             def fwd():
                 outs, vjp_fn = jax.vjp(lambda zz: jf(zz, y, keep), z)
