@@ -1,4 +1,5 @@
-"""What the single-process CPU timing scripts share (``lean_stats.py``, ``mask_floor.py``, ``fresh_buffer.py``).
+"""What the single-process CPU timing scripts share (``lean_stats.py``, ``mask_floor.py``, ``fresh_buffer.py``,
+``gradient_pool.py``, ``jax_recycled.py``).
 
 Their variants are timed in one process with calls alternating, so that every
 variant sees the same machine load; each is called ``warm`` times first
@@ -40,3 +41,14 @@ def times_ms(fns: dict[str, Callable[[], object]], reps: int, warm: int = 1) -> 
 def medians_ms(fns: dict[str, Callable[[], object]], reps: int, warm: int = 1) -> dict[str, float]:
     """Median of :func:`times_ms` per function."""
     return {k: statistics.median(v) for k, v in times_ms(fns, reps, warm).items()}
+
+
+def spread(ts: list) -> str:
+    """Median, mean and max of times in ms, and how many calls took more than 2.5x the median.
+
+    A loop of calls pays the mean; on a VM whose fresh huge pages now and then
+    stall, the mean can be several times the median (README "Benchmark").
+    """
+    med = statistics.median(ts)
+    return (f"median {med:6.1f} mean {statistics.mean(ts):6.1f} max {max(ts):6.0f} ms, "
+            f"{sum(t > 2.5 * med for t in ts)}/{len(ts)} calls > 2.5x median")

@@ -21,20 +21,12 @@ Usage: python benchmarks/fresh_buffer.py [--T 2048 --V 32000,152064 --dtypes flo
 from __future__ import annotations
 
 import argparse
-import statistics
 
 import torch
-from _alternating import times_ms
+from _alternating import spread, times_ms
 
 from dualvp_torch import kernels, logprob_entropy
 from dualvp_torch.kernels import advise_huge_pages
-
-
-def _fmt(ts: list) -> str:
-    med = statistics.median(ts)
-    slow = sum(t > 2.5 * med for t in ts)
-    return (f"median {med:6.1f} mean {statistics.mean(ts):6.1f} max {max(ts):6.0f} ms, "
-            f"{slow}/{len(ts)} calls > 2.5x median")
 
 
 def _op_call(x: torch.Tensor, y: torch.Tensor, gl: torch.Tensor, gh: torch.Tensor, devices: frozenset):
@@ -75,7 +67,7 @@ def main() -> None:
                 # alternating keeps the host's drift (and, in a VM, what the host has kept of the
                 # guest's free memory) out of the comparison
                 ts = times_ms({"plain": lambda: fn(False), "advised": lambda: fn(True)}, a.reps, warm=2)
-                row.append(f"{label}: plain {_fmt(ts['plain'])}; advised {_fmt(ts['advised'])}")
+                row.append(f"{label}: plain {spread(ts['plain'])}; advised {spread(ts['advised'])}")
             if a.op:
                 g = torch.Generator().manual_seed(0)
                 y = torch.randint(0, v, (a.T,), generator=g)
@@ -83,7 +75,7 @@ def main() -> None:
                 ts = times_ms({"plain": lambda: _op_call(x, y, gl, gh, frozenset()),
                                "advised": lambda: _op_call(x, y, gl, gh, frozenset({"cpu"}))}, a.reps, warm=2)
                 kernels.HUGE_PAGE_DEVICES = default
-                row.append(f"op: plain {_fmt(ts['plain'])}; advised {_fmt(ts['advised'])}")
+                row.append(f"op: plain {spread(ts['plain'])}; advised {spread(ts['advised'])}")
             print("\n    ".join(row) + ("" if took else "  (advice refused: no effect expected)"))
 
 

@@ -24,12 +24,11 @@ from __future__ import annotations
 import argparse
 import ctypes
 import mmap
-import statistics
 import weakref
 
 import numpy as np
 import torch
-from _alternating import times_ms
+from _alternating import spread, times_ms
 
 from dualvp_torch import kernels, logprob_entropy
 
@@ -67,12 +66,6 @@ class _Pool:
         return torch.frombuffer(owner, dtype=z.dtype, count=z.numel()).view(z.shape)
 
 
-def _fmt(ts: list) -> str:
-    med = statistics.median(ts)
-    return (f"median {med:6.1f} mean {statistics.mean(ts):6.1f} max {max(ts):6.0f} ms, "
-            f"{sum(t > 2.5 * med for t in ts)}/{len(ts)} > 2.5x median")
-
-
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--T", type=int, default=2048)
@@ -101,7 +94,7 @@ def main() -> None:
                 gl, gh = torch.randn(a.T, generator=g), torch.randn(a.T, generator=g)
                 assert torch.equal(call(x, y, gl, gh, "pooled"), call(x, y, gl, gh, "advised"))
                 ts = times_ms({k: (lambda k=k: call(x, y, gl, gh, k)) for k in variants}, a.reps, warm=2)
-                print(f"{a.T}x{v} {name:9s}\n    " + "\n    ".join(f"{k:8s} {_fmt(t)}" for k, t in ts.items()))
+                print(f"{a.T}x{v} {name:9s}\n    " + "\n    ".join(f"{k:8s} {spread(t)}" for k, t in ts.items()))
         print(f"pool: {pool.created} mappings created, by size {sorted((n, len(f)) for n, f in pool.free.items())}")
     finally:
         kernels.HUGE_PAGE_DEVICES, kernels._fresh_grad = default, _plain_fresh_grad

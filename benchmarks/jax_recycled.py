@@ -31,7 +31,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import torch
-from _alternating import times_ms
+from _alternating import spread, times_ms
 
 import dualvp_jax
 import dualvp_torch
@@ -69,7 +69,8 @@ def main() -> None:
                 vg = jax.value_and_grad(loss)
                 fresh = jax.jit(vg)
                 recycled = jax.jit(lambda z, old: vg(z), donate_argnums=1, keep_unused=True)
-                state = {"g": jnp.copy(fresh(z)[1])}
+                want = fresh(z)[1]
+                state = {"g": jnp.copy(want)}
 
                 def jax_fresh():
                     jax.block_until_ready(fresh(z))
@@ -83,9 +84,8 @@ def main() -> None:
                     torch.autograd.backward((lp, h) if ent else (lp,), (tgl, tgh) if ent else (tgl,))
                     return q.grad
 
-                want = np.asarray(fresh(z)[1])
                 jax_recycled()
-                assert np.array_equal(np.asarray(state["g"]), want)
+                assert np.array_equal(np.asarray(state["g"]), np.asarray(want))
                 fns = {"jax-fresh": jax_fresh, "jax-recycled": jax_recycled, "torch": torch_op}
                 faults: dict = {k: [] for k in fns}
 
@@ -99,10 +99,7 @@ def main() -> None:
                 ts = times_ms({k: counted(k, f) for k, f in fns.items()}, a.reps, warm=2)
                 print(f"{a.T}x{v} {name:9s} {mode}")
                 for k, t in ts.items():
-                    med = statistics.median(t)
-                    print(f"    {k:13s} median {med:7.1f} mean {statistics.mean(t):7.1f} max {max(t):7.0f} ms, "
-                          f"{sum(x > 2.5 * med for x in t)}/{len(t)} > 2.5x median, "
-                          f"faults {statistics.median(faults[k][2:]):.0f}", flush=True)
+                    print(f"    {k:13s} {spread(t)}, faults {statistics.median(faults[k][2:]):.0f}", flush=True)
 
 
 if __name__ == "__main__":

@@ -316,7 +316,8 @@ _DUALVP_TORCH = ("torch", "dualvp_torch.function")
 # glibc >= 2.35 reads this at process start only (nothing can set it later), so it is a worker
 # variant: on a kernel whose transparent huge pages are "madvise", XLA:CPU's fresh buffers fault
 # every 4 KiB page unless glibc advises them (README "JAX", docs/measurements.md)
-_HUGETLB = "GLIBC_TUNABLES=glibc.malloc.hugetlb=1"
+_HUGETLB_ENV = {"GLIBC_TUNABLES": "glibc.malloc.hugetlb=1"}
+_HUGETLB = "GLIBC_TUNABLES=" + _HUGETLB_ENV["GLIBC_TUNABLES"]
 
 IMPLS: dict[str, Impl] = {i.name: i for i in (
     Impl("dualvp-torch", "torch", _DUALVP_TORCH, _dualvp_torch,
@@ -329,7 +330,7 @@ IMPLS: dict[str, Impl] = {i.name: i for i in (
          "the same with DUALVP_COMPILE=0", env={"DUALVP_COMPILE": "0"}, nonleaf_logits=True),
     Impl("dualvp-torch-hugetlb", "torch", _DUALVP_TORCH, _dualvp_torch,
          "dualvp-torch in workers started with " + _HUGETLB + " (every large allocation advised as huge pages)",
-         env={"GLIBC_TUNABLES": _HUGETLB.split("=", 1)[1]}),
+         env=_HUGETLB_ENV),
     Impl("dualvp-jax", "jax", ("jax", "dualvp_jax"), _dualvp_jax, "dualvp_jax.logprob_entropy under jax.jit"),
     Impl("dualvp-jax-donated", "jax", ("jax", "dualvp_jax"), _dualvp_jax,
          "the same, forward and backward in one jit that donates the logits (the gradient takes their buffer)",
@@ -341,7 +342,7 @@ IMPLS: dict[str, Impl] = {i.name: i for i in (
     Impl("dualvp-jax-hugetlb", "jax", ("jax", "dualvp_jax"), _dualvp_jax,
          "dualvp-jax in workers started with " + _HUGETLB + " (XLA's fresh gradient then faults in 2 MiB "
          "pages, not 4 KiB ones; dualvp-torch advises its own gradient buffer)",
-         env={"GLIBC_TUNABLES": _HUGETLB.split("=", 1)[1]}),
+         env=_HUGETLB_ENV),
     Impl("torch-eager", "torch", ("torch",), _torch_eager,
          "log_softmax + gather, entropy -(p*log p).sum, autograd, in the input dtype", baseline=True),
     Impl("jax-naive", "jax", ("jax",), _jax_naive, "the same in JAX under jit (jax.vjp)", baseline=True),
