@@ -31,6 +31,7 @@ def over_shards(
     dtype=np.float64,
     block=None,
     kept_shift: str = "kept",
+    entropy_terms: str = "clamp",
 ):
     """Spec forward (and backward) over ``world_size`` equal shards.
 
@@ -46,6 +47,8 @@ def over_shards(
       kept_shift: as in :func:`dualvp.spec.block_stats`; with ``"max"`` the
         rows a block marks are recomputed with ``"kept"``, as the torch CPU
         kernels do.
+      entropy_terms: as in :func:`dualvp.spec.block_stats` (``"select"``:
+        as dualvp_jax's forward).
 
     Returns:
       ``(logprob, entropy, grad)`` with ``grad`` ``[..., V]`` or ``None``.
@@ -67,9 +70,10 @@ def over_shards(
 
     def block_of(r, s0):
         args = (np, cols(shards[r], s0), locs[r][2], locs[r][1], cols(keeps[r], s0), temperature)
-        st = spec.block_stats(*args, start=s0, kept_shift=kept_shift)
+        st = spec.block_stats(*args, start=s0, kept_shift=kept_shift, entropy_terms=entropy_terms)
         redo = spec.marked_rows(np, st)
-        return np.where(redo[..., None], spec.block_stats(*args, start=s0), st) if redo.any() else st
+        redone = spec.block_stats(*args, start=s0, entropy_terms=entropy_terms) if redo.any() else st
+        return np.where(redo[..., None], redone, st)
 
     def stats_of(r):
         blocks = [block_of(r, s0) for s0 in starts]

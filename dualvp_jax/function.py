@@ -170,6 +170,12 @@ def _check_varying(logits, axis_name) -> None:
 # (then clear jit caches) to compare the two paths on one machine.
 _FORCE_PATH = ""
 
+# How the forward's entropy terms avoid 0 * -inf (``spec.block_stats``'s
+# ``entropy_terms``, read at trace time): "select" lets XLA:CPU fuse d into
+# both of its loops (the forward with entropy 0.72-0.90x the time of "clamp",
+# benchmarks/entropy_terms.py). A variable so that the benchmark can trace both.
+_ENTROPY_TERMS = "select"
+
 
 def _compute_dtype(dtype):
     # bf16 / f16 / f32 -> f32; f64 -> f64 (only reachable under jax_enable_x64).
@@ -212,7 +218,8 @@ def _shard_stats(logits, local, owns, keep, tau, cdt, with_entropy: bool = True)
     there (not measured on such a machine in this repository).
     """
     def whole(z, local, owns, keep, start=0):
-        return spec.block_stats(jnp, z, local, owns, keep, tau, start=start, dtype=cdt, with_entropy=with_entropy)
+        return spec.block_stats(jnp, z, local, owns, keep, tau, start=start, dtype=cdt, with_entropy=with_entropy,
+                                entropy_terms=_ENTROPY_TERMS)
 
     def blocked(z, local, owns, keep):
         # Blocks merge like shards. Not with a keep mask: there the blocks took

@@ -11,18 +11,18 @@ from dualvp.testing import cases
 TOL = cases.Tolerance(1e-10, 1e-12)
 
 
-@pytest.mark.parametrize("kept_shift", ["kept", "max"])
+@pytest.mark.parametrize("kept_shift, entropy_terms", [("kept", "clamp"), ("max", "clamp"), ("kept", "select"), ("max", "select")])
 @pytest.mark.parametrize("block", [1, 5, 17, 96])
 @pytest.mark.parametrize("name", ["confident_lm", "nucleus", "neg_inf_masked", "random_mask_temp", "extreme_temp", "everything"])
 @pytest.mark.parametrize("world", [1, 2, 4])
-def test_blocks_match_oracle(name, world, block, kept_shift):
+def test_blocks_match_oracle(name, world, block, kept_shift, entropy_terms):
     c = cases.case(name)
     c = cases.case(name, dtype="float64", vocab=96 if c.vocab <= 96 else 264, worlds=(1, 2, 4))
     prob = cases.make(c)
     lp, h, g = simulate.over_shards(
         prob.logits, prob.target, world, keep_mask=prob.keep_mask, temperature=c.temperature,
         ignore_index=c.ignore_index, grad_logprob=prob.grad_logprob, grad_entropy=prob.grad_entropy, block=block,
-        kept_shift=kept_shift,
+        kept_shift=kept_shift, entropy_terms=entropy_terms,
     )
     rlp, rh, rg = testing.oracle(prob)
     for q, x, ref in (("logprob", lp, rlp), ("entropy", h, rh), ("grad", g, rg)):
@@ -85,10 +85,11 @@ def test_temperature_array_keeps_dtype_and_accumulation():
     assert cases.within_tolerance(h, rh, cases.tolerance("float32", "entropy"))
 
 
-def _run(xp, asarray, z, y, keep, tau):
+def _run(xp, asarray, z, y, keep, tau, entropy_terms="clamp"):
     valid, owns, local = spec.target_to_local(xp, asarray(y), 0, 40, -100)
     zz, kk = asarray(z), asarray(keep)
-    st = xp.stack([spec.block_stats(xp, zz[:, a:b], local, owns, kk[:, a:b], tau, start=a) for a, b in ((0, 13), (13, 40))])
+    st = xp.stack([spec.block_stats(xp, zz[:, a:b], local, owns, kk[:, a:b], tau, start=a, entropy_terms=entropy_terms)
+                   for a, b in ((0, 13), (13, 40))])
     comb = spec.finalize(xp, spec.reduce_stats(xp, st, temperature=tau), tau)
     lp, h = spec.outputs(xp, comb, valid, tau)
     ones = xp.ones(z.shape[:1], dtype=zz.dtype)
@@ -98,7 +99,8 @@ def _run(xp, asarray, z, y, keep, tau):
     return [np.asarray(x) for x in (lp, h, g)]
 
 
-def test_same_spec_on_numpy_jax_torch():
+@pytest.mark.parametrize("entropy_terms", ["clamp", "select"])
+def test_same_spec_on_numpy_jax_torch(entropy_terms):
     z, y, keep = _rand(2)
     z[2, :] = np.random.default_rng(0).normal(size=40)  # every row finite somewhere on the kept side
     with np.errstate(invalid="ignore", divide="ignore"):
@@ -109,20 +111,49 @@ def test_same_spec_on_numpy_jax_torch():
         import jax.numpy as jnp
 
         with jax.enable_x64(True):
-            got["jax"] = _run(jnp, jnp.asarray, z, y, keep, jnp.asarray(0.8))
+            got["jax"] = _run(jnp, jnp.asarray, z, y, keep, jnp.asarray(0.8), entropy_terms)
     except ImportError:
         pass
     try:
         import array_api_compat.torch as txp
         import torch
 
-        got["torch"] = _run(txp, torch.as_tensor, z, y, keep, torch.tensor(0.8, dtype=torch.float64))
+        got["torch"] = _run(txp, torch.as_tensor, z, y, keep, torch.tensor(0.8, dtype=torch.float64), entropy_terms)
     except ImportError:
         pass
     assert got, "neither jax nor torch is installed"
     for name, res in got.items():
         for a, b in zip(res, want):
             np.testing.assert_allclose(a, b, rtol=1e-12, atol=1e-12, err_msg=name)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_entropy_terms_select_and_clamp_agree(dtype):
+    # "select" (0 where e^d = 0, d unclamped) and "clamp" (d clamped) are two
+    # ways around 0 * -inf: banned columns, a whole banned block, a
+    # temperature so small that finite (z - m) / tau overflows to -inf, and
+    # exponentials that underflow. The statistics agree exactly; a row holding
+    # NaN keeps NaN in m and s either way (t may differ there), so its entropy
+    # is NaN under both (and its log-prob, unless a keep mask drops the NaN).
+    z, y, keep = _rand(seed=5)
+    z = z.astype(dtype)
+    z[4, 7] = np.nan
+    valid, owns, local = spec.target_to_local(np, y, 0, 40, -100)
+    tiny = np.finfo(dtype).tiny * 4
+    with np.errstate(invalid="ignore", divide="ignore", over="ignore"):
+        for tau in (1.0, 0.8, tiny):
+            for k in (None, keep):
+                for start, (a, b) in ((0, (0, 40)), (10, (10, 40))):
+                    args = (np, z[:, a:b], local, owns, None if k is None else k[:, a:b], tau)
+                    st = {how: spec.block_stats(*args, start=start, entropy_terms=how) for how in ("clamp", "select")}
+                    ok = ~np.isnan(z[:, a:b]).any(-1)
+                    np.testing.assert_array_equal(st["select"][ok], st["clamp"][ok], err_msg=f"tau={tau} keep={k is not None}")
+                    for how, x in st.items():
+                        assert np.isnan(x[~ok][:, [0, 1]]).all(), (how, tau)
+                        lp, h = spec.outputs(np, spec.finalize(np, x, tau), valid, tau)
+                        assert np.isnan(h[~ok]).all() and (k is not None or np.isnan(lp[~ok]).all()), (how, tau)
+    with pytest.raises(ValueError, match="entropy_terms"):
+        spec.block_stats(np, z, local, owns, entropy_terms="where")
 
 
 def test_without_entropy_the_logprob_is_unchanged():
