@@ -80,3 +80,35 @@ def test_bench_quick_writes_json_and_png(tmp_path):
             assert c["errors"]["grad"] < 1e-3
     assert os.path.exists(tmp_path / "bench.png") or not _have("matplotlib")
     assert [g["goal"] for g in doc["summary"]["goals"]]
+
+
+@pytest.mark.slow
+def test_bench_interleave_alternates_the_workers(tmp_path):
+    # --interleave: the implementations of a (size, dtype) run at once and
+    # take turns; their timed calls must alternate one by one and never
+    # overlap (each record carries its calls' wall-clock intervals). Without
+    # the turns the calls would come in one block per implementation.
+    impls = [i for i, m in (("dualvp-torch-eager", "dualvp_torch"), ("jax-naive", "jax"),
+                            ("dualvp-jax", "dualvp_jax")) if _have(m)]
+    if len(impls) < 2:
+        pytest.skip("needs two of torch / jax")
+    out = tmp_path / "bench.json"
+    modes = ["lp", "lp+ent+grad.keep"]
+    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    proc = subprocess.run(
+        [sys.executable, "-m", "dualvp", "bench", "--quick", "--sizes", "16x256", "--impls", ",".join(impls),
+         "--modes", ",".join(modes), "--worlds", "none", "--reps", "3", "--interleave", "--out", str(out)],
+        capture_output=True, text=True, timeout=540, env=env, cwd=ROOT,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    doc = json.loads(out.read_text())
+    assert doc["failures"] == [] and doc["meta"]["interleave"] is True
+    assert "interleaved" in doc["meta"]["timing_method"]
+    assert {(r["impl"], r["mode"]) for r in doc["results"]} == {(i, m) for i in impls for m in modes}
+    calls = sorted((w0, w1, r["impl"]) for r in doc["results"] for w0, w1 in r["wall_fwdbwd"])
+    assert len(calls) == len(impls) * len(modes) * 3
+    for (a0, a1, ia), (b0, b1, ib) in zip(calls, calls[1:]):
+        assert a1 <= b0, ("two workers' timed calls overlap", ia, ib)
+    order = [i for _, _, i in calls]  # round robin: each implementation once per round, in one order
+    n = len(impls)
+    assert sorted(order[:n]) == sorted(impls) and order == [order[k % n] for k in range(len(order))], order

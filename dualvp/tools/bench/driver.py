@@ -6,7 +6,10 @@ float64 oracle once, then starts one worker process per implementation
 the peak memory each reports is its own; it compares each worker's outputs
 with the oracle after the worker has exited (no CPU competition while it
 times), prints the table while it runs, and writes a JSON file and a PNG
-chart (:mod:`.report`). Then the implementations marked ``gloo`` run on W
+chart (:mod:`.report`). With ``--interleave`` the workers of a (size,
+dtype) start at once and take turns (:func:`_hand_turns`): one computes at a
+time and their timed calls alternate, so that a shared machine's slow and
+fast phases fall on every implementation alike. Then the implementations marked ``gloo`` run on W
 gloo ranks to count their collectives per call.
 
 ``--device cuda`` (W = 1 on one GPU): the torch workers run on the GPU
@@ -30,6 +33,7 @@ import datetime
 import json
 import os
 import platform
+import queue
 import shutil
 import signal
 import subprocess
@@ -67,6 +71,11 @@ CUDA_MEMORY_METHOD = (
 TIMING_METHOD = (
     "wall clock (perf_counter), median of reps after the first call and warm-up; first_call_s "
     "includes compile; cpu_fwdbwd_s = process CPU time of fwd+bwd (all threads), median"
+)
+INTERLEAVE_METHOD = (
+    "interleaved: the implementations of each (size, dtype) ran at once in their own processes, taking "
+    "turns (one computed at a time: each worker's start, compile and first calls in one turn, then one "
+    "turn per timed call, round robin), so that their timed calls alternate"
 )
 ERROR_METHOD = (
     "max abs error vs float64 dualvp.reference on the dtype-rounded inputs; log-prob and entropy "
@@ -112,6 +121,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--report", default=None, metavar="JSON",
                    help="print the Markdown tables of an existing result file (no run)")
     p.add_argument("--worker-timeout", type=float, default=1800.0, help="seconds per worker process")
+    p.add_argument("--interleave", action="store_true",
+                   help="run the implementations of each (size, dtype) at once, in their own processes, "
+                   "taking turns: one computes at a time and their timed calls alternate, so that all see "
+                   "the same phases of a shared machine's load (all their inputs and buffers are resident "
+                   "together)")
 
 
 def _split(s: Optional[str], default) -> list:
@@ -287,7 +301,8 @@ def _meta(args, plan: _Plan) -> dict:
         "device": plan.device,
         "memory_method": CUDA_MEMORY_METHOD if cuda else MEMORY_METHOD,
         "timing_method": TIMING_METHOD + ("; on the GPU torch.cuda.synchronize() before every clock read" if cuda
-                                          else ""),
+                                          else "") + ("; " + INTERLEAVE_METHOD if args.interleave else ""),
+        "interleave": bool(args.interleave),
         "error_method": ERROR_METHOD,
         "inputs": f"confident-LM logits N(10,3) + three +25 spikes per row; target sampled from softmax; "
                   f"keep mask = top-{TOPK} (+ target); upstream grads N(0,1); seed {args.seed}",
@@ -308,18 +323,29 @@ def _worker_env(impl: str, device: str = "cpu") -> dict:
                                "PYTHONWARNINGS": os.environ.get("PYTHONWARNINGS", "ignore")})
 
 
-def _pump(p: subprocess.Popen, job: dict, errs: list, on_record: Callable) -> None:
-    """Read a worker's stdout: ``@@`` lines are records, the rest is log."""
+def _pump(p: subprocess.Popen, job: dict, errs: list, on_record: Callable,
+          on_turn: Optional[Callable[[str], None]] = None) -> None:
+    """Read a worker's stdout: ``@@`` lines are records, the rest is log.
+
+    ``on_turn("yield")`` when the worker ends a turn of an interleaved run,
+    ``on_turn("exit")`` when its stdout closes.
+    """
     for line in p.stdout:
         if not line.startswith("@@"):
             continue
         rec = json.loads(line[2:])
+        if rec["kind"] == "yield":
+            if on_turn is not None:
+                on_turn("yield")
+            continue
         if rec["kind"] != "error":
             on_record(rec, job)
             continue
-        errs.append(rec["error"])
+        errs.append((job, rec["error"]))
         if rec.get("traceback"):
             print(rec["traceback"], file=sys.stderr)
+    if on_turn is not None:
+        on_turn("exit")
 
 
 def _exit_error(p: subprocess.Popen, log_path: str) -> str:
@@ -328,41 +354,92 @@ def _exit_error(p: subprocess.Popen, log_path: str) -> str:
     return f"exit code {p.returncode}: {tail.splitlines()[-1] if tail else ''}"
 
 
-def run_workers(jobs: list[dict], work: str, timeout: float, on_record: Callable) -> list[str]:
-    """Start one worker per job (all at once: the ranks of one gloo group, or
-    a single implementation); stream their records to ``on_record(rec, job)``;
-    return error strings."""
+def _hand_turns(procs: list, events: "queue.Queue") -> None:
+    """Round-robin turns for interleaved workers: one of them computes at a time.
+
+    The turn goes to each live worker in order (a line on its stdin); it ends
+    with the worker's ``yield`` record or its exit (``events``: ``(index,
+    what)``). A worker takes one turn to start (import, data, compile) and
+    then one per timed call (:class:`dualvp.tools.bench.worker.Turns`), so
+    the timed calls of the group alternate and none shares the CPU with
+    another worker's work.
+    """
+    live = set(range(len(procs)))
+    i = 0
+    while live:
+        while i not in live:
+            i = (i + 1) % len(procs)
+        try:
+            procs[i].stdin.write("go\n")
+            procs[i].stdin.flush()
+        except (BrokenPipeError, OSError, ValueError):  # it has exited already
+            live.discard(i)
+            continue
+        while True:
+            j, what = events.get()
+            if what == "exit":
+                live.discard(j)
+            if j == i:
+                break
+        i = (i + 1) % len(procs)
+
+
+def _run_jobs(jobs: list[dict], work: str, timeout: float, on_record: Callable,
+              interleave: bool = False) -> list[tuple[dict, str]]:
+    """:func:`run_workers`, with each error paired with its worker's job."""
     procs = []
     for i, job in enumerate(jobs):
         path = os.path.join(work, f"job_{i}.json")
         with open(path, "w") as f:
-            json.dump(job, f)
+            json.dump(dict(job, interleave=interleave), f)
         log = open(os.path.join(work, f"worker_{job['impl']}_{i}.log"), "w")
         p = _proc.start_python(["-m", "dualvp.tools.bench.worker", path],
                                _worker_env(job["impl"], job.get("device", "cpu")),
-                               stdout=subprocess.PIPE, stderr=log)
+                               stdout=subprocess.PIPE, stderr=log,
+                               stdin=subprocess.PIPE if interleave else subprocess.DEVNULL)
         procs.append((p, log, job))
-    errs: list[str] = []
+    errs: list = []
     deadline = time.monotonic() + timeout
-    threads = [threading.Thread(target=_pump, args=(p, j, errs, on_record), daemon=True) for p, _, j in procs]
+    events: "queue.Queue" = queue.Queue()
+    turn = (lambda i: (lambda what: events.put((i, what)))) if interleave else (lambda i: None)
+    threads = [threading.Thread(target=_pump, args=(p, j, errs, on_record, turn(i)), daemon=True)
+               for i, (p, _, j) in enumerate(procs)]
+    if interleave:
+        threads.append(threading.Thread(target=_hand_turns, args=([p for p, _, _ in procs], events), daemon=True))
     for t in threads:
         t.start()
-    for (p, log, _), t in zip(procs, threads):
+    for (p, log, job), t in zip(procs, threads):
         try:
             p.wait(timeout=max(1.0, deadline - time.monotonic()))
         except subprocess.TimeoutExpired:
             p.kill()
             p.wait()
-            errs.append(f"timeout after {timeout:.0f}s")
+            errs.append((job, f"timeout after {timeout:.0f}s"))
         except BaseException:  # interrupted: take the workers down with us
             for q, _, _ in procs:
                 q.kill()
             raise
         t.join(timeout=10)
         log.close()
-        if p.returncode not in (0, None) and not errs:
-            errs.append(_exit_error(p, log.name))
+        if p.stdin is not None:
+            p.stdin.close()
+        if p.returncode not in (0, None) and not any(j is job for j, _ in errs):
+            errs.append((job, _exit_error(p, log.name)))
     return errs
+
+
+def run_workers(jobs: list[dict], work: str, timeout: float, on_record: Callable,
+                interleave: bool = False) -> list[str]:
+    """Start one worker per job, all at once (the ranks of one gloo group, or
+    the implementations of one (size, dtype)); stream their records to
+    ``on_record(rec, job)``; return error strings.
+
+    ``interleave``: the workers take turns (:func:`_hand_turns`): one computes
+    at a time, and their timed calls alternate, so that every implementation
+    sees the same phases of a shared machine's load. ``timeout`` is for all
+    of them together.
+    """
+    return [msg for _, msg in _run_jobs(jobs, work, timeout, on_record, interleave)]
 
 
 def _free_port() -> int:
@@ -414,37 +491,45 @@ def _oracle_first(oracle: Oracle, modes: list, what: str) -> None:
     print(f"  (float64 oracle for {what}: {time.monotonic() - t:.0f}s)", flush=True)
 
 
-def _bench_impl(run: _Run, impl: str, T: int, V: int, dtype: str, ddir: str, oracle: Oracle) -> None:
-    """One implementation on one (size, dtype), in its own process."""
-    outd = os.path.join(run.work, f"out_{impl}_{T}x{V}_{dtype}")
-    os.makedirs(outd)
-    got: list = []
+def _bench_impls(run: _Run, impls: list, T: int, V: int, dtype: str, ddir: str, oracle: Oracle) -> None:
+    """Implementations on one (size, dtype), each in its own process: one
+    implementation per call, or (``--interleave``) all of them at once,
+    taking turns."""
+    outd = {impl: os.path.join(run.work, f"out_{impl}_{T}x{V}_{dtype}") for impl in impls}
+    got: dict = {impl: [] for impl in impls}
 
     def on_record(rec, job):
-        got.append(rec)
+        got[job["impl"]].append(rec)
         if rec.get("gpu") and not run.doc["meta"]["machine"]["gpu"]:
             run.doc["meta"]["machine"]["gpu"] = rec["gpu"]
-        report.progress(f"  {impl} {T}x{V} {dtype} {rec['mode']}: f+b {rec['fwdbwd_s']:.3f}s")
+        report.progress(f"  {job['impl']} {T}x{V} {dtype} {rec['mode']}: f+b {rec['fwdbwd_s']:.3f}s")
 
-    errs = run_workers([run.job(impl, T, V, dtype, ddir, outd)], run.work, run.args.worker_timeout, on_record)
+    jobs = []
+    for impl in impls:
+        os.makedirs(outd[impl])
+        jobs.append(run.job(impl, T, V, dtype, ddir, outd[impl]))
+    errs = _run_jobs(jobs, run.work, run.args.worker_timeout * len(jobs), on_record, interleave=len(jobs) > 1)
     report.progress("")
-    for rec in got:
-        with np.load(os.path.join(outd, f"out_{run.plan.modes.index(rec['mode'])}_r0.npz")) as o:
-            rec["errors"] = errors(oracle, rec["mode"], o["lp"], o["h"], o["g"])
-        run.doc["results"].append(rec)
-        print(report.row(rec), flush=True)
-    for e in errs:
-        run.doc["failures"].append({"impl": impl, "T": T, "V_local": V, "dtype": dtype, "error": e})
-        print(f"  ! {impl} {T}x{V} {dtype}: {e}", flush=True)
-    run.jobs_done += 1
+    for impl in impls:
+        for rec in got[impl]:
+            with np.load(os.path.join(outd[impl], f"out_{run.plan.modes.index(rec['mode'])}_r0.npz")) as o:
+                rec["errors"] = errors(oracle, rec["mode"], o["lp"], o["h"], o["g"])
+            run.doc["results"].append(rec)
+            print(report.row(rec), flush=True)
+        for job, e in errs:
+            if job["impl"] == impl:
+                run.doc["failures"].append({"impl": impl, "T": T, "V_local": V, "dtype": dtype, "error": e})
+                print(f"  ! {impl} {T}x{V} {dtype}: {e}", flush=True)
+        run.jobs_done += 1
+        shutil.rmtree(outd[impl], ignore_errors=True)
     n_jobs = len(run.plan.sizes) * len(run.plan.dtypes) * len(run.plan.impls)
     print(f"  [{run.jobs_done}/{n_jobs} done, {time.monotonic() - run.t_start:.0f}s]", flush=True)
     run.write()
-    shutil.rmtree(outd, ignore_errors=True)
 
 
 def _bench_sizes(run: _Run) -> None:
     """Every implementation at every (size, dtype), one process each."""
+    groups = [run.plan.impls] if run.args.interleave else [[impl] for impl in run.plan.impls]
     for T, V in run.plan.sizes:
         inp = make_inputs(T, V, run.args.seed)
         z32 = inp.pop("logits")
@@ -454,8 +539,8 @@ def _bench_sizes(run: _Run) -> None:
             _save_inputs(ddir, {"logits": z, **inp})
             oracle = Oracle(inp, z, run.args.err_rows)
             _oracle_first(oracle, run.plan.modes, f"{T}x{V} {dtype}")
-            for impl in run.plan.impls:
-                _bench_impl(run, impl, T, V, dtype, ddir, oracle)
+            for impls in groups:
+                _bench_impls(run, impls, T, V, dtype, ddir, oracle)
             del oracle, z
             shutil.rmtree(ddir, ignore_errors=True)
         del z32, inp

@@ -12,7 +12,9 @@ repetitions. For each mode the worker:
 2. runs ``warmup`` untimed calls, then ``reps`` timed calls, forward and
    backward timed separately (wall clock, ``time.perf_counter``; the process
    CPU time of forward+backward is recorded too, as it is less sensitive to
-   other work on a shared machine);
+   other work on a shared machine); in an interleaved run (:class:`Turns`)
+   the worker lets the other implementations run one call before each timed
+   call;
 3. measures, on each timed call, the peak extra resident memory of the
    forward+backward (the maximum over the calls is reported): inputs
    allocated and touched, previous gradients freed, ``gc.collect()`` and
@@ -61,6 +63,36 @@ from .implementations import IMPLS, MODES, Context
 
 def emit(kind: str, **kw) -> None:
     print("@@" + json.dumps({"kind": kind, **kw}), flush=True)
+
+
+class Turns:
+    """This worker's turns in an interleaved run (``"interleave": true`` in the job).
+
+    The driver starts every implementation of a (size, dtype) at once and
+    hands a turn to one worker at a time (a line on its stdin); the worker
+    ends it with a ``yield`` record. A worker's first turn covers its start
+    (imports, inputs, the first calls of the first mode); after that it
+    yields before every timed call (:meth:`between`), so the timed calls of
+    the implementations alternate and no two workers compute at once. Off
+    (the default): every method returns at once.
+    """
+
+    def __init__(self, on: bool = False):
+        self.on = on
+
+    def take(self) -> None:
+        """Block until the driver hands this worker the turn."""
+        if self.on and not sys.stdin.readline():
+            raise RuntimeError("interleave: the bench driver closed this worker's turns")
+
+    def between(self) -> None:
+        """End this turn and wait for the next."""
+        if self.on:
+            emit("yield")
+            self.take()
+
+
+_TURNS = Turns()
 
 
 # --------------------------------------------------------------------------- memory
@@ -536,20 +568,23 @@ def _measure(job, mode, fwd, bwd, clear, counter, B, sync=None, peak=PeakRSS) ->
     # Timed calls; each one is also a memory measurement (the peak-RSS reset
     # and the malloc_trim happen outside the timed region). The outputs of the
     # last call are returned for the error check.
-    tf, tb, tfb, cpu, peaks, faults = [], [], [], [], [], []
+    tf, tb, tfb, cpu, peaks, faults, wall = [], [], [], [], [], [], []
     out = None
     for i in range(max(1, job["reps"])):
         if out is not None:
             del out
             clear()
+        _TURNS.between()  # interleaved: the other implementations' next calls run here
         with peak() as pk:
             f0 = _minor_faults()
             c0 = time.process_time()
+            w0 = time.time()
             t0 = clock()
             out = fwd()
             t1 = clock()
             bwd(out)
             t2 = clock()
+            w1 = time.time()
             c1 = time.process_time()
             f1 = _minor_faults()
         tf.append(t1 - t0)
@@ -558,6 +593,7 @@ def _measure(job, mode, fwd, bwd, clear, counter, B, sync=None, peak=PeakRSS) ->
         cpu.append(c1 - c0)
         peaks.append(pk.extra)
         faults.append(f1 - f0)
+        wall.append([w0, w1])
     rec = {
         "impl": job["impl"],
         "mode": mode,
@@ -571,6 +607,9 @@ def _measure(job, mode, fwd, bwd, clear, counter, B, sync=None, peak=PeakRSS) ->
         "bwd_s": statistics.median(tb) if tb else None,
         "fwdbwd_s": statistics.median(tfb) if tfb else None,
         "times_fwdbwd_s": tfb,
+        # each timed call's [start, end], seconds since the epoch: comparable across the workers
+        # (an interleaved run's calls alternate, and no two overlap)
+        "wall_fwdbwd": wall,
         # what a loop of such calls pays; far above the median when some calls stall (on a VM,
         # fresh huge pages that the host must back again: benchmarks/fresh_buffer.py)
         "mean_fwdbwd_s": statistics.mean(tfb) if tfb else None,
@@ -593,9 +632,12 @@ def _measure(job, mode, fwd, bwd, clear, counter, B, sync=None, peak=PeakRSS) ->
 
 
 def main(argv=None) -> int:
+    global _TURNS
     argv = sys.argv[1:] if argv is None else argv
     with open(argv[0]) as f:
         job = json.load(f)
+    _TURNS = Turns(bool(job.get("interleave")))
+    _TURNS.take()
     impl = IMPLS[job["impl"]]
     d = job["data_dir"]
     try:
