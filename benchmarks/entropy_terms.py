@@ -60,6 +60,10 @@ def _torch_forward(z, y, how=None):
     return run
 
 
+def _np(x) -> np.ndarray:
+    return x.float().numpy() if isinstance(x, torch.Tensor) else np.asarray(x, np.float32)
+
+
 def main() -> None:
     a = size_args(__doc__, "float32,bfloat16")
     rng = np.random.default_rng(0)
@@ -75,8 +79,7 @@ def main() -> None:
             fns = {f"jax {how}": _jax_forward(zj, yj, how) for how in CHOICES}
             fns.update({f"torch-eager {how}": _torch_forward(zt, yt, how) for how in CHOICES})
             fns["torch compiled"] = _torch_forward(zt, yt)
-            outs = {k: [np.asarray(torch.as_tensor(np.asarray(x)).float() if not isinstance(x, torch.Tensor) else x.float())
-                        for x in f()] for k, f in fns.items()}
+            outs = {k: [_np(x) for x in f()] for k, f in fns.items()}
             ref = outs["jax clamp"]
             for k, o in outs.items():
                 for x, r in zip(o, ref):

@@ -9,8 +9,8 @@ times), prints the table while it runs, and writes a JSON file and a PNG
 chart (:mod:`.report`). With ``--interleave`` the workers of a (size,
 dtype) start at once and take turns (:func:`_hand_turns`): one computes at a
 time and their timed calls alternate, so that a shared machine's slow and
-fast phases fall on every implementation alike. Then the implementations marked ``gloo`` run on W
-gloo ranks to count their collectives per call.
+fast phases fall on every implementation alike. Then the implementations
+marked ``gloo`` run on W gloo ranks to count their collectives per call.
 
 ``--device cuda`` (W = 1 on one GPU): the torch workers run on the GPU
 (timers read after ``torch.cuda.synchronize()``, memory from
