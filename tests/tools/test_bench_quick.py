@@ -112,3 +112,29 @@ def test_bench_interleave_alternates_the_workers(tmp_path):
     order = [i for _, _, i in calls]  # round robin: each implementation once per round, in one order
     n = len(impls)
     assert sorted(order[:n]) == sorted(impls) and order == [order[k % n] for k in range(len(order))], order
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not _have("dualvp_torch"), reason="needs torch")
+def test_interleaved_run_survives_a_worker_that_dies(tmp_path):
+    # A worker that fails while the others wait for their turn must not hang
+    # the group: its exit ends its turn, the others run to the end, and the
+    # failure is reported against its own job.
+    from dualvp.tools.bench import driver
+    from dualvp.tools.bench.inputs import make_inputs
+
+    inp = make_inputs(8, 64, 0)
+    ddir = tmp_path / "data"
+    driver._save_inputs(str(ddir), inp)
+    jobs = []
+    impls = ["dualvp-torch-eager", "dualvp-torch-inplace-eager", "torch-eager"]
+    for i, impl in enumerate(impls):
+        out = tmp_path / f"out{i}"
+        out.mkdir()
+        data = ddir if i != 1 else tmp_path / "missing"  # the second worker fails on its inputs
+        jobs.append(dict(impl=impl, T=8, V=64, dtype="float32", modes=["lp"], reps=2, warmup=0, data_dir=str(data),
+                         out_dir=str(out), err_rows=8, options={}, port=None, device="cpu"))
+    got = []
+    errs = driver._run_jobs(jobs, str(tmp_path), 300, lambda rec, job: got.append(job["impl"]), interleave=True)
+    assert sorted(got) == sorted([impls[0], impls[2]])
+    assert [job["impl"] for job, _ in errs] == [impls[1]] and "missing" in errs[0][1], errs
