@@ -21,6 +21,19 @@ def _have(mod):
         return False
 
 
+def _quick_bench(tmp_path, impls, modes, *extra):
+    """``dualvp bench --quick`` at 16 x 256; its stdout and result document."""
+    out = tmp_path / "bench.json"
+    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    proc = subprocess.run(
+        [sys.executable, "-m", "dualvp", "bench", "--quick", "--sizes", "16x256", "--impls", ",".join(impls),
+         "--modes", ",".join(modes), "--out", str(out), *extra],
+        capture_output=True, text=True, timeout=540, env=env, cwd=ROOT,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return proc.stdout, json.loads(out.read_text())
+
+
 @pytest.mark.slow
 def test_bench_quick_writes_json_and_png(tmp_path):
     # Eager implementations (no compile: the compiled kernels are held against
@@ -33,17 +46,9 @@ def test_bench_quick_writes_json_and_png(tmp_path):
                             ("dualvp-jax-hugetlb", "dualvp_jax")) if _have(m)]
     if not impls:
         pytest.skip("neither torch nor jax installed")
-    out = tmp_path / "bench.json"
     modes = ["lp", "lp+ent+grad.keep"]
-    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    proc = subprocess.run(
-        [sys.executable, "-m", "dualvp", "bench", "--quick", "--sizes", "16x256", "--impls", ",".join(impls),
-         "--modes", ",".join(modes), "--gloo-size", "8x128", "--out", str(out)],
-        capture_output=True, text=True, timeout=540, env=env, cwd=ROOT,
-    )
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert "goals:" in proc.stdout
-    doc = json.loads(out.read_text())
+    stdout, doc = _quick_bench(tmp_path, impls, modes, "--gloo-size", "8x128")
+    assert "goals:" in stdout
     assert set(doc) >= {"meta", "results", "collectives", "summary", "failures"}
     assert doc["failures"] == []
     meta = doc["meta"]
@@ -92,16 +97,8 @@ def test_bench_interleave_alternates_the_workers(tmp_path):
                             ("dualvp-jax", "dualvp_jax")) if _have(m)]
     if len(impls) < 2:
         pytest.skip("needs two of torch / jax")
-    out = tmp_path / "bench.json"
     modes = ["lp", "lp+ent+grad.keep"]
-    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    proc = subprocess.run(
-        [sys.executable, "-m", "dualvp", "bench", "--quick", "--sizes", "16x256", "--impls", ",".join(impls),
-         "--modes", ",".join(modes), "--worlds", "none", "--reps", "3", "--interleave", "--out", str(out)],
-        capture_output=True, text=True, timeout=540, env=env, cwd=ROOT,
-    )
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    doc = json.loads(out.read_text())
+    _, doc = _quick_bench(tmp_path, impls, modes, "--worlds", "none", "--reps", "3", "--interleave")
     assert doc["failures"] == [] and doc["meta"]["interleave"] is True
     assert "interleaved" in doc["meta"]["timing_method"]
     assert {(r["impl"], r["mode"]) for r in doc["results"]} == {(i, m) for i in impls for m in modes}
