@@ -47,6 +47,7 @@ def _torch_forward(z, y, how=None):
     block_stats = spec.block_stats
 
     def run():
+        compile_env = os.environ.get("DUALVP_COMPILE")
         if how is not None:
             spec.block_stats = functools.partial(block_stats, entropy_terms=how)
             os.environ["DUALVP_COMPILE"] = "0"
@@ -55,7 +56,10 @@ def _torch_forward(z, y, how=None):
                 return dualvp_torch.logprob_entropy(z, y)
         finally:
             spec.block_stats = block_stats
-            os.environ.pop("DUALVP_COMPILE", None)
+            if compile_env is None:
+                os.environ.pop("DUALVP_COMPILE", None)
+            else:
+                os.environ["DUALVP_COMPILE"] = compile_env
 
     return run
 
