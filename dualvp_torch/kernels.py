@@ -748,13 +748,19 @@ def _redo_marked_rows(out, z, local, owns, keep, tau, with_entropy: bool) -> Non
 #: Device types whose fresh ``[T, V_local]`` gradient buffers are advised to
 #: the kernel as transparent huge pages (``madvise(MADV_HUGEPAGE)``, Linux,
 #: buffers of :data:`HUGE_PAGE_MIN_BYTES` or more) before they are written.
-#: A fresh buffer's first write faults in every page, and with 4 KiB pages
-#: that cost more than the gradient's arithmetic: on the 2-core EPYC VM,
-#: filling a fresh float32 2048 x 32000 buffer (250 MiB) took 70 ms, 12 ms
-#: when advised, 387 vs 54 ms at 2048 x 152064 (``benchmarks/fresh_buffer.py``;
-#: the op's gradient is bit-identical either way). Empty: no advice (the
-#: gradient is then the compiled stage's own output).
-HUGE_PAGE_DEVICES: frozenset = frozenset({"cpu"})
+#: Empty by default: no advice, the gradient is the compiled stage's own
+#: output. Opt in with ``frozenset({"cpu"})``. A fresh buffer's first write
+#: faults in every 4 KiB page, which on the 2-core EPYC VM cost more than the
+#: gradient's arithmetic (filling a fresh float32 2048 x 32000 buffer: 70 ms,
+#: 12 ms advised; ``benchmarks/fresh_buffer.py``), so the op alone, called in
+#: a loop of its own, takes about half the median time advised. But a huge
+#: page that the host has to back again (a VM that reports free 2 MiB blocks
+#: to its host) or that the kernel has to compact stalls the write, and in a
+#: training-like loop, the logits made by a matmul in the same step, it
+#: stalled nearly every call: the whole LM-head step took 1.0-2.9x as long
+#: advised (float32 2048 x 256 x 152064: median 8620 against 3515 ms;
+#: ``benchmarks/head_step.py``). The gradient is bit-identical either way.
+HUGE_PAGE_DEVICES: frozenset = frozenset()
 
 #: Smallest buffer advised. glibc serves requests of 32 MiB or more (its
 #: largest dynamic mmap threshold) from a mapping of their own, so the advice
@@ -808,8 +814,8 @@ def shard_grad(
     if n == 0:
         return z if inplace else torch.empty_like(z, memory_format=torch.contiguous_format)
     args = (z, local, owns, keep, M, log_s, c, mk, log_sk, valid, gl, ge, tau)
-    # the output buffer: z itself, or one advised before its first write (HUGE_PAGE_DEVICES), which
-    # the eager path reuses if compiling fails; None: the compiled stage allocates its own
+    # the output buffer: z itself, or one advised before its first write (HUGE_PAGE_DEVICES, opt-in),
+    # which the eager path reuses if compiling fails; None: the compiled stage allocates its own
     out = z if inplace else _fresh_grad(z) if z.device.type in HUGE_PAGE_DEVICES else None
     if select(impl) == "compiled" and n > 1:  # one row: eager (see _ONE_ROW)
         stage_args = (z, local, owns, _mask_arg(keep, z)) + args[4:]

@@ -261,10 +261,11 @@ def _smaps_field(addr, field):
 
 
 @pytest.mark.skipif(_thp_mode() in (None, "never"), reason="no transparent huge pages on this machine")
-def test_fresh_gradient_buffers_are_advised_as_huge_pages():
+def test_fresh_gradient_buffers_are_advised_as_huge_pages(monkeypatch):
     # kernels.advise_huge_pages: the kernel records the advice on a large buffer's mapping (smaps'
-    # THPeligible, 0 without the advice when the system's policy is "madvise"), and the op's fresh
-    # gradient is allocated that way on the CPU; small buffers are left alone.
+    # THPeligible, 0 without the advice when the system's policy is "madvise"), and with the CPU
+    # opted in (kernels.HUGE_PAGE_DEVICES) the op's fresh gradient is allocated that way; small
+    # buffers are left alone, and by default nothing is advised.
     big = torch.empty(kernels.HUGE_PAGE_MIN_BYTES // 4 + 4096)  # float32, its own mapping
     addr = big.data_ptr() + big.numel() * 2  # the middle of the buffer
     if _smaps_field(addr, "THPeligible") is None:
@@ -278,6 +279,10 @@ def test_fresh_gradient_buffers_are_advised_as_huge_pages():
     assert _smaps_field(addr, "THPeligible") == 1
     assert not kernels.advise_huge_pages(torch.empty(1024))  # below HUGE_PAGE_MIN_BYTES
     z = torch.randn(kernels.HUGE_PAGE_MIN_BYTES // (4 * 256) + 8, 256)
+    if _thp_mode() == "madvise" and not others_advise:
+        g = kernels._fresh_grad(z)
+        assert _smaps_field(g.data_ptr() + g.numel() * 2, "THPeligible") == 0
+    monkeypatch.setattr(kernels, "HUGE_PAGE_DEVICES", frozenset({"cpu"}))
     g = kernels._fresh_grad(z)
     assert g.shape == z.shape and g.dtype == z.dtype and g.is_contiguous()
     assert _smaps_field(g.data_ptr() + g.numel() * 2, "THPeligible") == 1

@@ -103,10 +103,10 @@ def _dualvp_torch_inplace(ctx: Context) -> Forward:
     return _dualvp_torch(ctx, inplace_grad=True)
 
 
-def _dualvp_torch_4k(ctx: Context) -> Forward:
+def _dualvp_torch_advised(ctx: Context) -> Forward:
     from dualvp_torch import kernels
 
-    kernels.HUGE_PAGE_DEVICES = frozenset()  # this worker's fresh gradients are not advised as huge pages
+    kernels.HUGE_PAGE_DEVICES = frozenset({"cpu"})  # this worker's fresh CPU gradients advised as huge pages
     return _dualvp_torch(ctx)
 
 
@@ -335,9 +335,9 @@ IMPLS: dict[str, Impl] = {i.name: i for i in (
          "dualvp-torch with inplace_grad=True (the gradient overwrites the logits)", nonleaf_logits=True),
     Impl("dualvp-torch-inplace-eager", "torch", _DUALVP_TORCH, _dualvp_torch_inplace,
          "the same with DUALVP_COMPILE=0", env={"DUALVP_COMPILE": "0"}, nonleaf_logits=True),
-    Impl("dualvp-torch-4k", "torch", _DUALVP_TORCH, _dualvp_torch_4k,
-         "dualvp-torch with kernels.HUGE_PAGE_DEVICES empty (its fresh gradient not advised as huge pages: "
-         "4 KiB pages on a kernel whose transparent huge pages are 'madvise')"),
+    Impl("dualvp-torch-advised", "torch", _DUALVP_TORCH, _dualvp_torch_advised,
+         "dualvp-torch with kernels.HUGE_PAGE_DEVICES = {'cpu'} (its fresh gradient advised as huge pages; "
+         "the default until 2026-12-05, results before it name the default without advice dualvp-torch-4k)"),
     Impl("dualvp-torch-hugetlb", "torch", _DUALVP_TORCH, _dualvp_torch,
          "dualvp-torch in workers started with " + _HUGETLB + " (every large allocation advised as huge pages)",
          env=_HUGETLB_ENV),
