@@ -2,7 +2,7 @@
 
 ``dualvp_torch`` returns the gradient of the logits in a fresh ``[T, V_local]``
 buffer. Plain 4 KiB pages fault on first write, every call; advised as huge
-pages (``kernels.HUGE_PAGE_DEVICES``, the default on CPU) they fault 512x
+pages (``kernels.HUGE_PAGE_DEVICES``, opt-in; the CPU default until 2026-12-05) they fault 512x
 less often, but on a VM whose balloon reports free 2 MiB blocks to its host
 some calls stall for seconds (README "Benchmark"). The third variant is a
 prototype that lives only in this script: the gradient is a view of an

@@ -1,9 +1,10 @@
 """The LM-head step as a training loop runs it, JAX against torch, alternating in one process.
 
 ``dualvp bench`` hands each op ready-made logits, so every JAX call writes its
-gradient into a fresh XLA buffer (all its 4 KiB pages fault on first write)
-while ``dualvp_torch`` advises its own gradient buffer as huge pages: by median
-the JAX op was 1.0-2.8x the torch op there (README "JAX memory"). In a
+gradient into a fresh XLA buffer (all its 4 KiB pages fault on first write);
+``dualvp_torch`` advised its own gradient buffer as huge pages by default
+when this script was written, and by median the JAX op was 1.0-2.8x the
+torch op there (README "JAX memory"). In a
 training step the logits are made inside the step, from the hidden states
 and the output weight, and both frameworks allocate them afresh every step.
 This script times that step: ``loss = sum(gl * logprob + gh * entropy)`` and

@@ -11,7 +11,9 @@ alternating call by call in one process (``_alternating.times_ms``):
   new one (README "JAX"): the logits survive the step, one gradient's bytes
   stay held between steps.
 - ``torch``: ``dualvp_torch.logprob_entropy`` forward + backward, its
-  gradient advised as huge pages (``kernels.HUGE_PAGE_DEVICES``, default).
+  gradient buffer as ``kernels.HUGE_PAGE_DEVICES`` says (not advised by
+  default since 2026-12-05; advised as huge pages before, when the figures in
+  the README were taken).
 
 Each is reported as median, mean and max (ms), calls over 2.5x the median,
 and the process's minor page faults per call. The recycled gradient is
