@@ -143,14 +143,43 @@ def _fwd_operand(x: torch.Tensor, cdt: torch.dtype) -> torch.Tensor:
     return x if _native_out_dtype(x, cdt) else _up(x, cdt)
 
 
-def _logits_block(h_i: torch.Tensor, w_j: torch.Tensor, cdt: torch.dtype) -> torch.Tensor:
-    """``h_i W_j^T`` as a contiguous ``cdt`` (float32/float64) block, from operands of any float dtype."""
+class _TileBuffer:
+    """One pass's tiles, formed one after another in a single buffer of the largest tile's size.
+
+    A fresh tile per step costs nothing on CUDA (the caching allocator hands the
+    last one back) but on the CPU a tile above glibc's mmap threshold is a new
+    mapping whose every 4 KiB page faults on first write: 600-650 thousand
+    faults per forward + backward at T=2048, V_local=152064 (float32, 16 tiles
+    of 78 MB; ``benchmarks/head_step.py``). The buffer is allocated at the
+    first CPU tile and kept for the pass; the peak is one tile either way.
+    """
+
+    def __init__(self, rows: int, cols: int, dtype: torch.dtype, device: torch.device):
+        self.shape, self.dtype, self.device = (rows, cols), dtype, device
+        self._flat: Optional[torch.Tensor] = None
+
+    def take(self, rows: int, cols: int) -> Optional[torch.Tensor]:
+        """A contiguous ``[rows, cols]`` view of the buffer, or ``None`` off the CPU."""
+        if self.device.type != "cpu":
+            return None
+        if self._flat is None:
+            self._flat = torch.empty(self.shape[0] * self.shape[1], dtype=self.dtype, device=self.device)
+        return self._flat[: rows * cols].view(rows, cols)
+
+
+def _logits_block(h_i: torch.Tensor, w_j: torch.Tensor, cdt: torch.dtype, out: Optional[torch.Tensor] = None):
+    """``h_i W_j^T`` as a contiguous ``cdt`` (float32/float64) block, from operands of any float dtype.
+
+    ``out``: a contiguous ``[rows, cols]`` ``cdt`` tensor to form it in (see :class:`_TileBuffer`).
+    """
     if h_i.dtype == w_j.dtype and _native_out_dtype(h_i, cdt):
         try:  # a float32-output matmul of the 16-bit operands (float32 accumulation)
             return torch.mm(h_i, w_j.t(), out_dtype=cdt)
         except (TypeError, RuntimeError, NotImplementedError):
             _OUT_DTYPE_MM["cuda"] = False
-    return torch.mm(_up(h_i, cdt), _up(w_j, cdt).t())
+    if out is None:
+        return torch.mm(_up(h_i, cdt), _up(w_j, cdt).t())
+    return torch.mm(_up(h_i, cdt), _up(w_j, cdt).t(), out=out)
 
 
 def _stats(h2, weight, local, owns, keep, tau, tiles, impl):
@@ -158,15 +187,16 @@ def _stats(h2, weight, local, owns, keep, tau, tiles, impl):
     n, v = h2.shape[0], weight.shape[0]
     tc, vc = tiles
     cdt = tau.dtype
+    buf = _TileBuffer(min(tc, n), min(vc, v), cdt, h2.device)
     parts = []
     for i0, i1 in _ranges(n, tc):
         h_i = _fwd_operand(h2[i0:i1], cdt)  # upcast once per token chunk, not once per tile
         blocks = []
         for j0, j1 in _ranges(v, vc):
-            z = _logits_block(h_i, weight[j0:j1], cdt)
+            z = _logits_block(h_i, weight[j0:j1], cdt, buf.take(i1 - i0, j1 - j0))
             kb = None if keep is None else keep[i0:i1, j0:j1]
             blocks.append(kernels.block_stats(z, local[i0:i1], owns[i0:i1], kb, tau, start=j0, impl=impl))
-            del z  # free the tile before the next one is formed
+            del z  # the tile is not needed once its statistics are taken (off the CPU: freed here)
         parts.append(blocks[0] if len(blocks) == 1 else spec.reduce_stats(xp, torch.stack(blocks), 0, tau))
     return parts[0] if len(parts) == 1 else torch.cat(parts)
 
@@ -194,6 +224,7 @@ def _grads(h2, weight, local, owns, keep, stats, valid, gl, ge, tau, tiles, need
             dw_full = torch.zeros((v, hsz), dtype=cdt, device=dev)
     rows, cols = _ranges(n, tc), _ranges(v, vc)
     outer, inner = (cols, rows) if vocab_major else (rows, cols)
+    buf = _TileBuffer(min(tc, n), min(vc, v), cdt, dev)
     # Operand rows upcast once where the inner loop has a single step (the
     # common case): the full hidden for vocabulary-major, the full weight for
     # token-major (that is then one tile wide, so it is tile-sized).
@@ -217,7 +248,7 @@ def _grads(h2, weight, local, owns, keep, stats, valid, gl, ge, tau, tiles, need
             if _native_out_dtype(h2, cdt):  # the forward's own product (same values as its statistics)
                 z = _logits_block(h2[i0:i1], weight[j0:j1], cdt)
             else:
-                z = _logits_block(h_i, w_j, cdt)
+                z = _logits_block(h_i, w_j, cdt, buf.take(i1 - i0, j1 - j0))
             kb = None if keep is None else keep[i0:i1, j0:j1]
             ge_i = None if ge is None else ge[i0:i1]
             c_i = None if c is None else c[i0:i1]

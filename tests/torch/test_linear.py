@@ -8,6 +8,7 @@ agreement.
 """
 
 import functools
+import math
 
 import numpy as np
 import pytest
@@ -22,6 +23,7 @@ from dualvp import reference  # noqa: E402
 from dualvp.testing.cases import round_to_dtype  # noqa: E402
 from dualvp.testing.metrics import max_errors, tolerance, within_tolerance  # noqa: E402
 from dualvp_torch import kernels, linear_logprob_entropy  # noqa: E402
+from dualvp_torch import linear as linear_mod  # noqa: E402
 from dualvp_torch.linear import tile_shape  # noqa: E402
 from dualvp_torch.testing import run_ranks  # noqa: E402
 
@@ -192,6 +194,34 @@ def test_frozen_input_skips_its_matmul(frozen):
     assert n_tiles >= 4
     # per tile: the forward block, its recomputation, and one product per trainable input
     assert both == 4 * n_tiles and one == 3 * n_tiles
+
+
+@pytest.mark.parametrize("shape", ["v1001_tiles", "token_major"])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_cpu_tiles_share_one_buffer_per_pass(monkeypatch, shape, dtype):
+    # Every CPU tile of a pass is formed in one buffer (dualvp_torch.linear._TileBuffer): a fresh tile per step
+    # faults in all its pages again. Ragged last tiles included; the values are the oracle's.
+    lead, H, V, elements = SHAPES[shape]
+    p = _problem(lead, H, V, dtype)
+    seen = []
+    block = linear_mod._logits_block
+
+    def recorded(*args, **kw):
+        z = block(*args, **kw)
+        seen.append((z.untyped_storage().data_ptr(), tuple(z.shape), z.is_contiguous()))
+        return z
+
+    monkeypatch.setattr(linear_mod, "_logits_block", recorded)
+    budget = _budget(elements, "compiled")
+    r, c = tile_shape(math.prod(lead), V, budget, 4)
+    n_tiles = -(-math.prod(lead) // r) * -(-V // c)
+    out = _run(p, impl="compiled", memory_budget=budget)
+    _assert_all(out, _oracle(p), dtype)
+    assert n_tiles >= 5 and len(seen) == 2 * n_tiles  # each tile formed in the forward and again in the backward
+    for part in (seen[:n_tiles], seen[n_tiles:]):
+        assert len({ptr for ptr, _, _ in part}) == 1
+        assert all(contig for _, _, contig in part)
+        assert len({shp for _, shp, _ in part}) > 1  # a ragged tile took a smaller view of the same buffer
 
 
 def test_nonfinite_row_by_row():
