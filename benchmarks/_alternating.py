@@ -1,5 +1,5 @@
 """What the single-process CPU timing scripts share (``lean_stats.py``, ``mask_floor.py``, ``fresh_buffer.py``,
-``gradient_pool.py``, ``jax_recycled.py``).
+``gradient_pool.py``, ``jax_recycled.py``, ``head_step.py``).
 
 Their variants are timed in one process with calls alternating, so that every
 variant sees the same machine load; each is called ``warm`` times first
@@ -9,19 +9,35 @@ variant sees the same machine load; each is called ``warm`` times first
 from __future__ import annotations
 
 import argparse
+import resource
 import statistics
 import time
 from typing import Callable
 
 
-def size_args(doc: str, dtypes: str) -> argparse.Namespace:
-    """The scripts' options: ``--T``, ``--V``, ``--dtypes`` (comma list, default ``dtypes``), ``--reps``."""
+def size_parser(doc: str, dtypes: str, *, V: str = "32000", reps: int = 9) -> argparse.ArgumentParser:
+    """The scripts' common options: ``--T``, ``--V`` (comma list, :func:`widths`), ``--dtypes`` (comma list), ``--reps``.
+
+    Callers add their own options to the parser before parsing.
+    """
     ap = argparse.ArgumentParser(description=doc.split("\n\n")[0])
     ap.add_argument("--T", type=int, default=2048)
-    ap.add_argument("--V", type=int, default=32000)
+    ap.add_argument("--V", default=V, help="comma list of V_local")
     ap.add_argument("--dtypes", default=dtypes)
-    ap.add_argument("--reps", type=int, default=9)
-    return ap.parse_args()
+    ap.add_argument("--reps", type=int, default=reps)
+    return ap
+
+
+def widths(a: argparse.Namespace) -> list[int]:
+    """``--V`` as a list of ints."""
+    return [int(s) for s in str(a.V).split(",")]
+
+
+def size_args(doc: str, dtypes: str) -> argparse.Namespace:
+    """:func:`size_parser`'s options, parsed, for scripts that take one ``--V`` (an int)."""
+    a = size_parser(doc, dtypes).parse_args()
+    (a.V,) = widths(a)
+    return a
 
 
 def times_ms(fns: dict[str, Callable[[], object]], reps: int, warm: int = 1) -> dict[str, list]:
@@ -41,6 +57,26 @@ def times_ms(fns: dict[str, Callable[[], object]], reps: int, warm: int = 1) -> 
 def medians_ms(fns: dict[str, Callable[[], object]], reps: int, warm: int = 1) -> dict[str, float]:
     """Median of :func:`times_ms` per function."""
     return {k: statistics.median(v) for k, v in times_ms(fns, reps, warm).items()}
+
+
+def minor_faults() -> int:
+    """This process's minor page faults so far (a fresh 4 KiB page's first touch is one)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+
+
+def times_and_faults(fns: dict[str, Callable[[], object]], reps: int, warm: int = 1) -> tuple[dict, dict]:
+    """:func:`times_ms`, and each timed call's minor page faults (the warm-up calls' left out)."""
+    faults: dict = {k: [] for k in fns}
+
+    def counted(k, f):
+        def run():
+            f0 = minor_faults()
+            f()
+            faults[k].append(minor_faults() - f0)
+        return run
+
+    times = times_ms({k: counted(k, f) for k, f in fns.items()}, reps, warm)
+    return times, {k: v[warm:] for k, v in faults.items()}
 
 
 def spread(ts: list) -> str:

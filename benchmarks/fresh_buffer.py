@@ -20,10 +20,9 @@ Usage: python benchmarks/fresh_buffer.py [--T 2048 --V 32000,152064 --dtypes flo
 
 from __future__ import annotations
 
-import argparse
 
 import torch
-from _alternating import spread, times_ms
+from _alternating import size_parser, spread, times_ms, widths
 
 from dualvp_torch import kernels, logprob_entropy
 from dualvp_torch.kernels import advise_huge_pages
@@ -38,15 +37,11 @@ def _op_call(x: torch.Tensor, y: torch.Tensor, gl: torch.Tensor, gh: torch.Tenso
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--T", type=int, default=2048)
-    ap.add_argument("--V", default="32000,152064")
-    ap.add_argument("--dtypes", default="float32,bfloat16")
-    ap.add_argument("--reps", type=int, default=9)
+    ap = size_parser(__doc__, "float32,bfloat16", V="32000,152064")
     ap.add_argument("--op", action="store_true", help="also time the op's forward + backward, advised or not")
     a = ap.parse_args()
     default = kernels.HUGE_PAGE_DEVICES
-    for v in (int(s) for s in a.V.split(",")):
+    for v in widths(a):
         for name in a.dtypes.split(","):
             x = torch.randn(a.T, v).to(getattr(torch, name))
 

@@ -21,14 +21,13 @@ Usage: python benchmarks/gradient_pool.py [--T 2048 --V 32000,152064 --dtypes fl
 
 from __future__ import annotations
 
-import argparse
 import ctypes
 import mmap
 import weakref
 
 import numpy as np
 import torch
-from _alternating import spread, times_ms
+from _alternating import size_parser, spread, times_ms, widths
 
 from dualvp_torch import kernels, logprob_entropy
 
@@ -67,12 +66,7 @@ class _Pool:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--T", type=int, default=2048)
-    ap.add_argument("--V", default="32000,152064")
-    ap.add_argument("--dtypes", default="float32,bfloat16")
-    ap.add_argument("--reps", type=int, default=15)
-    a = ap.parse_args()
+    a = size_parser(__doc__, "float32,bfloat16", V="32000,152064", reps=15).parse_args()
     pool = _Pool()
     variants = {"plain": (frozenset(), _plain_fresh_grad), "advised": (frozenset({"cpu"}), _plain_fresh_grad),
                 "pooled": (frozenset({"cpu"}), pool.grad)}
@@ -86,7 +80,7 @@ def main() -> None:
         return z.grad
 
     try:
-        for v in (int(s) for s in a.V.split(",")):
+        for v in widths(a):
             for name in a.dtypes.split(","):
                 x = torch.randn(a.T, v).to(getattr(torch, name))
                 g = torch.Generator().manual_seed(0)

@@ -38,23 +38,17 @@ Usage: python benchmarks/head_step.py [--T 2048 --H 1024 --V 32000 --dtypes floa
 
 from __future__ import annotations
 
-import argparse
-import resource
 import statistics
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import torch
-from _alternating import spread, times_ms
+from _alternating import size_parser, spread, times_and_faults, widths
 
 import dualvp_jax
 import dualvp_torch
 from dualvp_torch import kernels
-
-
-def _minor_faults() -> int:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
 
 
 def _rel_diff(a, b) -> float:
@@ -127,15 +121,11 @@ def _as_numpy(x) -> np.ndarray:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--T", type=int, default=2048)
+    ap = size_parser(__doc__, "float32,bfloat16", reps=7)
     ap.add_argument("--H", type=int, default=1024)
-    ap.add_argument("--V", default="32000")
-    ap.add_argument("--dtypes", default="float32,bfloat16")
-    ap.add_argument("--reps", type=int, default=7)
     ap.add_argument("--impls", default="", help="comma list of the implementations above (default: all)")
     a = ap.parse_args()
-    for v in (int(s) for s in a.V.split(",")):
+    for v in widths(a):
         for dtype in a.dtypes.split(","):
             rng = np.random.default_rng(0)
             h = rng.standard_normal((a.T, a.H), dtype=np.float32)
@@ -156,18 +146,9 @@ def main() -> None:
                 got = [_as_numpy(x) for x in f()]
                 diffs = ", ".join(f"{n} {_rel_diff(g, r):.1e}" for n, g, r in zip(("loss", "dh", "dW"), got, want))
                 print(f"    {k:13s} against jax: {diffs}", flush=True)
-            faults: dict = {k: [] for k in steps}
-
-            def counted(k, f):
-                def run():
-                    f0 = _minor_faults()
-                    f()
-                    faults[k].append(_minor_faults() - f0)
-                return run
-
-            ts = times_ms({k: counted(k, f) for k, f in steps.items()}, a.reps, warm=1)
+            ts, faults = times_and_faults(steps, a.reps, warm=1)
             for k, t in ts.items():
-                print(f"    {k:13s} {spread(t)}, faults {statistics.median(faults[k][1:]):.0f}", flush=True)
+                print(f"    {k:13s} {spread(t)}, faults {statistics.median(faults[k]):.0f}", flush=True)
 
 
 if __name__ == "__main__":

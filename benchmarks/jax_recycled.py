@@ -25,33 +25,23 @@ Usage: python benchmarks/jax_recycled.py [--T 2048 --V 32000,152064 --dtypes flo
 
 from __future__ import annotations
 
-import argparse
-import resource
 import statistics
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import torch
-from _alternating import spread, times_ms
+from _alternating import size_parser, spread, times_and_faults, widths
 
 import dualvp_jax
 import dualvp_torch
 
 
-def _faults() -> int:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-
-
 def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--T", type=int, default=2048)
-    ap.add_argument("--V", default="32000,152064")
-    ap.add_argument("--dtypes", default="float32,bfloat16")
+    ap = size_parser(__doc__, "float32,bfloat16", V="32000,152064")
     ap.add_argument("--modes", default="lp,lp+ent+grad")
-    ap.add_argument("--reps", type=int, default=9)
     a = ap.parse_args()
-    for v in (int(s) for s in a.V.split(",")):
+    for v in widths(a):
         for name in a.dtypes.split(","):
             rng = np.random.default_rng(0)
             x = (rng.standard_normal((a.T, v), dtype=np.float32) * 2).astype(np.float32)
@@ -89,19 +79,10 @@ def main() -> None:
                 jax_recycled()
                 assert np.array_equal(np.asarray(state["g"]), np.asarray(want))
                 fns = {"jax-fresh": jax_fresh, "jax-recycled": jax_recycled, "torch": torch_op}
-                faults: dict = {k: [] for k in fns}
-
-                def counted(k, f):
-                    def run():
-                        f0 = _faults()
-                        f()
-                        faults[k].append(_faults() - f0)
-                    return run
-
-                ts = times_ms({k: counted(k, f) for k, f in fns.items()}, a.reps, warm=2)
+                ts, faults = times_and_faults(fns, a.reps, warm=2)
                 print(f"{a.T}x{v} {name:9s} {mode}")
                 for k, t in ts.items():
-                    print(f"    {k:13s} {spread(t)}, faults {statistics.median(faults[k][2:]):.0f}", flush=True)
+                    print(f"    {k:13s} {spread(t)}, faults {statistics.median(faults[k]):.0f}", flush=True)
 
 
 if __name__ == "__main__":
