@@ -16,7 +16,7 @@ from typing import Callable
 
 
 def size_parser(doc: str, dtypes: str, *, V: str = "32000", reps: int = 9) -> argparse.ArgumentParser:
-    """The scripts' common options: ``--T``, ``--V`` (comma list, :func:`widths`), ``--dtypes`` (comma list), ``--reps``.
+    """The common options: ``--T``, ``--V`` (comma list, :func:`widths`), ``--dtypes`` (comma list), ``--reps``.
 
     Callers add their own options to the parser before parsing.
     """

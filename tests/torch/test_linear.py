@@ -199,8 +199,8 @@ def test_frozen_input_skips_its_matmul(frozen):
 @pytest.mark.parametrize("shape", ["v1001_tiles", "token_major"])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_cpu_tiles_share_one_buffer_per_pass(monkeypatch, shape, dtype):
-    # Every CPU tile of a pass is formed in one buffer (dualvp_torch.linear._TileBuffer): a fresh tile per step
-    # faults in all its pages again. Ragged last tiles included; the values are the oracle's.
+    # Every CPU tile of a pass is formed in one buffer (dualvp_torch.linear._TileBuffer): a fresh
+    # tile per step faults in all its pages again. Ragged last tiles included; values: the oracle's.
     lead, H, V, elements = SHAPES[shape]
     p = _problem(lead, H, V, dtype)
     seen = []
