@@ -753,7 +753,7 @@ def _redo_marked_rows(out, z, local, owns, keep, tau, with_entropy: bool) -> Non
 #: faults in every 4 KiB page, which on the 2-core EPYC VM cost more than the
 #: gradient's arithmetic (filling a fresh float32 2048 x 32000 buffer: 70 ms,
 #: 12 ms advised; ``benchmarks/fresh_buffer.py``), so the op alone, called in
-#: a loop of its own, takes about half the median time advised. But a huge
+#: a loop of its own, takes 0.5-0.66 of the median time advised. But a huge
 #: page that the host has to back again (a VM that reports free 2 MiB blocks
 #: to its host) or that the kernel has to compact stalls the write, and in a
 #: training-like loop, the logits made by a matmul in the same step, it
