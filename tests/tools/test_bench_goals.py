@@ -69,3 +69,18 @@ def test_jax_goal_by_mean_reads_every_call():
     by_mean = g["dualvp-jax no slower than dualvp-torch, by mean time per call"]
     assert by_mean["status"] == "met" and by_mean["n"] == 2
     assert abs(by_mean["worst"] - 2.0 / 2.8) < 1e-12
+
+
+def test_gradient_precision_goal_is_judged_per_dtype():
+    # float32: 20x smaller than the baseline; bfloat16: both at the rounding floor (a tie) -> both met.
+    res = [_rec("dualvp-torch", "lp", 1.0, err=1e-7), _rec("megatron", "lp", 1.0, err=2e-6),
+           _rec("dualvp-torch", "lp", 1.0, dtype="bfloat16", err=4e-3),
+           _rec("megatron", "lp", 1.0, dtype="bfloat16", err=4e-3)]
+    g = _goals(res)
+    f32, bf16 = (g["float32 gradient error >= 10x smaller than every baseline"],
+                 g["bfloat16 gradient error no larger than any baseline's"])
+    assert f32["status"] == "met" and f32["n"] == 1 and abs(f32["worst"] - 20) < 1e-9
+    assert bf16["status"] == "met" and bf16["n"] == 1 and bf16["worst"] == 1.0
+    # a bfloat16 gradient further from float64 than the baseline's is a miss, whatever float32 does
+    res[2] = _rec("dualvp-torch", "lp", 1.0, dtype="bfloat16", err=8e-3)
+    assert _goals(res)["bfloat16 gradient error no larger than any baseline's"]["status"] == "missed"
