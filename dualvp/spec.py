@@ -70,6 +70,7 @@ with their matmul and run the functions of this module on each block.
 
 from __future__ import annotations
 
+import math
 from typing import Any, NamedTuple, Optional
 
 __all__ = [
@@ -92,10 +93,12 @@ __all__ = [
 
 #: ``block_stats(kept_shift="max")`` shifts the kept sum by the overall max,
 #: so the sum is at least ``e^-gap`` with ``gap = (m - kept max) / tau``; rows
-#: with ``gap`` above this get the marker ``sk = NaN`` (recompute them with
-#: ``"kept"``). Below it, the float32 exponentials that underflow (each
-#: < 1.2e-38) change the kept sum by < ``V * 1.2e-38 / e^-50`` = 6e-11
-#: relative for V <= 1e6, far below rounding.
+#: whose sum is below ``e^-KEPT_GAP`` (only rows with ``gap`` above this,
+#: and every row with ``gap`` above ``KEPT_GAP + ln V``) get the marker
+#: ``sk = NaN`` (recompute them with ``"kept"``). In the others, the float32
+#: exponentials that underflow (each < 1.2e-38, and counted as 1.2e-38) change
+#: the kept sum by < ``V * 1.2e-38 / e^-50`` = 6e-11 relative for V <= 1e6,
+#: far below rounding.
 KEPT_GAP = 50.0
 
 #: Names of the block statistics, in the order of the last axis.
@@ -332,10 +335,12 @@ def block_stats(
         element (inductor's CPU code converts a byte mask slowly: ~35 ms per
         pass at T=2048, V_local=32000). Every merge, output and gradient
         takes any such ``(shift, sum)`` pair, so both give the same results
-        up to rounding; rows whose kept max lies more than :data:`KEPT_GAP`
-        below ``m`` (in units of ``tau``), where the kept sum could lose
-        precision to underflow, get ``sk = NaN`` for the caller to recompute
-        with ``"kept"`` (a row holding NaN is marked as well).
+        up to rounding; rows whose kept sum (shifted by ``m``) is below
+        ``e^-KEPT_GAP``, where it could lose precision to underflow (their
+        kept max lies more than :data:`KEPT_GAP` below ``m``, in units of
+        ``tau``), get ``sk = NaN`` for the caller to recompute with
+        ``"kept"`` (a row holding NaN is marked as well). The compute dtype
+        must be float32 or wider (``e^-KEPT_GAP`` is normal in it).
       entropy_terms: how ``t``'s terms ``e^d d`` avoid ``0 * -inf`` on
         banned (``-inf``) columns: ``"clamp"`` clamps ``d`` to the lowest
         finite value first (one op per element: eager backends);
@@ -368,10 +373,17 @@ def block_stats(
         # The kept pair is (m, sum of e^d over the kept columns): shifted by
         # the overall max, a valid (shift, sum) pair for every later merge and
         # for the outputs, which do not depend on the shift.
-        kept_max = xp.max(xp.where(keep, z, -xp.inf), axis=-1)
-        none_kept = kept_max == -xp.inf
-        sk = _sum(xp, xp.where(keep, e, 0.0), acc_dtype, z.dtype)
-        sk = xp.where(((m - kept_max) / tau > KEPT_GAP) & xp.logical_not(none_kept), xp.nan, sk)
+        # Each kept term is at least the dtype's smallest normal number, so
+        # that sk = 0 says "nothing kept" without a kept max (one reduction
+        # and one read of the mask fewer); the floor moves the sum by less
+        # than the underflow that KEPT_GAP already bounds. The rows marked
+        # are those whose sum is too small for that bound (sk < e^-KEPT_GAP):
+        # as e^-gap <= sk <= V e^-gap, only rows whose kept max lies more than
+        # KEPT_GAP below m, and all that lie more than KEPT_GAP + ln V below.
+        tiny = xp.finfo(e.dtype).tiny
+        sk = _sum(xp, xp.where(keep, xp.clip(e, tiny, None), 0.0), acc_dtype, z.dtype)
+        none_kept = sk == 0
+        sk = xp.where((sk < math.exp(-KEPT_GAP)) & xp.logical_not(none_kept), xp.nan, sk)
         # No kept column in the block: the empty pair (-inf, 0), which a
         # dropped target merged in below replaces (shifted by m, the target's
         # own term could underflow against it).

@@ -176,6 +176,16 @@ _FORCE_PATH = ""
 # benchmarks/entropy_terms.py). A variable so that the benchmark can trace both.
 _ENTROPY_TERMS = "select"
 
+# How a masked chunk's kept sum is shifted on the chunked (CPU) path
+# (``spec.block_stats``'s ``kept_shift``, read at trace time): "max" shifts it
+# by the overall max (one read of the mask and one exponential per element,
+# one row reduction fewer than "kept": forward 0.70-0.94x at T=2048,
+# docs/measurements.md), and a chunk holding a row that it marks
+# (``spec.marked_rows``: a kept sum below ``e^-spec.KEPT_GAP``, or NaN) is
+# computed again with "kept" under ``lax.cond``, so only such chunks pay for
+# the second pass. A variable so that benchmarks can trace both.
+_KEPT_SHIFT = "max"
+
 
 def _compute_dtype(dtype):
     # bf16 / f16 / f32 -> f32; f64 -> f64 (only reachable under jax_enable_x64).
@@ -217,15 +227,24 @@ def _shard_stats(logits, local, owns, keep, tau, cdt, with_entropy: bool = True)
     loop of small chunks would only add steps: the whole shard is one call
     there (not measured on such a machine in this repository).
     """
-    def whole(z, local, owns, keep, start=0):
+    def whole(z, local, owns, keep, start=0, kept_shift="kept"):
         return spec.block_stats(jnp, z, local, owns, keep, tau, start=start, dtype=cdt, with_entropy=with_entropy,
-                                entropy_terms=_ENTROPY_TERMS)
+                                kept_shift=kept_shift, entropy_terms=_ENTROPY_TERMS)
+
+    def masked(z, local, owns, keep):
+        if _KEPT_SHIFT == "kept":
+            return whole(z, local, owns, keep)
+        fast = whole(z, local, owns, keep, kept_shift="max")
+        # The predicate is the chunk's, on the device: no host synchronisation.
+        return lax.cond(jnp.any(spec.marked_rows(jnp, fast)), lambda: whole(z, local, owns, keep), lambda: fast)
 
     def blocked(z, local, owns, keep):
         # Blocks merge like shards. Not with a keep mask: there the blocks took
         # as long as whole rows and raised the 2-device peak by 0.05 B.
         bounds = chunks.column_blocks(z.shape[-1])
-        if len(bounds) == 1 or keep is not None:
+        if keep is not None:
+            return masked(z, local, owns, keep)
+        if len(bounds) == 1:
             return whole(z, local, owns, keep)
         parts = [whole(z[..., a:b], local, owns, None, start=a) for a, b in bounds]
         return spec.reduce_stats(jnp, jnp.stack(parts), axis=0, temperature=tau)

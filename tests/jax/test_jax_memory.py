@@ -440,3 +440,41 @@ def test_chunked_under_vmap(rows_per_chunk):
         check_close("vmap", lp[i], r_lp, "float32", "logprob")
         check_close("vmap", h[i], r_h, "float32", "entropy")
         check_close("vmap", g[i], r_g, "float32", "grad")
+
+
+@pytest.mark.parametrize("kept_shift", ["max", "kept"])
+def test_chunked_masked_rows_far_below_the_max(rows_per_chunk, monkeypatch, kept_shift):
+    """A masked chunk whose kept sum, shifted by the overall max, underflows is computed again with the kept max.
+
+    Row 5 keeps only columns 120 temperature units below its (dropped) max: in float32 each of their
+    e^((z - m) / tau) is 0, so ``kept_shift="max"`` marks the row and ``lax.cond`` recomputes its 4-row
+    chunk with ``"kept"``; the other chunks keep the one-pass statistics. Values and gradients as the
+    float64 oracle, with either setting of ``function._KEPT_SHIFT``.
+    """
+    from dualvp import reference
+
+    monkeypatch.setattr(fn_mod, "_KEPT_SHIFT", kept_shift)
+    rng = np.random.default_rng(7)
+    T, V, tau = 16, 64, 0.5
+    z = (rng.standard_normal((T, V)) * 3).astype(np.float32)
+    keep = rng.random((T, V)) < 0.4
+    y = rng.integers(1, V, T)
+    keep[np.arange(T), y] = True
+    z[5, 0], keep[5, 0] = 30.0, False
+    z[5, 1:] = np.minimum(z[5, 1:], 30.0 - tau * 120.0)
+    assert np.all(np.exp((z[5, 1:].astype(np.float32) - np.float32(30.0)) / np.float32(tau)) == 0)
+
+    def loss(z):
+        lp, h = dualvp_jax.logprob_entropy(z, jnp.asarray(y, jnp.int32), keep_mask=jnp.asarray(keep),
+                                           temperature=tau)
+        return jnp.sum(lp) + 0.5 * jnp.sum(h), (lp, h)
+
+    (_, (lp, h)), g = jax.jit(jax.value_and_grad(loss, has_aux=True))(jnp.asarray(z))
+    assert rows_per_chunk  # traced here, in 4-row chunks
+    kw = dict(keep_mask=keep, temperature=tau)
+    r_lp, r_h = reference.logprob_entropy(z, y, **kw)
+    r_g = reference.logprob_entropy_grad(z, y, np.ones(T), 0.5 * np.ones(T), **kw)
+    assert np.isfinite(r_lp[5]) and r_lp[5] > -10  # the kept set's own distribution, not e^-120
+    check_close("far kept row", lp, r_lp, "float32", "logprob")
+    check_close("far kept row", h, r_h, "float32", "entropy")
+    check_close("far kept row", g, r_g, "float32", "grad")

@@ -180,32 +180,42 @@ def test_without_entropy_the_logprob_is_unchanged():
 def test_kept_shift_max_marks_exactly_the_far_rows(dtype):
     # kept_shift="max" sums the kept exponentials shifted by the overall max:
     # its (shift, sum) pair must finalize to the same outputs as the kept
-    # max's, and it must mark (sk = NaN) exactly the rows whose kept max lies
-    # more than KEPT_GAP temperature units below the overall max, where the
-    # float32 kept sum would underflow (gap 120: every kept e^d is 0).
+    # max's, and it must mark (sk = NaN) exactly the rows whose kept sum,
+    # shifted by the overall max, is below e^-KEPT_GAP (computed here in
+    # float64 from the kept max's terms): only rows whose kept max lies more
+    # than KEPT_GAP temperature units below the overall max, and every row
+    # more than KEPT_GAP + ln V below (gap 120: every float32 kept e^d is 0).
     tau = 0.5
-    z, y, keep = _rand(seed=4, T=8)
+    z, y, keep = _rand(seed=4, T=9)
     z[:, 0] = 30.0  # the overall max, dropped by the mask (the targets are elsewhere)
     keep[:, 0] = False
     y = np.where(y == 0, 1, y)
-    far = {4: 120.0, 5: spec.KEPT_GAP + 1.0}  # rows far below; row 6: just inside
-    z[6, 1:] = np.minimum(z[6, 1:], 30.0 - tau * (spec.KEPT_GAP - 1.0))
-    for r, gap in far.items():
+    V = z.shape[1]
+    # row 4: far below; row 5: just beyond KEPT_GAP + ln V; row 6: just inside KEPT_GAP;
+    # row 8: beyond KEPT_GAP with its kept columns at the cap, whose sum is then >= e^-KEPT_GAP
+    gaps = {4: 120.0, 5: spec.KEPT_GAP + np.log(V) + 1.0, 6: spec.KEPT_GAP - 1.0, 8: spec.KEPT_GAP + 1.0}
+    for r, gap in gaps.items():
         z[r, 1:] = np.minimum(z[r, 1:], 30.0 - tau * gap)
+    z[8, 1:] = 30.0 - tau * gaps[8]
+    keep[8, 1:] = True
     z[7, 5:] = -np.inf
     keep[7] = False  # nothing kept: the target alone (not a marked row) ...
     y[7] = 2
     z[7, 2] = 30.0 - 200.0 * tau  # ... 200 tau below the max (must not underflow: L = 0)
     z = z.astype(dtype)
-    valid, owns, local = spec.target_to_local(np, y, 0, 40, -100)
+    valid, owns, local = spec.target_to_local(np, y, 0, V, -100)
     with np.errstate(invalid="ignore", divide="ignore", over="ignore"):
         kept = spec.block_stats(np, z, local, owns, keep, tau)
         fast = spec.block_stats(np, z, local, owns, keep, tau, kept_shift="max")
         marked = spec.marked_rows(np, fast)
-        kmax = np.max(np.where(keep, z, -np.inf), axis=-1)
-        assert marked.tolist() == (((z.max(-1) - kmax) / tau > spec.KEPT_GAP) & np.isfinite(kmax)).tolist()
-        assert marked[4] and marked[5] and not marked[6] and not marked[7]
+        z64 = z.astype(np.float64)
+        kmax = np.max(np.where(keep, z64, -np.inf), axis=-1)
+        gap = (z64.max(-1) - kmax) / tau
+        sk64 = np.sum(np.where(keep, np.exp((z64 - z64.max(-1, keepdims=True)) / tau), 0.0), axis=-1)
+        assert marked.tolist() == ((sk64 < np.exp(-spec.KEPT_GAP)) & np.isfinite(kmax)).tolist()
         some = np.isfinite(kmax)  # the kept pair's shift is the overall max (else the dropped target's logit)
+        assert np.all(gap[marked] > spec.KEPT_GAP) and np.all(marked[(gap > spec.KEPT_GAP + np.log(V)) & some])
+        assert marked[4] and marked[5] and not marked[6] and not marked[7] and not marked[8]
         assert np.all(fast[some, spec.STATS.index("mk")] == z.max(-1)[some]) and not some[7]
         # the unmarked rows agree with the kept max's statistics after finalizing
         ok = ~marked & valid
@@ -217,7 +227,7 @@ def test_kept_shift_max_marks_exactly_the_far_rows(dtype):
         # (not bit-equal: "kept" forms e^d on kept columns as e^(d_k) times a
         # factor, so s differs in the last bits, by numpy's exp and version)
         assert cases.within_tolerance(hf, hk, cases.tolerance(np.dtype(dtype).name, "entropy"))
-        g = [spec.block_grad(np, z, local, owns, keep, c, valid, np.ones(8, dtype), np.ones(8, dtype), tau)
+        g = [spec.block_grad(np, z, local, owns, keep, c, valid, np.ones(9, dtype), np.ones(9, dtype), tau)
              for c in (fk, ff)]
         assert cases.within_tolerance(g[1][ok], g[0][ok], cases.tolerance(np.dtype(dtype).name, "grad"))
     rlp, _ = reference.logprob_entropy(z, y, keep_mask=keep, temperature=tau)
