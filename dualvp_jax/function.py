@@ -241,9 +241,9 @@ def _shard_stats(logits, local, owns, keep, tau, cdt, with_entropy: bool = True)
     def blocked(z, local, owns, keep):
         # Blocks merge like shards. Not with a keep mask: there the blocks took
         # as long as whole rows and raised the 2-device peak by 0.05 B.
-        bounds = chunks.column_blocks(z.shape[-1])
         if keep is not None:
             return masked(z, local, owns, keep)
+        bounds = chunks.column_blocks(z.shape[-1])
         if len(bounds) == 1:
             return whole(z, local, owns, keep)
         parts = [whole(z[..., a:b], local, owns, None, start=a) for a, b in bounds]
