@@ -158,6 +158,11 @@ def calculate_log_probs_and_entropy(
       for float64 logits), also for ``T = 0`` (where slime returns the
       logits' dtype); the ``T = 0`` results stay connected to ``logits``.
     """
+    if torch.compiler.is_compiling():  # one graph break in a caller's torch.compile (function._logprob_entropy)
+        return torch.compiler.disable(calculate_log_probs_and_entropy)(
+            logits, tokens, tp_group, with_entropy=with_entropy, chunk_size=chunk_size,
+            log_prob_keep_mask=log_prob_keep_mask, with_entropy_grad=with_entropy_grad,
+        )
     if isinstance(chunk_size, bool) or not isinstance(chunk_size, int):
         raise TypeError(f"chunk_size: expected an int, got {type(chunk_size).__name__} {chunk_size!r}")
     with _argument_names(
@@ -219,6 +224,10 @@ def vocab_parallel_cross_entropy(
       TypeError / ValueError naming the argument (``tp_group``,
       ``label_smoothing``, ``logits``, ``target``, ...), on every rank.
     """
+    if torch.compiler.is_compiling():  # one graph break in a caller's torch.compile (function._logprob_entropy)
+        return torch.compiler.disable(vocab_parallel_cross_entropy)(
+            vocab_parallel_logits, target, label_smoothing=label_smoothing, tp_group=tp_group,
+        )
     group = _resolve_megatron_group(tp_group)
     try:
         smoothing, error = _check_label_smoothing(label_smoothing), None

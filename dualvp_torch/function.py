@@ -318,6 +318,16 @@ def _logprob_entropy(
     through the agreement step like a local check's error: every rank raises,
     none waits in a collective.
     """
+    if torch.compiler.is_compiling():
+        # In a caller's torch.compile: one graph break, the op run as it runs
+        # eagerly (its own compiled kernels included, bit for bit). Traced into,
+        # it split the caller into 8 graphs around its validation and thread
+        # pool. Wrapped here, not at import: torch._dynamo costs a second there.
+        return torch.compiler.disable(_logprob_entropy)(
+            logits, target, group=group, keep_mask=keep_mask, temperature=temperature, with_entropy=with_entropy,
+            entropy_grad=entropy_grad, ignore_index=ignore_index, validate=validate, inplace_grad=inplace_grad,
+            impl=impl, label_smoothing=label_smoothing, caller_error=caller_error,
+        )
     rank, world = _check_call(group, validate, impl)
 
     error = caller_error
