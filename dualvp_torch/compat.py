@@ -46,7 +46,7 @@ from dualvp import spec
 
 from . import collectives, kernels
 from . import dtensor as _dtensor
-from .function import _kind, _logprob_entropy, logprob_entropy
+from .function import _kind, _logprob_entropy, _one_graph_break, logprob_entropy
 
 __all__ = ["calculate_log_probs_and_entropy", "vocab_parallel_cross_entropy"]
 
@@ -127,6 +127,7 @@ def _argument_names(**names: str):
         raise
 
 
+@_one_graph_break
 def calculate_log_probs_and_entropy(
     logits: torch.Tensor,
     tokens: torch.Tensor,
@@ -158,11 +159,6 @@ def calculate_log_probs_and_entropy(
       for float64 logits), also for ``T = 0`` (where slime returns the
       logits' dtype); the ``T = 0`` results stay connected to ``logits``.
     """
-    if torch.compiler.is_compiling():  # one graph break in a caller's torch.compile (function._logprob_entropy)
-        return torch.compiler.disable(calculate_log_probs_and_entropy)(
-            logits, tokens, tp_group, with_entropy=with_entropy, chunk_size=chunk_size,
-            log_prob_keep_mask=log_prob_keep_mask, with_entropy_grad=with_entropy_grad,
-        )
     if isinstance(chunk_size, bool) or not isinstance(chunk_size, int):
         raise TypeError(f"chunk_size: expected an int, got {type(chunk_size).__name__} {chunk_size!r}")
     with _argument_names(
@@ -182,6 +178,7 @@ def calculate_log_probs_and_entropy(
     return log_prob.unsqueeze(-1), entropy
 
 
+@_one_graph_break
 def vocab_parallel_cross_entropy(
     vocab_parallel_logits: torch.Tensor,
     target: torch.Tensor,
@@ -224,10 +221,6 @@ def vocab_parallel_cross_entropy(
       TypeError / ValueError naming the argument (``tp_group``,
       ``label_smoothing``, ``logits``, ``target``, ...), on every rank.
     """
-    if torch.compiler.is_compiling():  # one graph break in a caller's torch.compile (function._logprob_entropy)
-        return torch.compiler.disable(vocab_parallel_cross_entropy)(
-            vocab_parallel_logits, target, label_smoothing=label_smoothing, tp_group=tp_group,
-        )
     group = _resolve_megatron_group(tp_group)
     try:
         smoothing, error = _check_label_smoothing(label_smoothing), None

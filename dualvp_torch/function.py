@@ -22,6 +22,7 @@ is written into the saved logits' storage instead, chunk by chunk.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Optional
 
 import array_api_compat.torch as xp
@@ -233,6 +234,27 @@ class LogProbEntropyFunction(torch.autograd.Function):
         return g.view(ctx.logits_shape), None, None, None, None, None
 
 
+def _one_graph_break(fn):
+    """``fn``, run as one graph break when a caller's ``torch.compile`` traces it.
+
+    Under dynamo the call goes through ``torch.compiler.disable(fn)``: the op
+    runs as it runs eagerly (its own compiled kernels included, bit for bit).
+    Traced into, the logits op split the caller into 8 graphs around its
+    validation and thread pool. The disabled wrapper is made at trace time,
+    not here: ``torch.compiler.disable`` imports ``torch._dynamo`` (a second),
+    which an eager-only process never pays.
+    """
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        if torch.compiler.is_compiling():
+            return torch.compiler.disable(fn)(*args, **kwargs)
+        return fn(*args, **kwargs)
+
+    return wrapper
+
+
+@_one_graph_break
 def logprob_entropy(
     logits,
     target,
@@ -318,16 +340,6 @@ def _logprob_entropy(
     through the agreement step like a local check's error: every rank raises,
     none waits in a collective.
     """
-    if torch.compiler.is_compiling():
-        # In a caller's torch.compile: one graph break, the op run as it runs
-        # eagerly (its own compiled kernels included, bit for bit). Traced into,
-        # it split the caller into 8 graphs around its validation and thread
-        # pool. Wrapped here, not at import: torch._dynamo costs a second there.
-        return torch.compiler.disable(_logprob_entropy)(
-            logits, target, group=group, keep_mask=keep_mask, temperature=temperature, with_entropy=with_entropy,
-            entropy_grad=entropy_grad, ignore_index=ignore_index, validate=validate, inplace_grad=inplace_grad,
-            impl=impl, label_smoothing=label_smoothing, caller_error=caller_error,
-        )
     rank, world = _check_call(group, validate, impl)
 
     error = caller_error

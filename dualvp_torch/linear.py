@@ -86,6 +86,7 @@ from .function import (
     _count_bad_targets,
     _dtype_name,
     _merge,
+    _one_graph_break,
     _save_residuals,
 )
 
@@ -366,6 +367,7 @@ def _local_checks(hidden, weight, target, keep_mask, world, kw) -> validation.Op
     return opt
 
 
+@_one_graph_break
 def linear_logprob_entropy(
     hidden: torch.Tensor,
     weight: torch.Tensor,
@@ -437,13 +439,6 @@ def linear_logprob_entropy(
       group and ``validate=True``, on every rank, or ``RuntimeError`` on every
       rank when the ranks disagree).
     """
-    if torch.compiler.is_compiling():  # one graph break in a caller's torch.compile (as function._logprob_entropy)
-        return torch.compiler.disable(linear_logprob_entropy)(
-            hidden, weight, target, group=group, keep_mask=keep_mask, temperature=temperature,
-            with_entropy=with_entropy, entropy_grad=entropy_grad, ignore_index=ignore_index,
-            reduce_hidden_grad=reduce_hidden_grad, sequence_parallel=sequence_parallel, validate=validate,
-            memory_budget=memory_budget, impl=impl,
-        )
     rank, world = _check_call(group, validate, impl)
     kw = dict(
         temperature=temperature, ignore_index=ignore_index, with_entropy=with_entropy, entropy_grad=entropy_grad,

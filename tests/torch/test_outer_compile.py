@@ -40,7 +40,6 @@ def _slime_loss(x, y, keep):
 
 @pytest.mark.parametrize("op", ["logits", "linear", "slime"])
 def test_inside_a_callers_torch_compile(op):
-    # the slime drop-in reaches the op through compat's own code (function._logprob_entropy)
     prob = cases.make(cases.case("everything"))  # [3, 4] rows, ignored rows, keep mask, -inf logits
     y, keep = torch.from_numpy(prob.target), torch.from_numpy(prob.keep_mask)
     gen = torch.Generator().manual_seed(0)
