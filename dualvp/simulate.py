@@ -32,6 +32,7 @@ def over_shards(
     block=None,
     kept_shift: str = "kept",
     entropy_terms: str = "clamp",
+    indicator: str = "compare",
 ):
     """Spec forward (and backward) over ``world_size`` equal shards.
 
@@ -49,6 +50,8 @@ def over_shards(
         kernels do.
       entropy_terms: as in :func:`dualvp.spec.block_stats` (``"select"``:
         as dualvp_jax's forward).
+      indicator: as in :func:`dualvp.spec.block_grad` (``"arith"``: as
+        dualvp_jax's backward).
 
     Returns:
       ``(logprob, entropy, grad)`` with ``grad`` ``[..., V]`` or ``None``.
@@ -92,7 +95,7 @@ def over_shards(
                 [
                     spec.block_grad(
                         np, cols(shards[r], s0), locs[r][2], locs[r][1], cols(keeps[r], s0), comb, valid, gl, ge,
-                        temperature, start=s0,
+                        temperature, start=s0, indicator=indicator,
                     )
                     for r in range(world_size)
                     for s0 in starts

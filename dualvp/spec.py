@@ -217,15 +217,29 @@ def _in_block(xp, z, local, owns, start):
     return xp.where(inside, col, xp.zeros_like(col)), inside
 
 
-def _target_columns(xp, z, local, owns, start):
-    # [..., n] bool: the column of this block that holds this row's target
-    # (one compare against -1 for rows whose target lies elsewhere).
-    # ``getattr(..., "device")`` is None for traced JAX arrays (device-free).
+def _column_offsets(xp, z, local, owns, start):
+    # [..., n] integers: each column's index minus the column of this block
+    # that holds this row's target (-1 for rows whose target lies elsewhere,
+    # which no column matches). ``getattr(..., "device")`` is None for traced
+    # JAX arrays (device-free).
     col, inside = _in_block(xp, z, local, owns, start)
     dev = getattr(z, "device", None)
     kw = {} if dev is None else {"device": dev}
     cols = xp.arange(0, z.shape[-1], dtype=local.dtype, **kw)
-    return cols == xp.where(inside, col, xp.full_like(col, -1))[..., None]
+    return cols - xp.where(inside, col, xp.full_like(col, -1))[..., None]
+
+
+def _target_columns(xp, z, local, owns, start):
+    # [..., n] bool: the column of this block that holds this row's target.
+    return _column_offsets(xp, z, local, owns, start) == 0
+
+
+def _target_indicator(xp, z, local, owns, start):
+    # [..., n] in z's dtype: 1 at the target's column, else 0, as
+    # max(1 - |offset|, 0) in integers: no compare in the loop. XLA:CPU
+    # vectorises that loop, where a compare in it cost as much as the rest of
+    # the unmasked gradient's arithmetic (block_grad's ``indicator``).
+    return _astype(xp, xp.clip(1 - xp.abs(_column_offsets(xp, z, local, owns, start)), 0, None), z.dtype)
 
 
 def _target_logit(xp, z, local, owns, start):
@@ -501,6 +515,7 @@ def block_grad(
     *,
     start: int = 0,
     dtype=None,
+    indicator: str = "compare",
 ):
     """Gradient of ``sum(gL * L + gH * H)`` w.r.t. one column block of logits.
 
@@ -515,6 +530,10 @@ def block_grad(
       temperature: a number or a 0-d array.
       start: the block's first column within the shard.
       dtype: compute dtype (``z`` is cast to it first); ``None``: ``z.dtype``.
+      indicator: how ``1[v=y]`` is formed: ``"compare"`` (a compare with
+        the target's column, converted: eager backends) or ``"arith"``
+        (``max(1 - |v - y|, 0)`` in integers, no compare: XLA). The same
+        gradient either way.
 
     Returns:
       ``[..., n]`` in the compute dtype:
@@ -525,7 +544,9 @@ def block_grad(
     z = _cast(xp, z, dtype)
     tau = _tau(xp, temperature, z.dtype)
     d = _shifted(xp, z, comb.M, tau, products=g_entropy is not None)
-    is_y = _target_columns(xp, z, local, owns, start)
+    if indicator not in ("compare", "arith"):
+        raise ValueError(f"indicator: expected 'compare' or 'arith', got {indicator!r}")
+    is_y = _target_columns(xp, z, local, owns, start) if keep is not None or indicator == "compare" else None
     if keep is None:
         p = q = xp.exp(d - comb.log_s[..., None])
     else:
@@ -546,7 +567,8 @@ def block_grad(
     gl = (xp.where(valid, g_logprob, xp.zeros_like(g_logprob)) / tau)[..., None]
     # Rows that are not valid get no log-prob term at all (not 0 * q, which is
     # NaN when their kept set is empty).
-    g = xp.where(valid[..., None], gl * (_astype(xp, is_y, z.dtype) - q), 0.0)
+    one_y = _astype(xp, is_y, z.dtype) if indicator == "compare" else _target_indicator(xp, z, local, owns, start)
+    g = xp.where(valid[..., None], gl * (one_y - q), 0.0)
     if g_entropy is not None:
         # A banned column contributes 0 (d is clamped: see _shifted); a NaN p
         # (a row holding NaN) propagates, as the policy says.

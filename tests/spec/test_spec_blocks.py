@@ -86,7 +86,7 @@ def test_temperature_array_keeps_dtype_and_accumulation():
     assert cases.within_tolerance(h, rh, cases.tolerance("float32", "entropy"))
 
 
-def _run(xp, asarray, z, y, keep, tau, entropy_terms="clamp"):
+def _run(xp, asarray, z, y, keep, tau, entropy_terms="clamp", indicator="compare"):
     valid, owns, local = spec.target_to_local(xp, asarray(y), 0, 40, -100)
     zz, kk = asarray(z), asarray(keep)
     st = xp.stack([spec.block_stats(xp, zz[:, a:b], local, owns, kk[:, a:b], tau, start=a, entropy_terms=entropy_terms)
@@ -95,13 +95,14 @@ def _run(xp, asarray, z, y, keep, tau, entropy_terms="clamp"):
     lp, h = spec.outputs(xp, comb, valid, tau)
     ones = xp.ones(z.shape[:1], dtype=zz.dtype)
     concat = getattr(xp, "concat", None) or xp.concatenate  # (NumPy < 2 has no concat)
-    g = concat([spec.block_grad(xp, zz[:, a:b], local, owns, kk[:, a:b], comb, valid, ones, ones, tau, start=a)
-                   for a, b in ((0, 13), (13, 40))], axis=-1)
+    g = concat([spec.block_grad(xp, zz[:, a:b], local, owns, kk[:, a:b], comb, valid, ones, ones, tau, start=a,
+                                indicator=indicator) for a, b in ((0, 13), (13, 40))], axis=-1)
     return [np.asarray(x) for x in (lp, h, g)]
 
 
+@pytest.mark.parametrize("indicator", ["compare", "arith"])
 @pytest.mark.parametrize("entropy_terms", ["clamp", "select"])
-def test_same_spec_on_numpy_jax_torch(entropy_terms):
+def test_same_spec_on_numpy_jax_torch(entropy_terms, indicator):
     z, y, keep = _rand(2)
     z[2, :] = np.random.default_rng(0).normal(size=40)  # every row finite somewhere on the kept side
     with np.errstate(invalid="ignore", divide="ignore"):
@@ -112,14 +113,15 @@ def test_same_spec_on_numpy_jax_torch(entropy_terms):
         import jax.numpy as jnp
 
         with jax.enable_x64(True):
-            got["jax"] = _run(jnp, jnp.asarray, z, y, keep, jnp.asarray(0.8), entropy_terms)
+            got["jax"] = _run(jnp, jnp.asarray, z, y, keep, jnp.asarray(0.8), entropy_terms, indicator)
     except ImportError:
         pass
     try:
         import array_api_compat.torch as txp
         import torch
 
-        got["torch"] = _run(txp, torch.as_tensor, z, y, keep, torch.tensor(0.8, dtype=torch.float64), entropy_terms)
+        got["torch"] = _run(txp, torch.as_tensor, z, y, keep, torch.tensor(0.8, dtype=torch.float64), entropy_terms,
+                            indicator)
     except ImportError:
         pass
     assert got, "neither jax nor torch is installed"
@@ -156,6 +158,36 @@ def test_entropy_terms_select_and_clamp_agree(dtype):
                         assert np.isnan(h[~ok]).all() and (k is not None or np.isnan(lp[~ok]).all()), (how, tau)
     with pytest.raises(ValueError, match="entropy_terms"):
         spec.block_stats(np, z, local, owns, entropy_terms="where")
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+@pytest.mark.parametrize("block", [None, 1, 5, 17])
+@pytest.mark.parametrize("world", [1, 2, 4])
+def test_indicator_arith_and_compare_give_the_same_gradient(world, block, dtype):
+    """block_grad's ``indicator``: max(1 - |v - y|, 0) in integers is the compare's 1[v = y], bit for bit.
+
+    Every shared case (targets on other shards and blocks, ignored rows, -inf,
+    keep masks, temperatures), whole shards and column blocks; the compare's
+    gradient is checked against the oracle by test_blocks_match_oracle.
+    """
+    for c in cases.CASES:
+        c = cases.case(c.name, dtype=dtype, vocab=96 if c.vocab <= 96 else 264, worlds=(1, 2, 4))
+        prob = cases.make(c)
+        kw = dict(keep_mask=prob.keep_mask, temperature=c.temperature, ignore_index=c.ignore_index,
+                  grad_logprob=prob.grad_logprob, grad_entropy=prob.grad_entropy, dtype=np.dtype(dtype), block=block)
+        g = {how: simulate.over_shards(prob.logits, prob.target, world, indicator=how, **kw)[2]
+             for how in ("compare", "arith")}
+        assert g["arith"].dtype == np.dtype(dtype)
+        assert np.array_equal(g["arith"], g["compare"], equal_nan=True), c.name
+
+
+def test_indicator_is_checked():
+    z, y, keep = _rand()
+    valid, owns, local = spec.target_to_local(np, y, 0, 40, -100)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        comb = spec.finalize(np, spec.block_stats(np, z, local, owns), 1.0)
+        with pytest.raises(ValueError, match="indicator"):
+            spec.block_grad(np, z, local, owns, None, comb, valid, np.ones(6), None, indicator="where")
 
 
 def test_without_entropy_the_logprob_is_unchanged():
