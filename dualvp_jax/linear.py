@@ -60,6 +60,7 @@ from jax import lax
 from dualvp import spec
 from dualvp.validation import Options, check_linear_args
 
+from . import function as _function
 from .function import (
     _check_temperature_type,
     _compute_dtype,
@@ -394,7 +395,8 @@ def _op_bwd(axis_name, cfg: _Config, res, cotangents):
         else:
             loc, start = rows(local) - j0, 0
         g = spec.block_grad(jnp, z, loc, rows(owns), kij, spec.Combined(*(rows(f) for f in comb)), rows(valid),
-                            rows(gl), None if ge is None else rows(ge), tau, start=start, dtype=cdt)
+                            rows(gl), None if ge is None else rows(ge), tau, start=start, dtype=cdt,
+                            indicator=_function._INDICATOR)
         g = jnp.where(rows(bad)[:, None], jnp.full_like(g, jnp.nan), g)
         dh = lax.dynamic_update_slice_in_dim(dh, rows(dh) + _dot(g, wj, ((1,), (0,)), cdt), i0, axis=0)
         return dh, dwj + _dot(g, hi, ((0,), (0,)), cdt)
