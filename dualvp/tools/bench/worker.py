@@ -465,8 +465,15 @@ def run_jax(job: dict, data: dict) -> None:
             # which jit drops the argument and the donation); it is resident
             # before the measured call, so the call's own peak omits it. The
             # whole call counts as the forward (bwd 0).
-            def both(zz):
-                outs, vjp_fn = jax.vjp(lambda q: f(q, y, keep), zz)
+            # The target and the mask are arguments, as in the other path: a
+            # program that captures them gets them as constants, which XLA
+            # compiles differently (with a captured target the gradient's
+            # loop took the same time with either of spec.block_grad's
+            # indicators; passed in, "arith" was faster,
+            # benchmarks/grad_indicator.py), and a captured mask is T * V_local
+            # bytes of program constants.
+            def both(zz, yy, kk):
+                outs, vjp_fn = jax.vjp(lambda q: f(q, yy, kk), zz)
                 return outs, jb(vjp_fn, outs)
 
             if impl.donate == "logits":
@@ -478,16 +485,16 @@ def run_jax(job: dict, data: dict) -> None:
                     state["z"].block_until_ready()
 
                 def call():
-                    return step(state.pop("z"))
+                    return step(state.pop("z"), y, keep)
 
                 clear = renew
                 renew()
             else:
-                step = jax.jit(lambda zz, old: both(zz), donate_argnums=1, keep_unused=True)
+                step = jax.jit(lambda zz, yy, kk, old: both(zz, yy, kk), donate_argnums=3, keep_unused=True)
                 state["g"] = jnp.zeros_like(z)
 
                 def call():
-                    return step(z, state.pop("g"))
+                    return step(z, y, keep, state.pop("g"))
 
                 def clear():
                     pass
