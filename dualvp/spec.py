@@ -541,11 +541,14 @@ def block_grad(
       ``d_v = (z_v - M) / tau``, ``p_v = e^(d_v - log S)`` and ``q_v`` the
       kept distribution (``q = p`` without a mask, 0 on dropped columns).
     """
+    if indicator not in ("compare", "arith"):
+        raise ValueError(f"indicator: expected 'compare' or 'arith', got {indicator!r}")
     z = _cast(xp, z, dtype)
     tau = _tau(xp, temperature, z.dtype)
     d = _shifted(xp, z, comb.M, tau, products=g_entropy is not None)
-    if indicator not in ("compare", "arith"):
-        raise ValueError(f"indicator: expected 'compare' or 'arith', got {indicator!r}")
+    # The offsets are formed again for "arith" under a mask rather than held:
+    # an eager backend would keep an integer [..., n] array alive through the
+    # whole gradient (XLA merges the two).
     is_y = _target_columns(xp, z, local, owns, start) if keep is not None or indicator == "compare" else None
     if keep is None:
         p = q = xp.exp(d - comb.log_s[..., None])

@@ -147,8 +147,8 @@ def test_gradient_loop_has_no_compare_with_the_target_column(dtype, mode, world)
     """No [T, V_local] compare in jit(value_and_grad) without a keep mask: the indicator is integer arithmetic.
 
     ``spec.block_grad(indicator="arith")``: with the compare of the column
-    index against the target's, XLA:CPU's gradient loop took 1.5-1.7x the time
-    (benchmarks/grad_indicator.py); with ``fn_mod._INDICATOR = "compare"`` this
+    index against the target's, XLA:CPU's unmasked backward took 1.35-1.71x the
+    time (benchmarks/grad_indicator_T2048_V*.txt); with ``fn_mod._INDICATOR = "compare"`` this
     finds it (checked). The forward's compares are on chunks of rows.
     """
     with_ent, masked = MODES[mode]
