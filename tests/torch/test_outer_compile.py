@@ -1,4 +1,4 @@
-"""The torch ops and slime's drop-in called inside a caller's ``torch.compile`` (a compiled loss function).
+"""The torch ops and the slime and megatron-core drop-ins called inside a caller's ``torch.compile`` (a compiled loss function).
 
 Each op is one graph break there, run exactly as it runs eagerly: the caller's code before and after it
 are the only frames dynamo compiles, and values and gradients are bit-identical to an eager call of the
@@ -38,7 +38,22 @@ def _slime_loss(x, y, keep):
     return (lp[:, 0] * weights).sum() + 0.1 * h.sum()
 
 
-@pytest.mark.parametrize("op", ["logits", "linear", "slime"])
+def _megatron_loss(x, y, keep, smoothing=0.0):
+    # megatron-core's per-token loss (the keep mask is not one of its arguments)
+    loss = compat.vocab_parallel_cross_entropy(x, y, smoothing)
+    weights = torch.linspace(0.5, 1.5, loss.shape[-1], dtype=loss.dtype)
+    return (loss * weights).sum()
+
+
+def _megatron_smoothed_loss(x, y, keep):
+    return _megatron_loss(x, y, keep, smoothing=0.1)
+
+
+LOSSES = {"logits": _logits_loss, "linear": _linear_loss, "slime": _slime_loss, "megatron": _megatron_loss,
+          "megatron-smoothed": _megatron_smoothed_loss}
+
+
+@pytest.mark.parametrize("op", sorted(LOSSES))
 def test_inside_a_callers_torch_compile(op):
     prob = cases.make(cases.case("everything"))  # [3, 4] rows, ignored rows, keep mask, -inf logits
     y, keep = torch.from_numpy(prob.target), torch.from_numpy(prob.keep_mask)
@@ -47,7 +62,7 @@ def test_inside_a_callers_torch_compile(op):
         x0, extra = torch.from_numpy(prob.logits).float(), ()
     else:
         x0, extra = torch.randn(*y.shape, 16, generator=gen), (torch.randn(prob.logits.shape[-1], 16, generator=gen),)
-    loss = {"logits": _logits_loss, "linear": _linear_loss, "slime": _slime_loss}[op]
+    loss = LOSSES[op]
 
     x = x0.clone().requires_grad_()
     loss(x, y, keep, *extra).backward()
