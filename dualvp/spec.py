@@ -337,9 +337,12 @@ def block_stats(
       dtype: compute dtype (``z`` is cast to it first); ``None``: ``z.dtype``.
       acc_dtype: dtype the row sums accumulate in; ``None``: the compute dtype.
       with_entropy: ``False`` skips ``t`` (returned as 0; a product, a guard
-        and a row sum per element less). Only the entropy and its gradient
-        depend on ``t``: the log-prob and its gradient are exact either way,
-        the entropy of such statistics is meaningless.
+        and a row sum per element less) and, with a keep mask, ``s``
+        (returned as 1; a row reduction less): the log-prob under a mask and
+        its gradient read only the kept pair ``(mk, sk)``. Only the entropy
+        and its gradient depend on ``t`` and, under a mask, ``s``: the
+        log-prob and its gradient are exact either way, the entropy of such
+        statistics is meaningless.
       kept_shift: the shift of the kept pair ``(mk, sk)`` (with a mask only).
         ``"kept"``: the kept max; ``sk = sum_kept e^((z - mk) / tau)``,
         exact at any distance between the kept and the overall max, but the
@@ -412,13 +415,15 @@ def block_stats(
         sk = _sum(xp, xp.where(keep, ek, 0.0), acc_dtype, z.dtype)
         # exp(d) on the kept columns is ek * e^((mk - m) / tau), a factor <= 1
         # (0 when nothing is kept or the kept set underflows against m).
-        e = xp.where(keep, ek * xp.exp((mk - _finite_or_zero(xp, m)) / tau)[..., None], ek)
+        e = xp.where(keep, ek * xp.exp((mk - _finite_or_zero(xp, m)) / tau)[..., None], ek) if with_entropy else None
     if keep is not None:
         col, inside = _in_block(xp, z, local, owns, start)
         dropped_y = inside & xp.logical_not(xp.take_along_axis(keep, col[..., None], axis=-1)[..., 0])
         mk, sk = _reduce_max_sum(xp, xp.stack([mk, xp.where(dropped_y, zy, -xp.inf)], axis=-1),
                                  xp.stack([sk, xp.ones_like(sk)], axis=-1), -1, tau)
-    s = _sum(xp, e, acc_dtype, z.dtype)
+    # Under a mask without the entropy nothing reads s: 1 is a placeholder
+    # that merges (and takes a log) like any sum.
+    s = _sum(xp, e, acc_dtype, z.dtype) if with_entropy or keep is None else xp.ones_like(sk)
     t = _sum(xp, _entropy_terms(xp, e, d, entropy_terms), acc_dtype, z.dtype) if with_entropy else xp.zeros_like(s)
     if keep is None:
         mk, sk = m, s

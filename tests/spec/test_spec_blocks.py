@@ -190,22 +190,43 @@ def test_indicator_is_checked():
             spec.block_grad(np, z, local, owns, None, comb, valid, np.ones(6), None, indicator="where")
 
 
-def test_without_entropy_the_logprob_is_unchanged():
-    # with_entropy=False skips only t; the log-prob (and its gradient, which
-    # reads no t) must equal the oracle's, blocks merged as usual.
+@pytest.mark.parametrize("kept_shift", ["kept", "max"])
+def test_without_entropy_the_logprob_is_unchanged(kept_shift):
+    # with_entropy=False skips t and, under a keep mask, s; the log-prob and
+    # its gradient (which read neither) must equal the oracle's, blocks merged
+    # as usual, and every other statistic must be the full one's.
     z, y, keep = _rand(seed=3)
     valid, owns, local = spec.target_to_local(np, y, 0, 40, -100)
+    g_lp = np.linspace(0.5, 1.5, z.shape[0])
     with np.errstate(invalid="ignore", divide="ignore"):
         for k in (None, keep):
             full = spec.block_stats(np, z, local, owns, k, 0.7)
-            parts = [spec.block_stats(np, z[:, a:b], local, owns, None if k is None else k[:, a:b], 0.7, start=a,
-                                      with_entropy=False) for a, b in ((0, 13), (13, 40))]
+            parts = []
+            for a, b in ((0, 13), (13, 40)):
+                args = (np, z[:, a:b], local, owns, None if k is None else k[:, a:b], 0.7)
+                part = spec.block_stats(*args, start=a, with_entropy=False, kept_shift=kept_shift)
+                # rows that "max" marks are computed again with "kept", as every caller does
+                redo = spec.block_stats(*args, start=a, with_entropy=False)
+                parts.append(np.where(spec.marked_rows(np, part)[:, None], redo, part))
             lean = spec.reduce_stats(np, np.stack(parts), temperature=0.7)
             assert all(np.all(b[:, spec.STATS.index("t")] == 0) for b in parts)  # (merged, it is no longer 0)
-            lp, _ = spec.outputs(np, spec.finalize(np, lean, 0.7), valid, 0.7)
+            skipped = [spec.STATS.index("t")]
+            if k is not None:
+                assert all(np.all(b[:, spec.STATS.index("s")] == 1) for b in parts)
+                skipped.append(spec.STATS.index("s"))
+            comb = spec.finalize(np, lean, 0.7)
+            lp, _ = spec.outputs(np, comb, valid, 0.7)
             rlp, _ = reference.logprob_entropy(z, y, keep_mask=k, temperature=0.7)
             assert cases.within_tolerance(lp, rlp, TOL)
-            assert np.allclose(np.delete(lean, 2, axis=1), np.delete(full, 2, axis=1), rtol=1e-12, atol=0, equal_nan=True)
+            g = spec.block_grad(np, z, local, owns, k, comb, valid, g_lp, None, 0.7)
+            rg = reference.logprob_entropy_grad(z, y, g_lp, None, keep_mask=k, temperature=0.7)
+            assert cases.within_tolerance(g, rg, TOL)
+            if k is not None and kept_shift == "max":
+                # (mk, sk) shifted by the overall max: the same pair as the full one's up to its
+                # shift, which the log-prob and gradient above check
+                skipped += [spec.STATS.index("mk"), spec.STATS.index("sk")]
+            assert np.allclose(np.delete(lean, skipped, axis=1), np.delete(full, skipped, axis=1), rtol=1e-12, atol=0,
+                               equal_nan=True)
 
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
