@@ -37,7 +37,15 @@ with ``B`` = bytes of one logits shard:
   log-prob, entropy and gradient (float32).
 
 Modes: ``lp`` (log-prob only), ``ent`` (log-prob and entropy, both
-differentiated), ``keep`` (``ent`` under a 50 % keep mask).
+differentiated), ``keep`` (``ent`` under a 50 % keep mask), ``lpkeep``
+(``lp`` under that mask; not in the default list).
+
+``--old-flag NAME=VALUE``: the "old" implementation is the current tree
+traced with the module variable ``dualvp_jax.function.NAME`` set to
+``VALUE`` (a Python literal), e.g. ``--old-flag _MASKED_BLOCKS=False``: the
+two then differ only in that choice (``--old-rev`` is not used).
+``--old-spec REV``: likewise, the current ``dualvp_jax.function`` traced
+over revision ``REV``'s ``dualvp/spec.py``.
 
 ``--donate``: both are compiled with ``donate_argnums=0`` and every call gets
 a fresh copy of the logits (made outside the timed and measured call), so
@@ -52,6 +60,7 @@ Usage::
 from __future__ import annotations
 
 import argparse
+import ast
 import ctypes
 import gc
 import importlib.util
@@ -65,7 +74,7 @@ import tempfile
 import time
 
 HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-MODES = {"lp": (False, False), "ent": (True, False), "keep": (True, True)}  # (with entropy, masked)
+MODES = {"lp": (False, False), "ent": (True, False), "keep": (True, True), "lpkeep": (False, True)}  # (with entropy, masked)
 
 
 def _status_kb(field):
@@ -129,6 +138,10 @@ def main(argv=None):
     ap.add_argument("--worlds", default="1,2")
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--old-rev", default="8479dda")
+    ap.add_argument("--old-flag", default=None, metavar="NAME=VALUE",
+                    help="old = the current tree with dualvp_jax.function.NAME = VALUE (instead of --old-rev)")
+    ap.add_argument("--old-spec", default=None, metavar="REV",
+                    help="old = the current tree over REV's dualvp/spec.py (instead of --old-rev)")
     ap.add_argument("--donate", action="store_true",
                     help="donate a fresh copy of the logits to every call (the gradient takes its buffer)")
     ap.add_argument("--out", default=None)
@@ -148,8 +161,20 @@ def main(argv=None):
     from dualvp_jax import chunks
     import dualvp_jax.function as new
 
-    old = _load_old(a.old_rev, own_spec=not a.current_spec)
-    impls = {"old": old, "new": new}
+    flags = {"old": {}, "new": {}}
+    if a.old_flag:
+        fname, _, fvalue = a.old_flag.partition("=")
+        if not hasattr(new, fname):
+            raise SystemExit(f"--old-flag: dualvp_jax.function has no variable {fname!r}")
+        flags["old"][fname] = ast.literal_eval(fvalue)
+        flags["new"][fname] = getattr(new, fname)
+    if a.old_spec:
+        flags["old"]["spec"] = _load_rev(a.old_spec, "dualvp/spec.py", "dualvp_old_spec")
+        flags["new"]["spec"] = new.spec
+    if flags["old"]:
+        impls = {"old": new, "new": new}
+    else:
+        impls = {"old": _load_old(a.old_rev, own_spec=not a.current_spec), "new": new}
     meshes = {w: jax.make_mesh((w,), ("tp",)) for w in worlds if w > 1}
     rows = []
     uptime0 = open("/proc/loadavg").read().split()[:3]
@@ -200,6 +225,9 @@ def main(argv=None):
                             lp, h = outs(z, y, gl, gh, k)
                             return jnp.sum(gl * lp) + (jnp.sum(gh * h) if with_ent else 0.0), (lp, h)
 
+                        for fname, fvalue in flags[name].items():  # read at trace time
+                            setattr(mod, fname, fvalue)
+                        jax.clear_caches()
                         vg = jax.jit(jax.value_and_grad(loss, has_aux=True), donate_argnums=(0,) if a.donate else ())
                         fw = jax.jit(outs)
                         comp = vg.lower(z, y, gl, gh, k).compile()
@@ -275,7 +303,9 @@ def main(argv=None):
                "peak_B_new_max": max(r["new"]["peak_B"] for r in rows),
                "temp_B_new_max": max(r["new"]["temp_B"] for r in rows),
                "fwd_temp_B_new_max": max(r["new"]["fwd_temp_B"] for r in rows)}
-    meta = {"T": a.T, "old_rev": a.old_rev, "donate": a.donate, "old_spec": "current" if a.current_spec else a.old_rev,
+    for fname, fvalue in flags["new"].items():
+        setattr(new, fname, fvalue)
+    meta = {"T": a.T, "old_rev": a.old_rev, "old_flag": a.old_flag, "old_spec_rev": a.old_spec, "donate": a.donate, "old_spec": "current" if a.current_spec else a.old_rev,
             "jax": jax.__version__, "backend": jax.default_backend(),
             "cpus": os.cpu_count(), "chunk_bytes": chunks.CHUNK_BYTES, "reps": a.reps,
             "loadavg_start": uptime0, "loadavg_end": open("/proc/loadavg").read().split()[:3]}

@@ -8,8 +8,7 @@ such a function over bounded blocks of rows instead, so each of those
 intermediates is ``[rows, V_local]`` (a few MiB, see :data:`CHUNK_BYTES`).
 The same library runs a reduction over more than 2**15 columns on about one
 core: :func:`column_blocks` splits wider rows into blocks within that
-(:data:`COLUMN_BLOCK`), whose statistics the caller merges (the op does so
-without a keep mask).
+(:data:`COLUMN_BLOCK`), whose statistics the caller merges (as the op does).
 
 Three things each brought a full-size copy back while this was written, and
 ``tests/jax/test_jax_memory.py`` pins each one:
@@ -79,14 +78,16 @@ def chunk_rows(n_rows: int, width: int, budget: Optional[int] = None) -> int:
 #: reduction library (YNNPACK fusions, jax 0.10) runs a row reduction on both
 #: cores of the 2-core test machine up to 2**15 columns and on about one core
 #: from 2**15 + 1 (measured, float32 log-prob forward, T = 2048: 0.26-0.28
-#: ns per element up to 32768 columns, 0.45-0.67 from 32769). Wider unmasked
+#: ns per element up to 32768 columns, 0.45-0.67 from 32769). Wider
 #: shards are therefore reduced in column blocks of at most this many
 #: columns, merged with ``spec.reduce_stats`` (the merge that combines
 #: shards): the forward at V_local = 152064 took 0.63-0.85x the time of whole
 #: rows, and 16384-column blocks were slower than 32768
-#: (``benchmarks/jax_columns.py``). With a keep mask the blocks took 1.0-1.07x
-#: the time of whole rows and raised the peak of 2 host devices in one
-#: process by 0.05 B, so masked rows stay whole. Reshaping each row into
+#: (``benchmarks/jax_columns.py``). With a keep mask (since its one-pass
+#: ``kept_shift="max"``) the masked forward took 0.77-0.93x the time of
+#: whole rows, and the peak of 2 host devices in one process rose by 0.04 B
+#: (bfloat16; ``dualvp_jax.function._MASKED_BLOCKS``); before it, 1.0-1.07x,
+#: and masked rows stayed whole. Reshaping each row into
 #: ``[k, V_local / k]`` instead of slicing took 0.89-1.24x the time of whole
 #: rows (slices: 0.63-0.85x).
 COLUMN_BLOCK = 1 << 15

@@ -13,9 +13,10 @@ On CPU the shard statistics are computed over bounded blocks of rows
 whatever ``T``): XLA:CPU would otherwise materialise a float32
 ``[T, V_local]`` input for each row reduction (1 to 6 B of scratch, B = the
 bytes of the shard). Each block runs ``spec.block_stats`` itself; rows are
-independent, so the result is the same statistics. Unmasked rows wider than
-``chunks.COLUMN_BLOCK`` columns are split into column blocks, merged with
-``spec.reduce_stats`` like shards (XLA:CPU reduces wider rows on one core).
+independent, so the result is the same statistics. Rows wider than
+``chunks.COLUMN_BLOCK`` columns, masked or not, are split into column blocks,
+merged with ``spec.reduce_stats`` like shards (XLA:CPU reduces wider rows on
+one core).
 Other platforms fuse the reductions and take the whole shard at once (:func:`_shard_stats`).
 
 Backward: ``spec.grad_logits`` from the saved logits and the O(T) combined
@@ -180,11 +181,35 @@ _ENTROPY_TERMS = "select"
 # (``spec.block_stats``'s ``kept_shift``, read at trace time): "max" shifts it
 # by the overall max (one read of the mask and one exponential per element,
 # one row reduction fewer than "kept": forward 0.70-0.94x at T=2048,
-# docs/measurements.md), and a chunk holding a row that it marks
-# (``spec.marked_rows``: a kept sum below ``e^-spec.KEPT_GAP``, or NaN) is
-# computed again with "kept" under ``lax.cond``, so only such chunks pay for
-# the second pass. A variable so that benchmarks can trace both.
+# docs/measurements.md), and the rows that it marks (``spec.marked_rows``: a
+# kept sum below ``e^-spec.KEPT_GAP``, or NaN) are computed again with "kept"
+# under ``lax.cond`` (see ``_REDO_MARKED``). A variable so that benchmarks can
+# trace both.
 _KEPT_SHIFT = "max"
+
+# Whether masked rows wider than ``chunks.COLUMN_BLOCK`` are split into column
+# blocks on the chunked (CPU) path, as unmasked ones are (read at trace time).
+# Measured at V_local = 152064, T = 2048 (docs/measurements.md, fifteenth
+# session): the masked forward 0.77-0.93x the time of whole rows under a 50 %
+# random mask (benchmarks/jax_chunked.py --old-flag _MASKED_BLOCKS=False); the
+# peak of 2 host devices in one process 1.05 B for bfloat16 (whole rows:
+# 1.01 B), one device unchanged. A variable so that benchmarks can trace both.
+_MASKED_BLOCKS = True
+
+# Where the chunked (CPU) forward computes marked rows again with "kept"
+# (``_KEPT_SHIFT = "max"``, read at trace time): "shard" runs the loop of
+# chunks once with "max" and, if any row of the shard is marked, once more with
+# "kept" (one ``lax.cond`` around the loops); "chunk" recomputes each chunk
+# that holds a marked row (a ``lax.cond`` per chunk). Rows are marked only
+# where the kept max lies more than ``spec.KEPT_GAP`` below the max, which a
+# top-k / top-p mask never does (it keeps every column above a kept one), so
+# "shard" pays the second pass only for such masks, and saves the per-chunk
+# conditional otherwise. Measured against "chunk" at T=2048, V_local=32000,
+# W=1 and 2 (benchmarks/jax_chunked.py --old-flag '_REDO_MARKED="chunk"'):
+# the masked log-prob-only forward 0.80-0.88x, with the entropy 0.86-1.05x;
+# the compiled scratch 0.008-0.016 B instead of 0.010-0.028 B. A variable so
+# that benchmarks can trace both.
+_REDO_MARKED = "shard"
 
 
 # How the backward forms the target's indicator 1[v = y]
@@ -229,10 +254,13 @@ def _shard_stats(logits, local, owns, keep, tau, cdt, with_entropy: bool = True)
     XLA:CPU would otherwise materialise a float32 ``[..., V_local]`` input for
     each row reduction (up to 6 B of scratch for bfloat16 logits with a keep
     mask, B = bytes of the logits); chunked, the forward's scratch is about
-    ``3 * chunks.CHUNK_BYTES`` whatever the row count. Unmasked rows wider
-    than ``chunks.COLUMN_BLOCK`` are reduced in column blocks (``start=`` of
+    ``3 * chunks.CHUNK_BYTES`` whatever the row count. Rows wider than
+    ``chunks.COLUMN_BLOCK`` are reduced in column blocks (``start=`` of
     ``spec.block_stats``) merged with ``spec.reduce_stats``, which XLA:CPU
-    runs on all cores (one for wider reductions). On other platforms
+    runs on all cores (one for wider reductions). With a keep mask the
+    blocks take one pass each (``kept_shift="max"``), and if any block marks
+    a row, the shard (``_REDO_MARKED``) is computed again, all blocks, with
+    ``"kept"``: the mark (``sk = NaN``) survives the merge. On other platforms
     (GPU, TPU) XLA fuses the elementwise work into its reductions itself and a
     loop of small chunks would only add steps: the whole shard is one call
     there (not measured on such a machine in this repository).
@@ -241,29 +269,35 @@ def _shard_stats(logits, local, owns, keep, tau, cdt, with_entropy: bool = True)
         return spec.block_stats(jnp, z, local, owns, keep, tau, start=start, dtype=cdt, with_entropy=with_entropy,
                                 kept_shift=kept_shift, entropy_terms=_ENTROPY_TERMS)
 
-    def masked(z, local, owns, keep):
-        if _KEPT_SHIFT == "kept":
-            return whole(z, local, owns, keep)
-        fast = whole(z, local, owns, keep, kept_shift="max")
-        # The predicate is the chunk's, on the device: no host synchronisation.
-        return lax.cond(jnp.any(spec.marked_rows(jnp, fast)), lambda: whole(z, local, owns, keep), lambda: fast)
+    def blocked(z, local, owns, keep, kept_shift="kept"):
+        # Rows wider than chunks.COLUMN_BLOCK are reduced in column blocks,
+        # which merge like shards.
+        bounds = chunks.column_blocks(z.shape[-1]) if keep is None or _MASKED_BLOCKS else [(0, z.shape[-1])]
+        parts = [whole(z[..., a:b], local, owns, None if keep is None else keep[..., a:b], start=a,
+                       kept_shift=kept_shift) for a, b in bounds]
+        return parts[0] if len(parts) == 1 else spec.reduce_stats(jnp, jnp.stack(parts), axis=0, temperature=tau)
 
-    def blocked(z, local, owns, keep):
-        # Blocks merge like shards. Not with a keep mask: there the blocks took
-        # as long as whole rows and raised the 2-device peak by 0.05 B.
-        if keep is not None:
-            return masked(z, local, owns, keep)
-        bounds = chunks.column_blocks(z.shape[-1])
-        if len(bounds) == 1:
-            return whole(z, local, owns, keep)
-        parts = [whole(z[..., a:b], local, owns, None, start=a) for a, b in bounds]
-        return spec.reduce_stats(jnp, jnp.stack(parts), axis=0, temperature=tau)
+    def redo_marked(fast, again):
+        # A row that a block marks stays marked through the merge (its sk is
+        # NaN). The predicate is on the device: no host synchronisation.
+        return lax.cond(jnp.any(spec.marked_rows(jnp, fast)), again, lambda: fast)
 
     def chunked(z, local, owns, keep):
         lead, v = z.shape[:-1], z.shape[-1]
         n = math.prod(lead)
         flat = (z.reshape(n, v), local.reshape(n), owns.reshape(n), None if keep is None else keep.reshape(n, v))
-        out = chunks.map_row_chunks(blocked, flat, chunks.chunk_rows(n, v))
+        rows = chunks.chunk_rows(n, v)
+
+        def run(kept_shift):
+            return chunks.map_row_chunks(partial(blocked, kept_shift=kept_shift), flat, rows)
+
+        if keep is None or _KEPT_SHIFT == "kept":
+            out = run("kept")
+        elif _REDO_MARKED == "chunk":
+            out = chunks.map_row_chunks(lambda *a: redo_marked(blocked(*a, kept_shift="max"), lambda: blocked(*a)),
+                                        flat, rows)
+        else:
+            out = redo_marked(run("max"), lambda: run("kept"))
         return out.reshape(lead + out.shape[-1:])
 
     if _FORCE_PATH == "whole":

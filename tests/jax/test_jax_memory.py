@@ -422,9 +422,8 @@ class TestChunked:
             # traced here, through the chunked path (the primal and the vjp forward)
             assert new and set(new) == {int(np.prod(case.lead))}, new
             if "rows_and_columns" in request.node.callspec.id:
-                # masked rows stay whole: only unmasked shards ask for column blocks
-                expected = {case.vocab // world} if case.mask == "none" else set()
-                assert set(widths[blocked:]) == expected, widths[blocked:]
+                # masked and unmasked shards alike are split into column blocks
+                assert set(widths[blocked:]) == {case.vocab // world}, widths[blocked:]
         else:
             # the program of an earlier case of this class (same shapes and options), checked there
             assert not new, new
@@ -461,18 +460,26 @@ def test_chunked_under_vmap(rows_per_chunk):
         check_close("vmap", g[i], r_g, "float32", "grad")
 
 
+@pytest.mark.parametrize("redo", ["shard", "chunk"])
+@pytest.mark.parametrize("column_block", [None, 16], ids=["whole_rows", "column_blocks"])
 @pytest.mark.parametrize("kept_shift", ["max", "kept"])
-def test_chunked_masked_rows_far_below_the_max(rows_per_chunk, monkeypatch, kept_shift):
+def test_chunked_masked_rows_far_below_the_max(rows_per_chunk, monkeypatch, kept_shift, column_block, redo):
     """A masked chunk whose kept sum, shifted by the overall max, underflows is computed again with the kept max.
 
     Row 5 keeps only columns 120 temperature units below its (dropped) max: in float32 each of their
-    e^((z - m) / tau) is 0, so ``kept_shift="max"`` marks the row and ``lax.cond`` recomputes its 4-row
-    chunk with ``"kept"``; the other chunks keep the one-pass statistics. Values and gradients as the
-    float64 oracle, with either setting of ``function._KEPT_SHIFT``.
+    e^((z - m) / tau) is 0, so ``kept_shift="max"`` marks the row and ``lax.cond`` computes the shard's
+    chunks again with ``"kept"`` (``function._REDO_MARKED = "shard"``) or only its 4-row chunk
+    (``"chunk"``). Values and gradients as the
+    float64 oracle, with either setting of ``function._KEPT_SHIFT``, with whole rows and with rows in
+    column blocks of 16 (``chunks.COLUMN_BLOCK``): there only the first block holds the max and is marked,
+    and the mark must survive the merge of the blocks so that the chunk is computed again.
     """
     from dualvp import reference
 
     monkeypatch.setattr(fn_mod, "_KEPT_SHIFT", kept_shift)
+    monkeypatch.setattr(fn_mod, "_REDO_MARKED", redo)
+    if column_block is not None:
+        monkeypatch.setattr(chunks, "COLUMN_BLOCK", column_block)
     rng = np.random.default_rng(7)
     T, V, tau = 16, 64, 0.5
     z = (rng.standard_normal((T, V)) * 3).astype(np.float32)
