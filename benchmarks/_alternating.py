@@ -40,14 +40,20 @@ def size_args(doc: str, dtypes: str) -> argparse.Namespace:
     return a
 
 
-def times_ms(fns: dict[str, Callable[[], object]], reps: int, warm: int = 1) -> dict[str, list]:
-    """Wall times of each ``fns`` value, milliseconds, ``reps`` calls alternating between them."""
+def times_ms(fns: dict[str, Callable[[], object]], reps: int, warm: int = 1, pause: float = 0.0) -> dict[str, list]:
+    """Wall times of each ``fns`` value, milliseconds, ``reps`` calls alternating between them.
+
+    ``pause``: seconds slept before each timed call (not timed), e.g. so that
+    one framework's idle worker threads stop spinning before the other's call.
+    """
     for f in fns.values():
         for _ in range(warm):
             f()
     times: dict = {k: [] for k in fns}
     for _ in range(reps):
         for k, f in fns.items():
+            if pause:
+                time.sleep(pause)
             t0 = time.perf_counter()
             f()
             times[k].append((time.perf_counter() - t0) * 1e3)
