@@ -203,8 +203,9 @@ _MASKED_BLOCKS = True
 # that holds a marked row (a ``lax.cond`` per chunk). Rows are marked only
 # where the kept max lies more than ``spec.KEPT_GAP`` below the max, which a
 # top-k / top-p mask never does (it keeps every column above a kept one), so
-# "shard" pays the second pass only for such masks, and saves the per-chunk
-# conditional otherwise. Measured against "chunk" at T=2048, V_local=32000,
+# "shard" pays the second pass only for such masks (and for shards holding a
+# NaN logit, whose rows are marked too), and saves the per-chunk conditional
+# otherwise. Measured against "chunk" at T=2048, V_local=32000,
 # W=1 and 2 (benchmarks/jax_chunked.py --old-flag '_REDO_MARKED="chunk"'):
 # the masked log-prob-only forward 0.80-0.88x, with the entropy 0.86-1.05x;
 # the compiled scratch 0.008-0.016 B instead of 0.010-0.028 B. A variable so
