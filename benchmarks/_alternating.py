@@ -1,5 +1,5 @@
 """What the single-process CPU timing scripts share (``lean_stats.py``, ``mask_floor.py``, ``fresh_buffer.py``,
-``gradient_pool.py``, ``jax_recycled.py``, ``head_step.py``, ``grad_indicator.py``).
+``gradient_pool.py``, ``jax_recycled.py``, ``head_step.py``, ``grad_indicator.py``, ``jax_vs_torch.py``).
 
 Their variants are timed in one process with calls alternating, so that every
 variant sees the same machine load; each is called ``warm`` times first
