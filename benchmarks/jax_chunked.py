@@ -74,7 +74,8 @@ import tempfile
 import time
 
 HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-MODES = {"lp": (False, False), "ent": (True, False), "keep": (True, True), "lpkeep": (False, True)}  # (with entropy, masked)
+# (with entropy, masked)
+MODES = {"lp": (False, False), "ent": (True, False), "keep": (True, True), "lpkeep": (False, True)}
 
 
 def _status_kb(field):
@@ -305,7 +306,8 @@ def main(argv=None):
                "fwd_temp_B_new_max": max(r["new"]["fwd_temp_B"] for r in rows)}
     for fname, fvalue in flags["new"].items():
         setattr(new, fname, fvalue)
-    meta = {"T": a.T, "old_rev": a.old_rev, "old_flag": a.old_flag, "old_spec_rev": a.old_spec, "donate": a.donate, "old_spec": "current" if a.current_spec else a.old_rev,
+    meta = {"T": a.T, "old_rev": a.old_rev, "old_flag": a.old_flag, "old_spec_rev": a.old_spec, "donate": a.donate,
+            "old_spec": "current" if a.current_spec else a.old_rev,
             "jax": jax.__version__, "backend": jax.default_backend(),
             "cpus": os.cpu_count(), "chunk_bytes": chunks.CHUNK_BYTES, "reps": a.reps,
             "loadavg_start": uptime0, "loadavg_end": open("/proc/loadavg").read().split()[:3]}
