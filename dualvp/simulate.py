@@ -74,9 +74,10 @@ def over_shards(
     def block_of(r, s0):
         args = (np, cols(shards[r], s0), locs[r][2], locs[r][1], cols(keeps[r], s0), temperature)
         st = spec.block_stats(*args, start=s0, kept_shift=kept_shift, entropy_terms=entropy_terms)
-        redo = spec.marked_rows(np, st)
-        redone = spec.block_stats(*args, start=s0, entropy_terms=entropy_terms) if redo.any() else st
-        return np.where(redo[..., None], redone, st)
+        if not spec.marked_rows(np, st).any():
+            return st
+        redone = spec.block_stats(*args, start=s0, entropy_terms=entropy_terms)
+        return spec.redo_marked(np, st, redone)
 
     def stats_of(r):
         blocks = [block_of(r, s0) for s0 in starts]

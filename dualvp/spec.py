@@ -81,6 +81,7 @@ __all__ = [
     "target_to_local",
     "block_stats",
     "marked_rows",
+    "redo_marked",
     "reduce_stats",
     "merge_stats",
     "finalize",
@@ -437,6 +438,17 @@ def marked_rows(xp, stats):
     the overall max, or a row holding NaN).
     """
     return xp.isnan(stats[..., STATS.index("sk")])
+
+
+def redo_marked(xp, fast, kept):
+    """``fast`` with the rows that it marks taken from ``kept``: ``[..., N_STATS]``.
+
+    ``fast``: statistics from ``block_stats(kept_shift="max")``; ``kept``:
+    the same block's statistics from ``kept_shift="kept"`` (needed only for
+    the rows of :func:`marked_rows`; a backend may compute them for those
+    rows alone, or skip them when no row is marked).
+    """
+    return xp.where(marked_rows(xp, fast)[..., None], kept, fast)
 
 
 def reduce_stats(xp, stats, axis: int = 0, temperature=1.0):

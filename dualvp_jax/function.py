@@ -281,7 +281,10 @@ def _shard_stats(logits, local, owns, keep, tau, cdt, with_entropy: bool = True)
     def redo_marked(fast, again):
         # A row that a block marks stays marked through the merge (its sk is
         # NaN). The predicate is on the device: no host synchronisation.
-        return lax.cond(jnp.any(spec.marked_rows(jnp, fast)), again, lambda: fast)
+        # Only the marked rows take the second pass's statistics, as in every
+        # backend: a row's result does not depend on whether another is marked.
+        return lax.cond(jnp.any(spec.marked_rows(jnp, fast)), lambda: spec.redo_marked(jnp, fast, again()),
+                        lambda: fast)
 
     def chunked(z, local, owns, keep):
         lead, v = z.shape[:-1], z.shape[-1]

@@ -504,3 +504,12 @@ def test_chunked_masked_rows_far_below_the_max(rows_per_chunk, monkeypatch, kept
     check_close("far kept row", lp, r_lp, "float32", "logprob")
     check_close("far kept row", h, r_h, "float32", "entropy")
     check_close("far kept row", g, r_g, "float32", "grad")
+    # Only the marked row is computed again: the other rows come out bit for bit as in a call where
+    # no row is marked (row 5 replaced by an ordinary row).
+    z2, keep2 = z.copy(), keep.copy()
+    z2[5], keep2[5] = z[4], keep[4] | (np.arange(V) == y[5])
+    lp2, h2 = dualvp_jax.logprob_entropy(jnp.asarray(z2), jnp.asarray(y, jnp.int32), keep_mask=jnp.asarray(keep2),
+                                         temperature=tau)
+    others = np.arange(T) != 5
+    np.testing.assert_array_equal(np.asarray(lp)[others], np.asarray(lp2)[others])
+    np.testing.assert_array_equal(np.asarray(h)[others], np.asarray(h2)[others])

@@ -207,7 +207,7 @@ def test_without_entropy_the_logprob_is_unchanged(kept_shift):
                 part = spec.block_stats(*args, start=a, with_entropy=False, kept_shift=kept_shift)
                 # rows that "max" marks are computed again with "kept", as every caller does
                 redo = spec.block_stats(*args, start=a, with_entropy=False)
-                parts.append(np.where(spec.marked_rows(np, part)[:, None], redo, part))
+                parts.append(spec.redo_marked(np, part, redo))
             lean = spec.reduce_stats(np, np.stack(parts), temperature=0.7)
             assert all(np.all(b[:, spec.STATS.index("t")] == 0) for b in parts)  # (merged, it is no longer 0)
             skipped = [spec.STATS.index("t")]
