@@ -63,6 +63,7 @@ import argparse
 import ast
 import ctypes
 import gc
+import importlib
 import importlib.util
 import json
 import os
@@ -119,8 +120,34 @@ def _load_rev(rev, path_in_repo, name):
     return mod
 
 
+def _load_old_function(rev):
+    """``dualvp_jax.function`` at ``rev``, imported from the whole package at that revision.
+
+    The package is written out as ``dualvp_jax_old_<rev>`` (its modules
+    import each other relatively: ``function`` needs its own ``chunks``); its
+    absolute imports (``dualvp.spec``, ``dualvp.validation``) are the current
+    tree's.
+    """
+    files = subprocess.run(["git", "-C", HERE, "ls-tree", "-r", "--name-only", rev, "dualvp_jax/"], check=True,
+                           capture_output=True, text=True).stdout.split()
+    name = "dualvp_jax_old_" + re.sub(r"\W", "_", rev)
+    d = tempfile.mkdtemp(prefix="dualvp_old_")
+    for f in files:
+        if f.endswith(".py"):
+            path = os.path.join(d, name, os.path.relpath(f, "dualvp_jax"))
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+            with open(path, "w") as out:
+                out.write(subprocess.run(["git", "-C", HERE, "show", f"{rev}:{f}"], check=True, capture_output=True,
+                                         text=True).stdout)
+    sys.path.insert(0, d)
+    try:
+        return importlib.import_module(name + ".function")
+    finally:
+        sys.path.remove(d)
+
+
 def _load_old(rev, own_spec=True):
-    mod = _load_rev(rev, "dualvp_jax/function.py", "dualvp_jax_old_function")
+    mod = _load_old_function(rev)
     if own_spec:
         # The old function over the old revision's spec (its global ``spec``,
         # looked up at trace time): the spec has changed since, and the old
