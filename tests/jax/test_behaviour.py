@@ -77,6 +77,53 @@ def test_2d_mesh_data_parallel(kind):
     check_close("2d", g, ref_g, "bfloat16", "grad")
 
 
+@pytest.mark.parametrize("policy", ["nothing_saveable", "dots_saveable"])
+@pytest.mark.parametrize("world", [1, 2])
+def test_under_remat(world, policy):
+    """Inside ``jax.checkpoint`` (rematerialisation, as LLM training wraps its layers): the LM head's matmul and
+    the op recomputed in the backward give the same values and gradients, bit for bit, as without it, and the
+    oracle's (the hidden gradient checked against the float64 chain rule through the logits gradient)."""
+    prob = cases.make(cases.case("random_mask_temp"))
+    _, y, k, gl, ge = inputs(prob)
+    v = prob.logits.shape[-1]
+    rng = np.random.default_rng(0)
+    h = jnp.asarray(rng.standard_normal(prob.target.shape + (8,)), jnp.float32)
+    w = jnp.asarray(rng.standard_normal((v, 8)) * 0.7, jnp.float32)
+    mesh = mesh_1d(world)
+
+    def head(h, w):
+        z = h @ w.T
+        if world == 1:
+            return dualvp_jax.logprob_entropy(z, y, keep_mask=k, temperature=0.7), z
+        return dualvp_jax.sharded_logprob_entropy(z, y, mesh, "tp", keep_mask=k, temperature=0.7), z
+
+    def loss(h, w, remat):
+        f = jax.checkpoint(head, policy=getattr(jax.checkpoint_policies, policy)) if remat else head
+        (lp, ent), z = f(h, w)
+        return jnp.sum(gl * lp) + jnp.sum(ge * ent), (lp, ent, z)
+
+    run = jax.jit(jax.value_and_grad(loss, argnums=(0, 1), has_aux=True), static_argnums=2)
+    # the op's forward (its row maxima) is in the program twice under remat: recomputed for the backward
+    maxima = [str(jax.make_jaxpr(run, static_argnums=2)(h, w, r)).count("reduce_max") for r in (False, True)]
+    assert maxima[1] == 2 * maxima[0] > 0, maxima
+    (val, (lp, ent, z)), (dh, dw) = run(h, w, True)
+    (val0, (lp0, ent0, _)), (dh0, dw0) = run(h, w, False)
+    for a, b in ((val, val0), (lp, lp0), (ent, ent0), (dh, dh0), (dw, dw0)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    # against float64: the op's gradient w.r.t. the (float32) logits, chained through the matmul
+    zf = np.asarray(z, np.float64)
+    r_lp, r_h = reference.logprob_entropy(zf, prob.target, keep_mask=prob.keep_mask, temperature=0.7)
+    r_gz = reference.logprob_entropy_grad(zf, prob.target, np.asarray(gl, np.float64), np.asarray(ge, np.float64),
+                                          keep_mask=prob.keep_mask, temperature=0.7)
+    check_close("remat", lp, r_lp, "float32", "logprob")
+    check_close("remat", ent, r_h, "float32", "entropy")
+    r_dh = r_gz @ np.asarray(w, np.float64)
+    r_dw = r_gz.reshape(-1, v).T @ np.asarray(h, np.float64).reshape(-1, h.shape[-1])
+    for name, got, want in (("dh", dh, r_dh), ("dw", dw, r_dw)):  # the tolerance scaled as the fused-op tests do
+        scale = max(1.0, float(np.abs(want).max()))
+        check_close(f"remat {name}", np.asarray(got) / scale, want / scale, "float32", "grad")
+
+
 def test_entropy_grad_false_stops_gradient_and_with_entropy_false():
     prob = cases.make(cases.case("basic"))
     z, y, _, _, _ = inputs(prob)
