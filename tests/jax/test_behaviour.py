@@ -77,12 +77,14 @@ def test_2d_mesh_data_parallel(kind):
     check_close("2d", g, ref_g, "bfloat16", "grad")
 
 
+@pytest.mark.parametrize("op", ["logits", "linear"])
 @pytest.mark.parametrize("policy", ["nothing_saveable", "dots_saveable"])
 @pytest.mark.parametrize("world", [1, 2])
-def test_under_remat(world, policy):
+def test_under_remat(world, policy, op):
     """Inside ``jax.checkpoint`` (rematerialisation, as LLM training wraps its layers): the LM head's matmul and
-    the op recomputed in the backward give the same values and gradients, bit for bit, as without it, and the
-    oracle's (the hidden gradient checked against the float64 chain rule through the logits gradient)."""
+    the op (or the fused op) recomputed in the backward give the same values and gradients, bit for bit, as
+    without it; for the logits op also the oracle's (the gradients checked against the float64 chain rule
+    through the logits gradient)."""
     prob = cases.make(cases.case("random_mask_temp"))
     _, y, k, gl, ge = inputs(prob)
     v = prob.logits.shape[-1]
@@ -90,12 +92,17 @@ def test_under_remat(world, policy):
     h = jnp.asarray(rng.standard_normal(prob.target.shape + (8,)), jnp.float32)
     w = jnp.asarray(rng.standard_normal((v, 8)) * 0.7, jnp.float32)
     mesh = mesh_1d(world)
+    kw = dict(keep_mask=k, temperature=0.7)
 
     def head(h, w):
+        if op == "linear":  # no logits at all
+            if world == 1:
+                return dualvp_jax.linear_logprob_entropy(h, w, y, **kw), None
+            return dualvp_jax.sharded_linear_logprob_entropy(h, w, y, mesh, "tp", **kw), None
         z = h @ w.T
         if world == 1:
-            return dualvp_jax.logprob_entropy(z, y, keep_mask=k, temperature=0.7), z
-        return dualvp_jax.sharded_logprob_entropy(z, y, mesh, "tp", keep_mask=k, temperature=0.7), z
+            return dualvp_jax.logprob_entropy(z, y, **kw), z
+        return dualvp_jax.sharded_logprob_entropy(z, y, mesh, "tp", **kw), z
 
     def loss(h, w, remat):
         f = jax.checkpoint(head, policy=getattr(jax.checkpoint_policies, policy)) if remat else head
@@ -110,6 +117,8 @@ def test_under_remat(world, policy):
     (val0, (lp0, ent0, _)), (dh0, dw0) = run(h, w, False)
     for a, b in ((val, val0), (lp, lp0), (ent, ent0), (dh, dh0), (dw, dw0)):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    if op == "linear":  # (the fused op against the oracle: tests/jax/test_jax_linear.py)
+        return
     # against float64: the op's gradient w.r.t. the (float32) logits, chained through the matmul
     zf = np.asarray(z, np.float64)
     r_lp, r_h = reference.logprob_entropy(zf, prob.target, keep_mask=prob.keep_mask, temperature=0.7)
