@@ -37,16 +37,13 @@ import math
 import numbers
 import sys
 
-import array_api_compat.torch as xp
 import torch
 import torch.distributed as dist
 from torch.autograd.function import once_differentiable
 
-from dualvp import spec
-
 from . import collectives, kernels
 from . import dtensor as _dtensor
-from .function import _kind, _logprob_entropy, _one_graph_break, logprob_entropy
+from .function import _forward, _grad, _kind, _logprob_entropy, _one_graph_break, _validated, logprob_entropy
 
 __all__ = ["calculate_log_probs_and_entropy", "vocab_parallel_cross_entropy"]
 
@@ -279,20 +276,20 @@ def _megatron_options(group, smoothing: float) -> dict:
 class _SmoothedCrossEntropy(torch.autograd.Function):
     """``-log p_y + s * (z_y - mean_v z_v)`` with ``s = a V / (V - 1)``; see :func:`vocab_parallel_cross_entropy`.
 
-    The log-prob and its gradient come from :func:`logprob_entropy` (an inner
-    graph on a detached alias of the logits, so validation, agreement and
-    kernels are the op's own); the smoothing term is linear in the logits, so
-    its gradient ``s * g * ([v = y] - 1/V)`` is added in place to the inner
-    gradient: the backward's peak stays one gradient buffer, as without
-    smoothing.
+    The log-prob and its gradient are :func:`logprob_entropy`'s own
+    (``function._validated``, ``_forward`` and ``_grad``: its validation,
+    agreement, kernels and residuals, saved here with ``save_for_backward``
+    so that activation checkpointing can drop and recompute them as for the
+    op); the smoothing term is linear in the logits, so its gradient
+    ``s * g * ([v = y] - 1/V)`` is added in place to the op's gradient: the
+    backward's peak stays one gradient buffer, as without smoothing.
     """
 
     @staticmethod
     def forward(ctx, logits, target, group, smoothing, needs_grad):
-        alias = logits.detach().requires_grad_(needs_grad)
-        with torch.set_grad_enabled(needs_grad):
-            log_prob, _ = _logprob_entropy(alias, target, **_megatron_options(group, smoothing))
+        opt = _validated(logits, target, **_megatron_options(group, smoothing))
         # validated (and agreed across ranks) from here on
+        log_prob, _, local, owns, valid, comb = _forward(logits, target, None, opt, group, None)
         rank, world = collectives.group_rank_world(group)
         v_local = logits.shape[-1]
         vocab = world * v_local
@@ -303,7 +300,6 @@ class _SmoothedCrossEntropy(torch.autograd.Function):
             )
         z = logits.detach().reshape(-1, v_local)
         cdt = kernels.compute_dtype(logits.dtype)
-        valid, owns, local = spec.target_to_local(xp, target.reshape(-1).to(torch.int64), rank, v_local, _IGNORE_INDEX)
         z_y = torch.gather(z, 1, local[:, None])[:, 0].to(cdt)
         # this shard's part of z_y - mean_v z_v (z_y lives on one shard only)
         part = torch.where(owns, z_y, torch.zeros_like(z_y)) - _row_sums(z, cdt) / vocab
@@ -311,21 +307,20 @@ class _SmoothedCrossEntropy(torch.autograd.Function):
             dist.all_reduce(part, op=dist.ReduceOp.SUM, group=group)
         s = smoothing * vocab / (vocab - 1)
         extra = torch.where(valid, part, torch.zeros_like(part)).reshape(log_prob.shape)
-        loss = -log_prob.detach() + s * extra
-        ctx.s, ctx.vocab = s, vocab
-        ctx.inner = (alias, log_prob) if needs_grad else None
-        ctx.save_for_backward(valid, owns, local)
+        loss = -log_prob + s * extra
+        ctx.s, ctx.vocab, ctx.opt = s, vocab, opt
+        if needs_grad:
+            ctx.save_for_backward(logits, local, owns, valid, comb.M, comb.log_s, comb.mk, comb.log_sk)
         return loss
 
     @staticmethod
     @once_differentiable
     def backward(ctx, grad_loss):
-        if ctx.inner is None:
+        saved = ctx.saved_tensors  # once: under activation checkpointing a second unpack is an error
+        if not saved:
             return None, None, None, None, None
-        alias, log_prob = ctx.inner
-        ctx.inner = None  # frees the inner graph
-        valid, owns, local = ctx.saved_tensors
-        (grad,) = torch.autograd.grad(log_prob, alias, grad_outputs=-grad_loss)
+        logits, local, owns, valid, M, log_s, mk, log_sk = saved
+        grad = _grad(logits, None, local, owns, valid, M, log_s, None, mk, log_sk, -grad_loss, None, ctx.opt, None)
         g = grad_loss.reshape(-1).to(kernels.compute_dtype(grad.dtype))
         g = torch.where(valid, g, torch.zeros_like(g))
         g2 = grad.view(-1, grad.shape[-1])

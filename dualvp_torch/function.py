@@ -192,21 +192,9 @@ class LogProbEntropyFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, logits, target, keep_mask, opt: validation.Options, group=None, impl=None):
-        shape = tuple(target.shape)
-        v = logits.shape[-1]
-        z = logits.reshape(-1, v)
-        keep = None if keep_mask is None else keep_mask.reshape(-1, v)
-        cdt = kernels.compute_dtype(logits.dtype)
-        rank, _ = collectives.group_rank_world(group)
-        valid, owns, local = _target_to_local(target.reshape(-1), rank, v, opt.ignore_index)
-        tau_t = torch.full((), opt.temperature, dtype=cdt, device=z.device)
-        stats = kernels.shard_stats(
-            z, local, owns, keep, tau_t, with_entropy=opt.with_entropy, impl=impl, temperature=opt.temperature
-        )
-        comb, logprob, entropy = _merge(stats, group, valid, tau_t, shape, impl)
+        logprob, entropy, local, owns, valid, comb = _forward(logits, target, keep_mask, opt, group, impl)
         ctx.opt = opt
         ctx.impl = impl
-        ctx.logits_shape = tuple(logits.shape)
         _save_residuals(ctx, opt, (logits, keep_mask), local, owns, valid, comb, entropy)
         return logprob, entropy
 
@@ -217,21 +205,52 @@ class LogProbEntropyFunction(torch.autograd.Function):
         _check_materialised(_UNMATERIALISED, opt, grad_logprob, grad_entropy)
         if not ctx.needs_input_grad[0]:
             return None, None, None, None, None, None
-        logits, keep_mask, local, owns, valid, M, log_s, c, mk, log_sk = ctx.saved_tensors
-        v = logits.shape[-1]
-        z = logits.reshape(-1, v)
-        keep = None if keep_mask is None else keep_mask.reshape(-1, v)
-        cdt = kernels.compute_dtype(logits.dtype)
-        # Contiguous O(T) vectors: upstream gradients often arrive expanded
-        # (stride 0), and a stride change would recompile the kernel.
-        gl = grad_logprob.reshape(-1).to(cdt).contiguous()
-        ge = grad_entropy.reshape(-1).to(cdt).contiguous() if opt.need_entropy_grad else None
-        tau_t = torch.full((), opt.temperature, dtype=cdt, device=z.device)
-        g = kernels.shard_grad(
-            z, local, owns, keep, M, log_s, c, mk, log_sk, valid, gl, ge, tau_t, inplace=opt.inplace_grad, impl=ctx.impl,
-            temperature=opt.temperature,
-        )
-        return g.view(ctx.logits_shape), None, None, None, None, None
+        logits, keep_mask, *residuals = ctx.saved_tensors
+        g = _grad(logits, keep_mask, *residuals, grad_logprob, grad_entropy, opt, ctx.impl)
+        return g, None, None, None, None, None
+
+
+def _forward(logits, target, keep_mask, opt: validation.Options, group, impl):
+    """The op's forward on validated arguments, outside autograd.
+
+    Returns ``(logprob, entropy, local, owns, valid, comb)``: the outputs in
+    the target's shape, and what :func:`_grad` needs besides the inputs
+    (``[T]`` tensors and the :class:`~dualvp.spec.Combined` statistics).
+    """
+    v = logits.shape[-1]
+    z = logits.reshape(-1, v)
+    keep = None if keep_mask is None else keep_mask.reshape(-1, v)
+    cdt = kernels.compute_dtype(logits.dtype)
+    rank, _ = collectives.group_rank_world(group)
+    valid, owns, local = _target_to_local(target.reshape(-1), rank, v, opt.ignore_index)
+    tau_t = torch.full((), opt.temperature, dtype=cdt, device=z.device)
+    stats = kernels.shard_stats(
+        z, local, owns, keep, tau_t, with_entropy=opt.with_entropy, impl=impl, temperature=opt.temperature
+    )
+    comb, logprob, entropy = _merge(stats, group, valid, tau_t, tuple(target.shape), impl)
+    return logprob, entropy, local, owns, valid, comb
+
+
+def _grad(logits, keep_mask, local, owns, valid, M, log_s, c, mk, log_sk, grad_logprob, grad_entropy,
+          opt: validation.Options, impl):
+    """The op's gradient w.r.t. the logits (their shape), from :func:`_forward`'s residuals; no collective.
+
+    ``c`` and ``grad_entropy`` are used only when ``opt.need_entropy_grad``.
+    """
+    v = logits.shape[-1]
+    z = logits.reshape(-1, v)
+    keep = None if keep_mask is None else keep_mask.reshape(-1, v)
+    cdt = kernels.compute_dtype(logits.dtype)
+    # Contiguous O(T) vectors: upstream gradients often arrive expanded
+    # (stride 0), and a stride change would recompile the kernel.
+    gl = grad_logprob.reshape(-1).to(cdt).contiguous()
+    ge = grad_entropy.reshape(-1).to(cdt).contiguous() if opt.need_entropy_grad else None
+    tau_t = torch.full((), opt.temperature, dtype=cdt, device=z.device)
+    g = kernels.shard_grad(
+        z, local, owns, keep, M, log_s, c, mk, log_sk, valid, gl, ge, tau_t, inplace=opt.inplace_grad, impl=impl,
+        temperature=opt.temperature,
+    )
+    return g.view(logits.shape)
 
 
 def _one_graph_break(fn):
@@ -340,6 +359,23 @@ def _logprob_entropy(
     through the agreement step like a local check's error: every rank raises,
     none waits in a collective.
     """
+    opt = _validated(
+        logits, target, group=group, keep_mask=keep_mask, temperature=temperature, with_entropy=with_entropy,
+        entropy_grad=entropy_grad, ignore_index=ignore_index, validate=validate, inplace_grad=inplace_grad,
+        impl=impl, label_smoothing=label_smoothing, caller_error=caller_error,
+    )
+    logprob, entropy = LogProbEntropyFunction.apply(logits, target, keep_mask, opt, group, impl)
+    return logprob, (entropy if with_entropy else None)
+
+
+def _validated(
+    logits, target, *, group, keep_mask, temperature, with_entropy, entropy_grad, ignore_index, validate,
+    inplace_grad, impl, label_smoothing: float = 0.0, caller_error: Optional[BaseException] = None,
+) -> validation.Options:
+    """The checks of :func:`_logprob_entropy` (local, then the agreement across ``group``); the options.
+
+    Every rank returns or every rank raises (see :func:`_logprob_entropy`).
+    """
     rank, world = _check_call(group, validate, impl)
 
     error = caller_error
@@ -378,9 +414,7 @@ def _logprob_entropy(
             record = [0] * len(validation.RECORD_FIELDS)
             record[-1] = int(_count_bad_targets(target, ignore_index, world * logits.shape[-1]))  # the one sync
             validation.check_agreement([record], rank=0, vocab_size=world * logits.shape[-1])
-
-    logprob, entropy = LogProbEntropyFunction.apply(logits, target, keep_mask, opt, group, impl)
-    return logprob, (entropy if with_entropy else None)
+    return opt
 
 
 def _count_bad_targets(target, ignore_index, vocab_size) -> torch.Tensor:

@@ -1,6 +1,6 @@
 """The torch ops under activation checkpointing (``torch.utils.checkpoint``), as training stacks wrap their layers.
 
-The checkpointed function (the LM head's matmul and the op, or the fused op) runs again in the backward;
+The checkpointed function (the LM head's matmul and the op or a drop-in of ``compat``, or the fused op) runs again in the backward;
 its values and gradients must be bit for bit those of the same function without checkpointing, on one
 process and on 2 gloo ranks, where the recomputation runs the op's collectives (the validation
 agreement and the statistics' all-gather) again on every rank.
@@ -12,7 +12,7 @@ torch = pytest.importorskip("torch")
 
 from torch.utils.checkpoint import checkpoint  # noqa: E402
 
-from dualvp_torch import linear_logprob_entropy, logprob_entropy  # noqa: E402
+from dualvp_torch import compat, linear_logprob_entropy, logprob_entropy  # noqa: E402
 from dualvp_torch.testing import run_ranks  # noqa: E402
 
 T, H, V_LOCAL = 12, 8, 40
@@ -38,6 +38,13 @@ def _step(op, ckpt, h0, w0, y, keep, gl, ge, group=None, impl="eager", inplace=F
         calls.append(1)
         if op == "linear":
             return linear_logprob_entropy(h, w, y, group=group, keep_mask=keep, temperature=0.7, impl=impl)
+        if op == "slime":  # slime's [T, 1] log-prob
+            lp, ent = compat.calculate_log_probs_and_entropy(h @ w.T, y, group, with_entropy=True,
+                                                             log_prob_keep_mask=keep)
+            return lp[:, 0], ent
+        if op == "megatron":  # megatron-core's per-token loss, label-smoothed (no entropy: its loss twice)
+            loss = compat.vocab_parallel_cross_entropy(h @ w.T, y, 0.1, tp_group=group)
+            return loss, loss
         return logprob_entropy(h @ w.T, y, group=group, keep_mask=keep, temperature=0.7, inplace_grad=inplace,
                                impl=impl)
 
@@ -58,7 +65,8 @@ def _same(a, b) -> bool:
 @pytest.mark.parametrize(
     "op, impl, inplace",
     [("logits", "eager", False), ("logits", "eager", True), ("logits", "compiled", False),
-     ("logits", "compiled", True), ("linear", "eager", False), ("linear", "compiled", False)],
+     ("logits", "compiled", True), ("linear", "eager", False), ("linear", "compiled", False),
+     ("slime", None, False), ("megatron", None, False)],
 )
 def test_under_activation_checkpointing(op, impl, inplace, ckpt):
     args = _inputs(0, 1)
@@ -72,7 +80,7 @@ def _ranks_body(rank, world_size):
     group = torch.distributed.group.WORLD
     args = _inputs(rank, world_size)
     out = {}
-    for op in ("logits", "linear"):
+    for op in ("logits", "linear", "slime", "megatron"):
         plain = _step(op, None, *args, group=group)
         redone = _step(op, "non_reentrant", *args, group=group)
         out[op] = (plain[4], redone[4], _same(plain, redone))
@@ -81,4 +89,4 @@ def _ranks_body(rank, world_size):
 
 def test_under_activation_checkpointing_on_two_ranks():
     for result in run_ranks(_ranks_body, 2, timeout=120):
-        assert result == {"logits": (1, 2, True), "linear": (1, 2, True)}, result
+        assert result == {op: (1, 2, True) for op in ("logits", "linear", "slime", "megatron")}, result
