@@ -1,6 +1,7 @@
 """The torch ops under activation checkpointing (``torch.utils.checkpoint``), as training stacks wrap their layers.
 
-The checkpointed function (the LM head's matmul and the op or a drop-in of ``compat``, or the fused op) runs again in the backward;
+The checkpointed function (the LM head's matmul and the op, on plain or DTensor logits, or a drop-in of
+``compat``; or the fused op) runs again in the backward;
 its values and gradients must be bit for bit those of the same function without checkpointing, on one
 process and on 2 gloo ranks, where the recomputation runs the op's collectives (the validation
 agreement and the statistics' all-gather) again on every rank.
@@ -31,7 +32,10 @@ def _inputs(rank: int, world: int):
 
 
 def _step(op, ckpt, h0, w0, y, keep, gl, ge, group=None, impl="eager", inplace=False):
-    """One forward + backward; ``(logprob, entropy, dh, dw, forward calls)``."""
+    """One forward + backward; ``(logprob, entropy, dh, dw, forward calls)``.
+
+    ``group``: the process group, or for ``op="dtensor"`` the device mesh.
+    """
     calls = []
 
     def head(h, w):
@@ -42,6 +46,14 @@ def _step(op, ckpt, h0, w0, y, keep, gl, ge, group=None, impl="eager", inplace=F
             lp, ent = compat.calculate_log_probs_and_entropy(h @ w.T, y, group, with_entropy=True,
                                                              log_prob_keep_mask=keep)
             return lp[:, 0], ent
+        if op == "dtensor":  # the local logits as a DTensor over a 1-D "tp" mesh (torch's own TP)
+            from torch.distributed.tensor import DTensor, Shard
+
+            mesh = group
+            dz = DTensor.from_local(h @ w.T, mesh, [Shard(-1)])
+            dk = DTensor.from_local(keep, mesh, [Shard(-1)])
+            lp, ent = logprob_entropy(dz, y, keep_mask=dk, temperature=0.7, impl=impl)
+            return lp.to_local(), ent.to_local()
         if op == "megatron":  # megatron-core's per-token loss, label-smoothed (no entropy: its loss twice)
             loss = compat.vocab_parallel_cross_entropy(h @ w.T, y, 0.1, tp_group=group)
             return loss, loss
@@ -76,11 +88,19 @@ def test_under_activation_checkpointing(op, impl, inplace, ckpt):
     assert _same(plain, redone)
 
 
+RANK_OPS = ("logits", "linear", "slime", "megatron", "dtensor")
+
+
 def _ranks_body(rank, world_size):
-    group = torch.distributed.group.WORLD
+    from torch.distributed.device_mesh import init_device_mesh
+
     args = _inputs(rank, world_size)
     out = {}
-    for op in ("logits", "linear", "slime", "megatron"):
+    for op in RANK_OPS:
+        if op == "dtensor":  # the DTensor op takes its group from the mesh
+            group = init_device_mesh("cpu", (world_size,), mesh_dim_names=("tp",))
+        else:
+            group = torch.distributed.group.WORLD
         plain = _step(op, None, *args, group=group)
         redone = _step(op, "non_reentrant", *args, group=group)
         out[op] = (plain[4], redone[4], _same(plain, redone))
@@ -89,4 +109,4 @@ def _ranks_body(rank, world_size):
 
 def test_under_activation_checkpointing_on_two_ranks():
     for result in run_ranks(_ranks_body, 2, timeout=120):
-        assert result == {op: (1, 2, True) for op in ("logits", "linear", "slime", "megatron")}, result
+        assert result == {op: (1, 2, True) for op in RANK_OPS}, result
