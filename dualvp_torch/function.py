@@ -253,6 +253,13 @@ def _grad(logits, keep_mask, local, owns, valid, M, log_s, c, mk, log_sk, grad_l
     return g.view(logits.shape)
 
 
+#: Ops that a caller's ``torch.compile`` can hold in its graph instead of
+#: breaking it (``fullgraph=True``): the undecorated function -> ``(eligible,
+#: traced)``, two functions of the op's arguments; registered by
+#: :mod:`dualvp_torch.library`.
+_IN_GRAPH: dict = {}
+
+
 def _one_graph_break(fn):
     """``fn``, run as one graph break when a caller's ``torch.compile`` traces it.
 
@@ -261,12 +268,16 @@ def _one_graph_break(fn):
     Traced into, the logits op split the caller into 8 graphs around its
     validation and thread pool. The disabled wrapper is made at trace time,
     not here: ``torch.compiler.disable`` imports ``torch._dynamo`` (a second),
-    which an eager-only process never pays.
+    which an eager-only process never pays. An op in :data:`_IN_GRAPH` whose
+    call is eligible runs as custom ops in the caller's graph instead.
     """
 
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
         if torch.compiler.is_compiling():
+            in_graph = _IN_GRAPH.get(fn)
+            if in_graph is not None and in_graph[0](*args, **kwargs):
+                return in_graph[1](*args, **kwargs)
             return torch.compiler.disable(fn)(*args, **kwargs)
         return fn(*args, **kwargs)
 

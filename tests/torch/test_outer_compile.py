@@ -1,9 +1,11 @@
 """The torch ops and the slime and megatron-core drop-ins called inside a caller's ``torch.compile`` (a compiled loss function).
 
-Each op is one graph break there, run exactly as it runs eagerly: the caller's code before and after it
-are the only frames dynamo compiles, and values and gradients are bit-identical to an eager call of the
+Each op is at most one graph break there, run exactly as it runs eagerly: the caller's code before and after
+it are the only frames dynamo compiles, and values and gradients are bit-identical to an eager call of the
 same function (the caller's graph runs on dynamo's ``eager`` backend here, so nothing else differs).
 Traced into instead, the op split into several graphs around its validation and thread pool.
+``logprob_entropy`` on plain tensors is no break at all: it enters the caller's graph as the custom ops of
+``dualvp_torch.library``, so ``fullgraph=True`` holds it (the tests at the end).
 """
 
 import pytest
@@ -14,6 +16,7 @@ from torch._dynamo.testing import CompileCounter  # noqa: E402
 
 from dualvp.testing import cases  # noqa: E402
 from dualvp_torch import compat, linear_logprob_entropy, logprob_entropy  # noqa: E402
+from dualvp_torch.testing import run_ranks  # noqa: E402
 
 
 def _logits_loss(x, y, keep):
@@ -75,3 +78,83 @@ def test_inside_a_callers_torch_compile(op):
     assert torch.equal(xc.grad, x.grad)
     # the caller's frame, split once at the op: the code before it and the code after it
     assert counter.frame_count <= 2, counter.frame_count
+
+
+FULLGRAPH = {  # name: (logits dtype, keyword arguments of the op)
+    "mask_temperature": (torch.float32, dict(temperature=0.7, use_keep=True)),
+    "no_entropy": (torch.float32, dict(with_entropy=False)),
+    "entropy_without_grad": (torch.float32, dict(entropy_grad=False, use_keep=True)),
+    "bfloat16_eager_kernels": (torch.bfloat16, dict(impl="eager", temperature=1.3, use_keep=True)),
+}
+
+
+def _fullgraph_loss(x, y, keep, use_keep=False, **kw):
+    lp, h = logprob_entropy(x, y, keep_mask=keep if use_keep else None, **kw)
+    weights = torch.linspace(0.5, 1.5, lp.shape[-1], dtype=lp.dtype)
+    return (lp * weights).sum() + (0.0 if h is None else 0.1 * (h * h).sum())
+
+
+@pytest.mark.parametrize("backend", ["counter", "aot_eager"])
+@pytest.mark.parametrize("name", sorted(FULLGRAPH))
+def test_logprob_entropy_in_a_fullgraph_compile(name, backend):
+    """``torch.compile(fullgraph=True)`` of a loss around the op: one frame, values and gradients bit for bit.
+
+    ``aot_eager`` runs AOTAutograd, which traces the custom ops' registered backward.
+    """
+    dtype, kw = FULLGRAPH[name]
+    prob = cases.make(cases.case("everything"))  # [3, 4] rows, ignored rows, keep mask, -inf logits
+    y, keep = torch.from_numpy(prob.target), torch.from_numpy(prob.keep_mask)
+    x0 = torch.from_numpy(prob.logits).to(dtype)
+
+    x = x0.clone().requires_grad_()
+    want = _fullgraph_loss(x, y, keep, **kw)
+    want.backward()
+    counter = CompileCounter()
+    xc = x0.clone().requires_grad_()
+    got = torch.compile(lambda x: _fullgraph_loss(x, y, keep, **kw), fullgraph=True,
+                        backend=counter if backend == "counter" else backend)(xc)
+    got.backward()
+    assert torch.equal(got, want) and torch.equal(xc.grad, x.grad)
+    if backend == "counter":
+        assert counter.frame_count == 1
+
+
+def test_fullgraph_errors_are_the_ops():
+    """In the compiled graph the op raises its own errors (at run time); calls it cannot hold are refused."""
+    x = torch.randn(4, 10, requires_grad=True)
+    bad = torch.tensor([1, 2, 99, 3])
+    with pytest.raises(ValueError) as eager:
+        logprob_entropy(x, bad)
+    with pytest.raises(ValueError) as compiled:
+        torch.compile(lambda x: logprob_entropy(x, bad)[0].sum(), fullgraph=True, backend="aot_eager")(x)
+    assert str(compiled.value) == str(eager.value) and str(eager.value).startswith("target:")
+    # inplace_grad (the gradient into the logits' storage) stays a graph break, which fullgraph refuses
+    in_place = torch.compile(lambda x: logprob_entropy(x * 1, torch.tensor([1, 2, 3, 4]), inplace_grad=True)[0].sum(),
+                             fullgraph=True, backend="aot_eager")
+    with pytest.raises(torch._dynamo.exc.Unsupported):
+        in_place(x)
+
+
+def _fullgraph_ranks(rank, world_size):
+    group = torch.distributed.group.WORLD
+    gen = torch.Generator().manual_seed(0)
+    x0 = torch.randn(6, 20, generator=gen)  # this rank's shard: rank r holds ids [20 r, 20 r + 20)
+    y = torch.randint(0, 20 * world_size, (6,), generator=gen)
+    keep = torch.rand(6, 20, generator=gen) < 0.5
+
+    def loss(x):
+        lp, h = logprob_entropy(x + 0.5 * rank, y, group=group, keep_mask=keep, temperature=0.7)
+        return lp.sum() + 0.1 * h.sum()
+
+    x = x0.clone().requires_grad_()
+    want = loss(x)
+    want.backward()
+    xc = x0.clone().requires_grad_()
+    got = torch.compile(loss, fullgraph=True, backend="aot_eager")(xc)
+    got.backward()
+    return bool(torch.equal(got, want) and torch.equal(xc.grad, x.grad))
+
+
+def test_fullgraph_on_two_ranks():
+    """With a process group (passed to the custom op by name), validation and all-gather included."""
+    assert run_ranks(_fullgraph_ranks, 2, timeout=120) == [True, True]
