@@ -290,7 +290,7 @@ class _SmoothedCrossEntropy(torch.autograd.Function):
         opt = _validated(logits, target, **_megatron_options(group, smoothing))
         # validated (and agreed across ranks) from here on
         log_prob, _, local, owns, valid, comb = _forward(logits, target, None, opt, group, None)
-        rank, world = collectives.group_rank_world(group)
+        _, world = collectives.group_rank_world(group)
         v_local = logits.shape[-1]
         vocab = world * v_local
         if vocab < 2:
