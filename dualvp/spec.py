@@ -80,6 +80,8 @@ __all__ = [
     "Combined",
     "target_to_local",
     "block_stats",
+    "block_sums",
+    "stats_from_sums",
     "marked_rows",
     "redo_marked",
     "reduce_stats",
@@ -380,55 +382,107 @@ def block_stats(
     if entropy_terms not in ("clamp", "select"):
         raise ValueError(f"entropy_terms: expected 'clamp' or 'select', got {entropy_terms!r}")
     z = _cast(xp, z, dtype)
+    if keep is None or kept_shift == "max":
+        sums = block_sums(xp, z, keep, temperature, acc_dtype=acc_dtype, with_entropy=with_entropy,
+                          entropy_terms=entropy_terms)
+        return stats_from_sums(xp, sums, z, local, owns, keep, temperature, start=start, with_entropy=with_entropy)
     tau = _tau(xp, temperature, z.dtype)
     m = xp.max(z, axis=-1)
     d = _shifted(xp, z, m, tau, products=with_entropy and entropy_terms == "clamp")
     zy = _target_logit(xp, z, local, owns, start)
-    if keep is None:
-        e = xp.exp(d)
-    elif kept_shift == "max":
-        e = xp.exp(d)
-        # The kept pair is (m, sum of e^d over the kept columns): shifted by
-        # the overall max, a valid (shift, sum) pair for every later merge and
-        # for the outputs, which do not depend on the shift.
-        # Each kept term is at least the dtype's smallest normal number, so
-        # that sk = 0 says "nothing kept" without a kept max (one reduction
-        # and one read of the mask fewer); the floor moves the sum by less
-        # than the underflow that KEPT_GAP already bounds. The rows marked
-        # are those whose sum is too small for that bound (sk < e^-KEPT_GAP):
-        # as e^-gap <= sk <= V e^-gap, only rows whose kept max lies more than
-        # KEPT_GAP below m, and all that lie more than KEPT_GAP + ln V below.
-        tiny = xp.finfo(e.dtype).tiny
-        sk = _sum(xp, xp.where(keep, xp.clip(e, tiny, None), 0.0), acc_dtype, z.dtype)
-        none_kept = sk == 0
-        sk = xp.where((sk < math.exp(-KEPT_GAP)) & xp.logical_not(none_kept), xp.nan, sk)
-        # No kept column in the block: the empty pair (-inf, 0), which a
-        # dropped target merged in below replaces (shifted by m, the target's
-        # own term could underflow against it).
-        mk = xp.where(none_kept, -xp.inf, m)
-    else:
-        # The element loops see the mask alone (no per-element compare with
-        # the target's column): the target, which counts as kept even where
-        # the mask drops it, is merged in per row below, as a one-column
-        # block (an O(T) gather of the mask).
-        mk = xp.max(xp.where(keep, z, -xp.inf), axis=-1)
-        ek = xp.exp(xp.where(keep, _over_tau(z - _finite_or_zero(xp, mk)[..., None], tau), d))
-        sk = _sum(xp, xp.where(keep, ek, 0.0), acc_dtype, z.dtype)
-        # exp(d) on the kept columns is ek * e^((mk - m) / tau), a factor <= 1
-        # (0 when nothing is kept or the kept set underflows against m).
-        e = xp.where(keep, ek * xp.exp((mk - _finite_or_zero(xp, m)) / tau)[..., None], ek) if with_entropy else None
-    if keep is not None:
-        col, inside = _in_block(xp, z, local, owns, start)
-        dropped_y = inside & xp.logical_not(xp.take_along_axis(keep, col[..., None], axis=-1)[..., 0])
-        mk, sk = _reduce_max_sum(xp, xp.stack([mk, xp.where(dropped_y, zy, -xp.inf)], axis=-1),
-                                 xp.stack([sk, xp.ones_like(sk)], axis=-1), -1, tau)
+    # The element loops see the mask alone (no per-element compare with
+    # the target's column): the target, which counts as kept even where
+    # the mask drops it, is merged in per row below, as a one-column
+    # block (an O(T) gather of the mask).
+    mk = xp.max(xp.where(keep, z, -xp.inf), axis=-1)
+    ek = xp.exp(xp.where(keep, _over_tau(z - _finite_or_zero(xp, mk)[..., None], tau), d))
+    sk = _sum(xp, xp.where(keep, ek, 0.0), acc_dtype, z.dtype)
+    # exp(d) on the kept columns is ek * e^((mk - m) / tau), a factor <= 1
+    # (0 when nothing is kept or the kept set underflows against m).
+    e = xp.where(keep, ek * xp.exp((mk - _finite_or_zero(xp, m)) / tau)[..., None], ek) if with_entropy else None
+    mk, sk = _merge_dropped_target(xp, keep, local, owns, start, zy, mk, sk, tau)
     # Under a mask without the entropy nothing reads s: 1 is a placeholder
     # that merges (and takes a log) like any sum.
-    s = _sum(xp, e, acc_dtype, z.dtype) if with_entropy or keep is None else xp.ones_like(sk)
+    s = _sum(xp, e, acc_dtype, z.dtype) if with_entropy else xp.ones_like(sk)
     t = _sum(xp, _entropy_terms(xp, e, d, entropy_terms), acc_dtype, z.dtype) if with_entropy else xp.zeros_like(s)
-    if keep is None:
-        mk, sk = m, s
     return xp.stack([m, s, t, mk, sk, zy], axis=-1)
+
+
+def block_sums(xp, z, keep=None, temperature=1.0, *, dtype=None, acc_dtype=None, with_entropy: bool = True,
+               entropy_terms: str = "clamp"):
+    """The row reductions of :func:`block_stats` (``kept_shift="max"``, or no mask): ``(m, s, t, sk)``.
+
+    The only part of the statistics that reads the ``[..., n]`` block; a
+    backend may compute it with a kernel of its own (``dualvp_jax``'s CPU
+    custom call, ``dualvp_jax/cpu_stats.cc``) and finish with
+    :func:`stats_from_sums`. With ``d = (z - m) / tau`` (``m`` shifted by 0
+    where it is ``-inf``) and ``e = e^d``::
+
+        m = max z                          [...]
+        s = sum e                          (0 under a mask without the entropy)
+        t = sum e d, 0 where e = 0         (0 without the entropy)
+        sk = sum_keep max(e, tiny)         (0 without a mask)
+
+    ``tiny`` is the compute dtype's smallest normal number (see
+    :func:`block_stats`'s ``kept_shift``). Arguments as in :func:`block_stats`;
+    each result ``[...]`` in the compute dtype.
+    """
+    z = _cast(xp, z, dtype)
+    tau = _tau(xp, temperature, z.dtype)
+    m = xp.max(z, axis=-1)
+    d = _shifted(xp, z, m, tau, products=with_entropy and entropy_terms == "clamp")
+    e = xp.exp(d)
+    zero = xp.zeros_like(m)
+    s = _sum(xp, e, acc_dtype, z.dtype) if with_entropy or keep is None else zero
+    t = _sum(xp, _entropy_terms(xp, e, d, entropy_terms), acc_dtype, z.dtype) if with_entropy else zero
+    if keep is None:
+        return m, s, t, zero
+    # Each kept term is at least the dtype's smallest normal number, so that
+    # sk = 0 says "nothing kept" without a kept max (one reduction and one
+    # read of the mask fewer); the floor moves the sum by less than the
+    # underflow that KEPT_GAP already bounds.
+    return m, s, t, _sum(xp, xp.where(keep, xp.clip(e, xp.finfo(e.dtype).tiny, None), 0.0), acc_dtype, z.dtype)
+
+
+def stats_from_sums(xp, sums, z, local, owns, keep=None, temperature=1.0, *, start: int = 0,
+                    with_entropy: bool = True):
+    """:func:`block_stats` (``kept_shift="max"``, or no mask) from :func:`block_sums`: ``[..., N_STATS]``.
+
+    O(T) work: the target logit and, with a mask, the target's mask bit are
+    gathered from ``z`` and ``keep`` (``z`` may be in the caller's dtype);
+    the kept pair is shifted by the overall max, ``(mk, sk) = (m, sk)``, a
+    valid (shift, sum) pair for every later merge and for the outputs, which
+    do not depend on the shift. Rows whose kept sum is too small for
+    :data:`KEPT_GAP`'s bound (``sk < e^-KEPT_GAP``; as ``e^-gap <= sk <= V
+    e^-gap``, only rows whose kept max lies more than ``KEPT_GAP`` below
+    ``m``, and all that lie more than ``KEPT_GAP + ln V`` below), and rows
+    whose sums are NaN, get ``sk = NaN`` (:func:`marked_rows`).
+    """
+    m, s, t, sk = sums
+    tau = _tau(xp, temperature, m.dtype)
+    zy = _astype(xp, _target_logit(xp, z, local, owns, start), m.dtype)
+    if keep is None:
+        return xp.stack([m, s, t, m, s, zy], axis=-1)
+    none_kept = sk == 0
+    sk = xp.where((sk < math.exp(-KEPT_GAP)) & xp.logical_not(none_kept), xp.nan, sk)
+    # No kept column in the block: the empty pair (-inf, 0), which a dropped
+    # target merged in below replaces (shifted by m, the target's own term
+    # could underflow against it).
+    mk = xp.where(none_kept, -xp.inf, m)
+    mk, sk = _merge_dropped_target(xp, keep, local, owns, start, zy, mk, sk, tau)
+    # Under a mask without the entropy nothing reads s: 1 is a placeholder
+    # that merges (and takes a log) like any sum.
+    s = s if with_entropy else xp.ones_like(sk)
+    return xp.stack([m, s, t, mk, sk, zy], axis=-1)
+
+
+def _merge_dropped_target(xp, keep, local, owns, start, zy, mk, sk, tau):
+    # The target counts as kept even where the mask drops it: merged into the
+    # kept pair as a one-column block (an O(T) gather of the mask).
+    col, inside = _in_block(xp, keep, local, owns, start)
+    dropped_y = inside & xp.logical_not(xp.take_along_axis(keep, col[..., None], axis=-1)[..., 0])
+    return _reduce_max_sum(xp, xp.stack([mk, xp.where(dropped_y, zy, -xp.inf)], axis=-1),
+                           xp.stack([sk, xp.ones_like(sk)], axis=-1), -1, tau)
 
 
 def marked_rows(xp, stats):
