@@ -1,4 +1,9 @@
-"""Row-chunked evaluation of per-row functions under ``jit`` (the op's forward on XLA:CPU).
+"""Row-chunked evaluation of per-row functions under ``jit`` (the op's forward on XLA:CPU without its kernel).
+
+The op's CPU forward takes its row sums from :mod:`dualvp_jax.cpu_kernel`
+where it can; this is the XLA program it falls back to (float16 and float64
+logits, no compiler), and the one that computes masked rows again with
+``kept_shift="kept"``.
 
 XLA:CPU runs a row reduction as a library fusion that does not absorb the
 elementwise operation feeding it, so a reduction over ``[T, V_local]`` logits

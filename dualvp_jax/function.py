@@ -8,7 +8,12 @@ Forward, per shard (inside ``shard_map``, or unsharded when ``axis_name`` is
     comb  = spec.combine_stats(table)                  O(T), identical on every shard
     logprob, entropy = spec.outputs(comb)
 
-On CPU the shard statistics are computed over bounded blocks of rows
+On the CPU, float32 and bfloat16 shards take their row sums
+(``spec.block_sums``) from one compiled XLA FFI custom call
+(:mod:`dualvp_jax.cpu_kernel`, built at first use; two passes over the
+logits, no scratch of their size) and finish with ``spec.stats_from_sums``.
+Without it (other dtypes, no C++ compiler, ``DUALVP_JAX_CPU_KERNEL=0``) the
+shard statistics are computed over bounded blocks of rows
 (:mod:`dualvp_jax.chunks`, about ``3 * chunks.CHUNK_BYTES`` of scratch,
 whatever ``T``): XLA:CPU would otherwise materialise a float32
 ``[T, V_local]`` input for each row reduction (1 to 6 B of scratch, B = the
@@ -61,7 +66,7 @@ from jax import lax
 from dualvp import spec
 from dualvp.validation import Options, check_args
 
-from . import chunks
+from . import chunks, cpu_kernel
 
 __all__ = ["logprob_entropy"]
 
@@ -166,10 +171,18 @@ def _check_varying(logits, axis_name) -> None:
 
 # --- the op -------------------------------------------------------------------
 
-# Which forward the statistics take: "" (by platform: row chunks on CPU, the
-# whole shard elsewhere), "whole" or "chunked". Tests and benchmarks set it
-# (then clear jit caches) to compare the two paths on one machine.
+# Which forward the statistics take: "" (by platform: on the CPU the first of
+# _CPU_PATHS that takes the call, the whole shard elsewhere), "whole",
+# "chunked" (the chunked XLA program) or "kernel" (the CPU custom call; an
+# error where it does not take the call). Tests and benchmarks set it (then
+# clear jit caches) to compare the paths on one machine.
 _FORCE_PATH = ""
+
+# The CPU forward's statistics, in order of preference: "kernel" (the row sums
+# as one compiled custom call, dualvp_jax.cpu_kernel: float32 / bfloat16
+# logits, a compiler at hand; forward 0.3-0.5x the chunked program's time at
+# T=2048, see docs/measurements.md), then "chunked" (XLA, every dtype).
+_CPU_PATHS = ("kernel", "chunked")
 
 # How the forward's entropy terms avoid 0 * -inf (``spec.block_stats``'s
 # ``entropy_terms``, read at trace time): "select" lets XLA:CPU fuse d into
@@ -248,10 +261,27 @@ def _gather(axis_name, stats):
     return lax.all_gather(stats, axis_name, axis=0, to="invarying")
 
 
-def _shard_stats(logits, local, owns, keep, tau, cdt, with_entropy: bool = True):
+def _cpu_paths() -> tuple:
+    """The CPU forwards the op may take now, in order of preference (read when the op is called).
+
+    The kernel only where the CPU is JAX's default backend: a GPU or TPU
+    process never lowers the CPU branch of its programs, so it need not build
+    the kernel (nor warn that it cannot).
+    """
+    use = cpu_kernel.enabled() and jax.default_backend() == "cpu"
+    return tuple(p for p in _CPU_PATHS if p != "kernel" or use)
+
+
+def _shard_stats(logits, local, owns, keep, tau, cdt, with_entropy: bool = True, cpu_paths=_CPU_PATHS):
     """``spec.block_stats`` of the whole shard: ``[..., N_STATS]`` in ``cdt``.
 
-    On CPU the rows are processed in bounded chunks (:mod:`dualvp_jax.chunks`):
+    On the CPU, float32 and bfloat16 logits take the row sums
+    (``spec.block_sums``) from one compiled custom call
+    (:mod:`dualvp_jax.cpu_kernel`; two passes over the logits, nothing of
+    their size written) and the rest from ``spec.stats_from_sums``; masked
+    rows it marks are computed again by the chunked program below with
+    ``"kept"``. Without the kernel (no compiler, other dtypes)
+    the rows are processed in bounded chunks (:mod:`dualvp_jax.chunks`):
     XLA:CPU would otherwise materialise a float32 ``[..., V_local]`` input for
     each row reduction (up to 6 B of scratch for bfloat16 logits with a keep
     mask, B = bytes of the logits); chunked, the forward's scratch is about
@@ -286,36 +316,55 @@ def _shard_stats(logits, local, owns, keep, tau, cdt, with_entropy: bool = True)
         return lax.cond(jnp.any(spec.marked_rows(jnp, fast)), lambda: spec.redo_marked(jnp, fast, again()),
                         lambda: fast)
 
+    def flat(z, local, owns, keep):
+        n, v = math.prod(z.shape[:-1]), z.shape[-1]
+        return z.reshape(n, v), local.reshape(n), owns.reshape(n), None if keep is None else keep.reshape(n, v)
+
+    def unflat(out, z):
+        return out.reshape(z.shape[:-1] + out.shape[-1:])
+
+    def run(args, kept_shift):
+        return chunks.map_row_chunks(partial(blocked, kept_shift=kept_shift), args,
+                                     chunks.chunk_rows(args[0].shape[0], args[0].shape[1]))
+
     def chunked(z, local, owns, keep):
-        lead, v = z.shape[:-1], z.shape[-1]
-        n = math.prod(lead)
-        flat = (z.reshape(n, v), local.reshape(n), owns.reshape(n), None if keep is None else keep.reshape(n, v))
-        rows = chunks.chunk_rows(n, v)
-
-        def run(kept_shift):
-            return chunks.map_row_chunks(partial(blocked, kept_shift=kept_shift), flat, rows)
-
+        args = flat(z, local, owns, keep)
         if keep is None or _KEPT_SHIFT == "kept":
-            out = run("kept")
+            out = run(args, "kept")
         elif _REDO_MARKED == "chunk":
             out = chunks.map_row_chunks(lambda *a: redo_marked(blocked(*a, kept_shift="max"), lambda: blocked(*a)),
-                                        flat, rows)
+                                        args, chunks.chunk_rows(args[0].shape[0], args[0].shape[1]))
         else:
-            out = redo_marked(run("max"), lambda: run("kept"))
-        return out.reshape(lead + out.shape[-1:])
+            out = redo_marked(run(args, "max"), lambda: run(args, "kept"))
+        return unflat(out, z)
 
-    if _FORCE_PATH == "whole":
-        return whole(logits, local, owns, keep)
-    if _FORCE_PATH == "chunked":
-        return chunked(logits, local, owns, keep)
-    return lax.platform_dependent(logits, local, owns, keep, cpu=chunked, default=whole)
+    def kernel(z, local, owns, keep):
+        # The row sums from the compiled kernel (two passes over the logits,
+        # no scratch of their size); the rest is the spec's O(T) work. Marked
+        # rows are computed again by the chunked program with "kept".
+        args = flat(z, local, owns, keep)
+        fast = spec.stats_from_sums(jnp, cpu_kernel.block_sums(args[0], args[3], tau, with_entropy), *args, tau,
+                                    with_entropy=with_entropy)
+        out = fast if keep is None else redo_marked(fast, lambda: run(args, "kept"))
+        return unflat(out, z)
+
+    path = _FORCE_PATH
+    if path == "kernel" and not cpu_kernel.eligible(logits.dtype, tau):
+        raise RuntimeError(f"dualvp_jax: _FORCE_PATH='kernel' but the CPU kernel does not take {logits.dtype} "
+                           f"logits at temperature {tau!r} ({cpu_kernel.unavailable_reason() or 'dtype'})")
+    if not path:
+        # The CPU programs in order of preference (the first that takes the call).
+        path = next(p for p in cpu_paths if p != "kernel" or cpu_kernel.eligible(logits.dtype, tau))
+        cpu = {"kernel": kernel, "chunked": chunked}[path]
+        return lax.platform_dependent(logits, local, owns, keep, cpu=cpu, default=whole)
+    return {"whole": whole, "chunked": chunked, "kernel": kernel}[path](logits, local, owns, keep)
 
 
-def _forward(logits, target, keep, axis_name, opt: Options):
+def _forward(logits, target, keep, axis_name, opt: Options, cpu_paths: tuple):
     cdt = _compute_dtype(logits.dtype)
     tau = opt.temperature
     valid, owns, local, bad = _shard_position(axis_name, opt, target, logits.shape[-1])
-    stats = _shard_stats(logits, local, owns, keep, tau, cdt, opt.with_entropy)
+    stats = _shard_stats(logits, local, owns, keep, tau, cdt, opt.with_entropy, cpu_paths)
     comb = spec.finalize(jnp, spec.reduce_stats(jnp, _gather(axis_name, stats), axis=0, temperature=tau), tau)
     logprob, entropy = spec.outputs(jnp, comb, valid, tau)
     nan = jnp.full_like(logprob, jnp.nan)
@@ -324,18 +373,18 @@ def _forward(logits, target, keep, axis_name, opt: Options):
     return (logprob, entropy), comb
 
 
-@partial(jax.custom_vjp, nondiff_argnums=(3, 4))
-def _op(logits, target, keep, axis_name, opt: Options):
-    return _forward(logits, target, keep, axis_name, opt)[0]
+@partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
+def _op(logits, target, keep, axis_name, opt: Options, cpu_paths: tuple):
+    return _forward(logits, target, keep, axis_name, opt, cpu_paths)[0]
 
 
-def _op_fwd(logits, target, keep, axis_name, opt: Options):
-    out, comb = _forward(logits, target, keep, axis_name, opt)
+def _op_fwd(logits, target, keep, axis_name, opt: Options, cpu_paths: tuple):
+    out, comb = _forward(logits, target, keep, axis_name, opt, cpu_paths)
     # Residuals: references to the inputs plus O(T) statistics.
     return out, (logits, target, keep, comb)
 
 
-def _op_bwd(axis_name, opt: Options, res, cotangents):
+def _op_bwd(axis_name, opt: Options, cpu_paths: tuple, res, cotangents):
     logits, target, keep, comb = res
     g_logprob, g_entropy = cotangents
     cdt = _compute_dtype(logits.dtype)
@@ -402,15 +451,15 @@ def logprob_entropy(
         check_target_range(target, int(np.shape(logits)[-1]), ignore_index)
     if axis_name is not None:
         _check_varying(logits, axis_name)
-    return _apply_jit(logits, target, keep_mask, axis_name=axis_name, opt=opt)
+    return _apply_jit(logits, target, keep_mask, axis_name=axis_name, opt=opt, cpu_paths=_cpu_paths())
 
 
-def _apply(logits, target, keep_mask, axis_name, opt: Options):
-    """The op on validated arguments (called per shard)."""
+def _apply(logits, target, keep_mask, axis_name, opt: Options, cpu_paths: tuple):
+    """The op on validated arguments (called per shard); ``cpu_paths`` from :func:`_cpu_paths` at the call."""
     logits = jnp.asarray(logits)
     target = jnp.asarray(target).astype(_int_dtype())
     keep = None if keep_mask is None else jnp.asarray(keep_mask)
-    return _outputs(*_op(logits, target, keep, axis_name, opt), opt)
+    return _outputs(*_op(logits, target, keep, axis_name, opt, cpu_paths), opt)
 
 
 def _outputs(logprob: jax.Array, entropy: jax.Array, opt: Options) -> tuple[jax.Array, Optional[jax.Array]]:
@@ -428,4 +477,4 @@ def _outputs(logprob: jax.Array, entropy: jax.Array, opt: Options) -> tuple[jax.
 
 # Eager calls run as one compiled program instead of op-by-op dispatch; under an
 # outer jit (or inside shard_map) this is simply inlined.
-_apply_jit = jax.jit(_apply, static_argnames=("axis_name", "opt"))
+_apply_jit = jax.jit(_apply, static_argnames=("axis_name", "opt", "cpu_paths"))

@@ -22,7 +22,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 
-from .function import _apply, _validate, check_target_range
+from .function import _apply, _cpu_paths, _validate, check_target_range
 
 __all__ = ["sharded_logprob_entropy"]
 
@@ -145,19 +145,20 @@ def sharded_logprob_entropy(
         lead = (None,) * (ndim - 1)
         logits, target = jnp.asarray(logits), jnp.asarray(target)
         keep_mask = None if keep_mask is None else jnp.asarray(keep_mask)
-    lp, h = _run(logits, target, keep_mask, mesh=mesh, axis_name=vocab_axis, opt=opt, lead=lead, all_manual=explicit)
+    lp, h = _run(logits, target, keep_mask, mesh=mesh, axis_name=vocab_axis, opt=opt, lead=lead, all_manual=explicit,
+                 cpu_paths=_cpu_paths())
     return lp, (h if with_entropy else None)
 
 
-@partial(jax.jit, static_argnames=("mesh", "axis_name", "opt", "lead", "all_manual"))
-def _run(logits, target, keep_mask, *, mesh, axis_name, opt, lead, all_manual):
+@partial(jax.jit, static_argnames=("mesh", "axis_name", "opt", "lead", "all_manual", "cpu_paths"))
+def _run(logits, target, keep_mask, *, mesh, axis_name, opt, lead, all_manual, cpu_paths):
     # jit here so that eager calls are one compiled program, not op-by-op
     # dispatch; under an outer jit it is inlined.
     has_mask = keep_mask is not None
     z_spec, t_spec = P(*lead, axis_name), P(*lead)
 
     def body(z, y, *k):
-        lp, h = _apply(z, y, k[0] if has_mask else None, axis_name, opt)
+        lp, h = _apply(z, y, k[0] if has_mask else None, axis_name, opt, cpu_paths)
         return (lp, h) if opt.with_entropy else (lp,)
 
     in_specs = (z_spec, t_spec) + ((z_spec,) if has_mask else ())

@@ -38,8 +38,9 @@ def install(name: str) -> None:
 
     backward = f._op_bwd
 
-    def grad_tau(axis_name, opt, res, cotangents):
-        g, *rest = backward(axis_name, opt, res, cotangents)
+    def grad_tau(axis_name, opt, *rest_args):
+        # *rest_args: the other static arguments (the CPU path order), then res, cotangents
+        g, *rest = backward(axis_name, opt, *rest_args)
         return (times_tau(g, opt.temperature), *rest)
 
     linear_backward = lin._op_bwd

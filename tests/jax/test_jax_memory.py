@@ -15,6 +15,11 @@ forward needs and far below one full-size copy, so each of the pitfalls of
 The accumulator pitfall (a carry built with ``jnp.zeros`` under ``shard_map``)
 is a trace-time error: the shard_map cases would not compile.
 
+The forward that the op takes by default on the CPU, the compiled row sums of
+:mod:`dualvp_jax.cpu_kernel`, writes nothing of the logits' size; the scratch
+test runs on both CPU paths (``cpu_path``), the chunk pitfalls on the chunked
+one, which is what the op falls back to without the kernel.
+
 The second half checks the chunked path's values: every shared case at
 W = 1, 2, 4 with 4 rows per chunk (so most have an overlapping last chunk)
 through the global-array API against the float64 oracle (the JAX backend's
@@ -36,7 +41,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
 import dualvp_jax  # noqa: E402
 import dualvp_jax.function as fn_mod  # noqa: E402
 from dualvp.testing import cases  # noqa: E402
-from dualvp_jax import chunks  # noqa: E402
+from dualvp_jax import chunks, cpu_kernel  # noqa: E402
 from ._helpers import (  # noqa: E402
     TRACES, check_close, inputs, mesh_1d, reference_of, sharded_runner, x64_for,
 )
@@ -89,14 +94,17 @@ def _gathers(compiled) -> int:
     return len(re.findall(r"\ball-gather(?:-start)?\(", compiled.as_text()))
 
 
+@pytest.mark.parametrize("cpu_path", ["kernel", "chunked"], indirect=True)
 @pytest.mark.parametrize("v", [V, V_WIDE])
 @pytest.mark.parametrize("world", [1, 2])
 @pytest.mark.parametrize("mode", list(MODES))
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_value_and_grad_scratch(dtype, mode, world, v):
+def test_value_and_grad_scratch(dtype, mode, world, v, cpu_path):
     """jit(value_and_grad): the gradient (1 B) and a few MiB of chunk scratch, no [T, V_local] copy.
 
-    ``V_WIDE`` columns per shard go through column blocks as well (5 at 152064).
+    Both CPU forwards: the kernel's row sums (with the chunked program for marked rows under a
+    mask) and the chunked program alone. ``V_WIDE`` columns per shard go through column blocks as
+    well (5 at 152064).
     """
     with_ent, masked = MODES[mode]
     mesh, z, y, k = _specs(jnp.dtype(dtype), world, masked, v)
@@ -124,9 +132,10 @@ def _widest_reduction(compiled) -> int:
     return widest
 
 
+@pytest.mark.parametrize("cpu_path", ["chunked"], indirect=True)
 @pytest.mark.parametrize("mode", ["lp", "ent"])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_wide_rows_reduce_in_column_blocks(dtype, mode):
+def test_wide_rows_reduce_in_column_blocks(dtype, mode, cpu_path):
     """At V_local > chunks.COLUMN_BLOCK no reduction of the forward spans more than COLUMN_BLOCK columns.
 
     XLA:CPU's reduction library runs a row reduction over more than 2**15 columns
@@ -356,6 +365,22 @@ def rows_per_chunk(monkeypatch):
 
 
 @pytest.fixture
+def cpu_path(request, monkeypatch):
+    """Traces made here take the CPU forward ``request.param`` ("kernel" or "chunked"); jit caches cleared.
+
+    (The op's own ``jit`` caches its trace, which holds the path: without the clears a later test would
+    reuse this one's program.)
+    """
+    path = request.param
+    if path == "kernel" and not cpu_kernel.available():
+        pytest.skip(f"no CPU kernel: {cpu_kernel.unavailable_reason()}")
+    jax.clear_caches()
+    monkeypatch.setattr(fn_mod, "_FORCE_PATH", path)
+    yield path
+    jax.clear_caches()
+
+
+@pytest.fixture
 def whole_shard(monkeypatch):
     """Traces made here take the whole-shard forward (the non-CPU path)."""
     jax.clear_caches()
@@ -406,6 +431,7 @@ class TestChunked:
             return column_blocks(width, max(1, -(-width // 3)))
 
         with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(fn_mod, "_FORCE_PATH", "chunked")
             mp.setattr(chunks, "chunk_rows", four)
             if request.param == "rows_and_columns":
                 mp.setattr(chunks, "column_blocks", three)
@@ -435,8 +461,9 @@ def test_whole_shard_path_vs_reference(name, whole_shard):
     _check_case(case, max(w for w in case.worlds if w <= 4))
 
 
-def test_chunked_under_vmap(rows_per_chunk):
-    """vmap over a batch of problems, 4-row chunks inside: values and gradients as the oracle."""
+@pytest.mark.parametrize("cpu_path", ["chunked", "kernel"], indirect=True)
+def test_chunked_under_vmap(cpu_path, rows_per_chunk):
+    """vmap over a batch of problems, 4-row chunks (or the kernel) inside: values and gradients as the oracle."""
     from dualvp import reference
 
     probs = [cases.make(cases.case("random_mask_temp", seed=s)) for s in (1, 2, 3)]
@@ -449,7 +476,7 @@ def test_chunked_under_vmap(rows_per_chunk):
         return jnp.sum(lp) + 0.5 * jnp.sum(h), (lp, h)
 
     (_, (lp, h)), g = jax.jit(jax.vmap(jax.value_and_grad(loss, has_aux=True)))(z, y, k)
-    assert rows_per_chunk
+    assert rows_per_chunk  # traced here (with the kernel: the chunked redo of marked rows)
     for i, p in enumerate(probs):
         kw = dict(keep_mask=p.keep_mask, temperature=0.7)
         r_lp, r_h = reference.logprob_entropy(p.logits, p.target, **kw)
@@ -460,10 +487,11 @@ def test_chunked_under_vmap(rows_per_chunk):
         check_close("vmap", g[i], r_g, "float32", "grad")
 
 
-@pytest.mark.parametrize("redo", ["shard", "chunk"])
 @pytest.mark.parametrize("column_block", [None, 16], ids=["whole_rows", "column_blocks"])
-@pytest.mark.parametrize("kept_shift", ["max", "kept"])
-def test_chunked_masked_rows_far_below_the_max(rows_per_chunk, monkeypatch, kept_shift, column_block, redo):
+@pytest.mark.parametrize("cpu_path,kept_shift,redo", [
+    ("chunked", "max", "shard"), ("chunked", "max", "chunk"), ("chunked", "kept", "shard"),
+    ("chunked", "kept", "chunk"), ("kernel", "max", "shard")], indirect=["cpu_path"])
+def test_chunked_masked_rows_far_below_the_max(cpu_path, rows_per_chunk, monkeypatch, kept_shift, column_block, redo):
     """A masked chunk whose kept sum, shifted by the overall max, underflows is computed again with the kept max.
 
     Row 5 keeps only columns 120 temperature units below its (dropped) max: in float32 each of their
@@ -472,10 +500,11 @@ def test_chunked_masked_rows_far_below_the_max(rows_per_chunk, monkeypatch, kept
     (``"chunk"``). Values and gradients as the
     float64 oracle, with either setting of ``function._KEPT_SHIFT``, with whole rows and with rows in
     column blocks of 16 (``chunks.COLUMN_BLOCK``): there only the first block holds the max and is marked,
-    and the mark must survive the merge of the blocks so that the chunk is computed again.
+    and the mark must survive the merge of the blocks so that the chunk is computed again. With the CPU
+    kernel (``cpu_path="kernel"``) the kernel's sums mark the row, and the chunked program (in column blocks
+    of 16 or not) computes the shard again with ``"kept"``.
     """
     from dualvp import reference
-
     monkeypatch.setattr(fn_mod, "_KEPT_SHIFT", kept_shift)
     monkeypatch.setattr(fn_mod, "_REDO_MARKED", redo)
     if column_block is not None:
