@@ -21,11 +21,13 @@ results up to float32 rounding, slower. ``DUALVP_JAX_CPU_KERNEL=0`` in the
 environment turns the kernel off (nothing is built), and so does
 :func:`disabled` for the calls traced inside it.
 
-``jax.export`` refuses custom calls without a compatibility guarantee, so
-trace the op for export inside ``with dualvp_jax.cpu_kernel.disabled():``
-(the exported program then holds the XLA path, on every platform). Both
-switches are read when the op is called (traced), not when a program runs:
-the op's jit caches key on them.
+``jax.export`` refuses custom calls without a compatibility guarantee, so the
+sums are a primitive of their own whose CPU lowering is the custom call in a
+program compiled in this process and an XLA program over row chunks
+(:func:`_xla_sums`, the spec's ``block_sums``) in a program lowered for
+export, or for another platform: an exported op needs nothing of this
+module where it runs. Both switches are read when the op is called (traced),
+not when a program runs: the op's jit caches key on them.
 """
 
 from __future__ import annotations
@@ -40,12 +42,15 @@ import subprocess
 import tempfile
 import threading
 import warnings
+from functools import partial
 from typing import Optional
 
 import numpy as np
 
 import jax
+import jax.extend
 import jax.numpy as jnp
+from jax.interpreters import batching, mlir
 
 __all__ = ["TARGET", "available", "block_sums", "disabled", "eligible", "enabled", "unavailable_reason"]
 
@@ -128,7 +133,7 @@ def enabled() -> bool:
 
 @contextlib.contextmanager
 def disabled():
-    """Calls of the op traced in this block (this thread) take the XLA path, e.g. for ``jax.export``.
+    """Calls of the op traced in this block (this thread) take the XLA path (``jax.export`` needs no such block).
 
     Only what is *traced* inside the block: a function that ``jax.jit`` traced
     before keeps its cached trace (with the kernel), so export a function not
@@ -188,11 +193,72 @@ def block_sums(z: jax.Array, keep: Optional[jax.Array], temperature: float, with
       ``(m, s, t, sk)``, each ``[...]`` float32; rows holding NaN or ``+inf``
       get NaN in all four (the spec's own sums are NaN in ``s`` and, with a
       mask, ``sk`` for them; :func:`dualvp.spec.stats_from_sums` marks such
-      masked rows for the ``kept_shift="kept"`` pass). Only on the CPU
-      (call it where the platform is known to be the CPU).
+      masked rows for the ``kept_shift="kept"`` pass). Call it where the
+      platform is known to be the CPU: a program lowered for export
+      (``jax.export``) or for another platform holds the same sums as an XLA
+      program over row chunks instead of the custom call (:func:`_xla_sums`).
     """
-    lead = z.shape[:-1]
     k = jnp.zeros((0,), jnp.bool_) if keep is None else keep
-    out = jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct(lead + (4,), jnp.float32), vmap_method="broadcast_all")(
-        z, k, has_keep=keep is not None, with_entropy=bool(with_entropy), tau=np.float32(temperature))
+    out = _sums_p.bind(z, k, has_keep=keep is not None, with_entropy=bool(with_entropy), tau=float(temperature))
     return tuple(out[..., i] for i in range(4))
+
+
+def _ffi_sums(z, k, *, has_keep: bool, with_entropy: bool, tau: float):
+    if not available():  # builds and registers it on first use
+        raise RuntimeError(f"dualvp_jax: the CPU statistics kernel is unavailable ({unavailable_reason()})")
+    return jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct(z.shape[:-1] + (4,), jnp.float32))(
+        z, k, has_keep=has_keep, with_entropy=with_entropy, tau=np.float32(tau))
+
+
+def _xla_sums(z, k, *, has_keep: bool, with_entropy: bool, tau: float):
+    """The kernel's sums as an XLA program over bounded row chunks (for export and other platforms)."""
+    from dualvp import spec
+
+    from . import chunks
+
+    n = z.shape[-1]
+    rows = int(np.prod(z.shape[:-1], dtype=np.int64))
+    flat = [z.reshape(rows, n), k.reshape(rows, n) if has_keep else None]
+
+    def sums(z, k):
+        return jnp.stack(spec.block_sums(jnp, z, k, np.float32(tau), dtype=jnp.float32, with_entropy=with_entropy),
+                         axis=-1)
+
+    out = chunks.map_row_chunks(sums, flat, chunks.chunk_rows(rows, n)) if rows else jnp.zeros((0, 4), jnp.float32)
+    return out.reshape(z.shape[:-1] + (4,))
+
+
+# A primitive of its own rather than a bare ffi_call, so that its lowering can
+# tell a program lowered for export (which must not hold a custom call without
+# a compatibility guarantee) from one compiled in this process.
+_sums_p = jax.extend.core.Primitive("dualvp_cpu_block_sums")
+
+
+def _abstract(z, k, **params):
+    return jax.core.ShapedArray(z.shape[:-1] + (4,), jnp.float32)
+
+
+def _lower_cpu(ctx, z, k, **params):
+    fn = _xla_sums if ctx.module_context.lowering_parameters.for_export else _ffi_sums
+    return mlir.lower_fun(partial(fn, **params), multiple_results=False)(ctx, z, k)
+
+
+def _batch(args, dims, **params):
+    # Batch dimensions to the front (broadcast where unbatched): the kernel
+    # takes any leading dimensions. The dummy keep (no mask) stays as it is.
+    z, k = args
+    size = next(a.shape[d] for a, d in zip(args, dims) if d is not None)
+
+    def front(x, d):
+        return jnp.broadcast_to(x, (size,) + x.shape) if d is None else jnp.moveaxis(x, d, 0)
+
+    z = front(z, dims[0])
+    k = front(k, dims[1]) if params["has_keep"] else k
+    return _sums_p.bind(z, k, **params), 0
+
+
+_sums_p.def_impl(lambda z, k, **params: jax.jit(partial(_ffi_sums, **params))(z, k))
+_sums_p.def_abstract_eval(_abstract)
+mlir.register_lowering(_sums_p, mlir.lower_fun(_xla_sums, multiple_results=False))
+mlir.register_lowering(_sums_p, _lower_cpu, platform="cpu")
+batching.primitive_batchers[_sums_p] = _batch

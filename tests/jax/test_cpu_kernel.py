@@ -206,33 +206,41 @@ def test_turned_off_by_the_environment(kernel, monkeypatch):
     assert cpu_kernel.TARGET in _op_hlo()
 
 
-def test_disabled_for_export(kernel):
-    """``jax.export`` refuses the custom call; traced inside ``cpu_kernel.disabled()`` the op exports, and the
-    exported program (the XLA path) gives the in-process op's values, after the block as well."""
+def test_disabled_in_a_block(kernel):
+    """``cpu_kernel.disabled()``: what is traced inside takes the XLA path, in this thread; after it, the kernel."""
+    with cpu_kernel.disabled():
+        assert not cpu_kernel.enabled()
+        assert cpu_kernel.TARGET not in _op_hlo()
+    assert cpu_kernel.enabled()
+    assert cpu_kernel.TARGET in _op_hlo()
+
+
+@pytest.mark.parametrize("platforms", [None, ("cpu", "cuda")])
+def test_export_holds_the_xla_path(kernel, platforms):
+    """``jax.export`` of a function that this process already ran through the kernel: the exported program
+    holds no custom call (export would refuse it) but the sums as an XLA program, and gives the in-process
+    op's values and gradients (the latter through the kernel), for one platform or several."""
     from jax import export
 
     z = jnp.asarray(np.random.default_rng(4).standard_normal((6, 50)).astype(np.float32))
     y = jnp.asarray(np.arange(6) * 7, jnp.int32)
     keep = jnp.asarray(np.random.default_rng(5).random((6, 50)) < 0.5)
 
-    def make():
-        def f(z, y, k):
-            return dualvp_jax.logprob_entropy(z, y, keep_mask=k, temperature=0.9)
+    def f(z, y, k):
+        return dualvp_jax.logprob_entropy(z, y, keep_mask=k, temperature=0.9)
 
-        return f
+    def g(z, y, k):
+        return jax.grad(lambda z: (f(z, y, k)[0] * jnp.arange(6) + f(z, y, k)[1]).sum())(z)
 
-    f = make()
-    with pytest.raises(ValueError, match="custom call"):
-        export.export(jax.jit(f))(z, y, keep)
-    with cpu_kernel.disabled():
-        assert not cpu_kernel.enabled()
-        # a function not traced before: jit's cache keeps f's trace with the kernel
-        exp = export.export(jax.jit(make()))(z, y, keep)
-    assert cpu_kernel.enabled()
-    assert cpu_kernel.TARGET not in exp.mlir_module()
-    # (serialize() would need the flatbuffers package, which nothing else uses)
-    for got, want in zip(exp.call(z, y, keep), f(z, y, keep)):  # the second through the kernel
-        np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=2e-6, atol=2e-6)
+    for fn in (f, g):
+        want = jax.jit(fn)(z, y, keep)  # traced and run in process first: with the kernel
+        assert cpu_kernel.TARGET in jax.jit(fn).lower(z, y, keep).as_text()
+        exp = export.export(jax.jit(fn), **({} if platforms is None else {"platforms": platforms}))(z, y, keep)
+        assert cpu_kernel.TARGET not in exp.mlir_module()
+        # (serialize() would need the flatbuffers package, which nothing else uses)
+        got = exp.call(z, y, keep)
+        for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+            np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=2e-6, atol=2e-6)
 
 
 def test_build_failure_is_reported(monkeypatch, tmp_path):
