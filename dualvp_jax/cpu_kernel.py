@@ -257,7 +257,10 @@ def _batch(args, dims, **params):
     return _sums_p.bind(z, k, **params), 0
 
 
-_sums_p.def_impl(lambda z, k, **params: jax.jit(partial(_ffi_sums, **params))(z, k))
+# Eager calls: one compiled program per (shapes, params), cached by jit (a
+# fresh jit of a fresh partial per call would trace and compile every time).
+_ffi_sums_jit = jax.jit(_ffi_sums, static_argnames=("has_keep", "with_entropy", "tau"))
+_sums_p.def_impl(lambda z, k, **params: _ffi_sums_jit(z, k, **params))
 _sums_p.def_abstract_eval(_abstract)
 mlir.register_lowering(_sums_p, mlir.lower_fun(_xla_sums, multiple_results=False))
 mlir.register_lowering(_sums_p, _lower_cpu, platform="cpu")
