@@ -323,17 +323,18 @@ def _shard_stats(logits, local, owns, keep, tau, cdt, with_entropy: bool = True,
     def unflat(out, z):
         return out.reshape(z.shape[:-1] + out.shape[-1:])
 
+    def over_chunks(fn, args):
+        return chunks.map_row_chunks(fn, args, chunks.chunk_rows(*args[0].shape))
+
     def run(args, kept_shift):
-        return chunks.map_row_chunks(partial(blocked, kept_shift=kept_shift), args,
-                                     chunks.chunk_rows(args[0].shape[0], args[0].shape[1]))
+        return over_chunks(partial(blocked, kept_shift=kept_shift), args)
 
     def chunked(z, local, owns, keep):
         args = flat(z, local, owns, keep)
         if keep is None or _KEPT_SHIFT == "kept":
             out = run(args, "kept")
         elif _REDO_MARKED == "chunk":
-            out = chunks.map_row_chunks(lambda *a: redo_marked(blocked(*a, kept_shift="max"), lambda: blocked(*a)),
-                                        args, chunks.chunk_rows(args[0].shape[0], args[0].shape[1]))
+            out = over_chunks(lambda *a: redo_marked(blocked(*a, kept_shift="max"), lambda: blocked(*a)), args)
         else:
             out = redo_marked(run(args, "max"), lambda: run(args, "kept"))
         return unflat(out, z)
