@@ -124,7 +124,8 @@ def _local_checks(logits, target, keep_mask, temperature, ignore_index, with_ent
 
 
 def _meta(x: Optional[torch.Tensor]) -> Optional[tuple]:
-    """What the local checks read of a tensor: ``(shape, dtype, device, requires_grad, is_leaf, contiguous, stride)``."""
+    """What the local checks read of a tensor: ``(shape, dtype, device, requires_grad, is_leaf, contiguous,
+    stride)``."""
     if x is None:
         return None
     return (x.shape, x.dtype, x.device, x.requires_grad, x.is_leaf, x.is_contiguous(), x.stride())

@@ -38,7 +38,8 @@ from dualvp_torch.testing import run_ranks  # noqa: E402
 if _LATE:  # triton was imported before this module (not interpreted): run the module in a child process
     def test_in_child_process(request):
         marks = request.config.getoption("-m")
-        cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__] + (["-m", marks] if marks else [])
+        cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__]
+        cmd += ["-m", marks] if marks else []
         res = subprocess.run(cmd, env=dict(os.environ, TRITON_INTERPRET="1"), capture_output=True, text=True,
                              timeout=1800)
         assert res.returncode == 0, res.stdout[-6000:] + res.stderr[-3000:]
