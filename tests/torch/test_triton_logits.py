@@ -70,6 +70,38 @@ def test_case_w1(case):
     assert not _failures(p, backends.run("torch", p, 1, impl="triton"))
 
 
+# Wider vocabularies: the forward walks a row in many column blocks (128 under the interpreter), so the
+# running maxima move between blocks and rescale the running sums (kept pair included)
+_WIDE = [cases.case(n, vocab=v, lead=lead, worlds=(1, 2)) for n, v, lead in (
+    ("everything", 2048, (3, 4)), ("neg_inf_masked", 1536, (6,)), ("extreme_temp", 1024, (6,)),
+    ("drop_target", 2048, (5,)), ("confident_lm_bf16", 1280, (6,)))]
+
+
+@pytest.mark.parametrize("case", _WIDE, ids=lambda c: f"{c.name}_V{c.vocab}")
+def test_case_w1_many_column_blocks(case):
+    p = cases.make(case)
+    assert not _failures(p, backends.run("torch", p, 1, impl="triton"))
+
+
+def test_kept_set_far_below_the_max_across_blocks():
+    """Kept sets hundreds of temperature units below the row's max, the maxima found in later column blocks."""
+    rng = np.random.default_rng(7)
+    T, V = 4, 1024
+    z = rng.normal(size=(T, V))
+    keep = np.zeros((T, V), dtype=bool)
+    y = np.array([5, 10, 900, 3])
+    z[0, 900] = 300.0  # the max in a late block; kept {5, 7} near 0
+    keep[0, [5, 7]] = True
+    z[1, 10], z[1, 1000] = -500.0, -499.0  # the kept max moves to a late block, 500 below the max
+    keep[1, [10, 1000]] = True
+    z[2, 3], z[2, 900] = 200.0, -150.0  # target (dropped by the mask, kept anyway) in a late block
+    keep[2, 3] = True
+    keep[3] = rng.random(V) < 0.1  # an ordinary row
+    c = cases.Case("kept_far", lead=(T,), vocab=V, worlds=(1,), temperature=0.5)
+    p = cases.Problem(c, cases.round_to_dtype(z, "float32"), y, keep, rng.normal(size=T), rng.normal(size=T))
+    assert not _failures(p, backends.run("torch", p, 1, impl="triton"))
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("world", [2, 4])
 def test_cases_over_gloo_ranks(world):
