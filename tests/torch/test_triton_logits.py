@@ -73,8 +73,8 @@ def test_case_w1(case):
 # Wider vocabularies: the forward walks a row in many column blocks (128 under the interpreter), so the
 # running maxima move between blocks and rescale the running sums (kept pair included)
 _WIDE = [cases.case(n, vocab=v, lead=lead, worlds=(1, 2)) for n, v, lead in (
-    ("everything", 2048, (3, 4)), ("neg_inf_masked", 1536, (6,)), ("extreme_temp", 1024, (6,)),
-    ("drop_target", 2048, (5,)), ("confident_lm_bf16", 1280, (6,)))]
+    ("everything", 1024, (3, 4)), ("neg_inf_masked", 1536, (6,)), ("extreme_temp", 1024, (6,)),
+    ("drop_target", 1024, (5,)), ("confident_lm_bf16", 1280, (6,)))]
 
 
 @pytest.mark.parametrize("case", _WIDE, ids=lambda c: f"{c.name}_V{c.vocab}")
