@@ -33,8 +33,14 @@ from dualvp import spec, validation
 
 from . import collectives, kernels
 from . import dtensor as _dtensor
+from . import triton_kernels as _triton
 
 __all__ = ["logprob_entropy"]
+
+#: What ``impl`` may name: the shard-local stages of :mod:`dualvp_torch.kernels`, or ``"triton"``, the
+#: hand-written kernels of :mod:`dualvp_torch.triton_kernels` (the default on CUDA tensors when the
+#: ``triton`` package is installed).
+IMPLEMENTATIONS = kernels.IMPLEMENTATIONS + ("triton",)
 
 
 def _dtype_name(dtype) -> str:
@@ -84,7 +90,11 @@ def _check_call(group, validate, impl: Optional[str]) -> tuple[int, int]:
         raise TypeError(f"group: expected a torch.distributed.ProcessGroup or None, got {_kind(group)}")
     if not isinstance(validate, bool):
         raise TypeError(f"validate: expected a bool, got {type(validate).__name__} {validate!r}")
-    kernels.select(impl)  # raises ValueError naming impl (the same on every rank)
+    if impl != "triton":
+        try:
+            kernels.select(impl)  # raises ValueError naming impl (the same on every rank)
+        except ValueError:
+            raise ValueError(f"impl: expected None or one of {IMPLEMENTATIONS}, got {impl!r}") from None
     return collectives.group_rank_world(group)
 
 
@@ -104,35 +114,53 @@ def _check_materialised(
 
 def _local_checks(logits, target, keep_mask, temperature, ignore_index, with_entropy, entropy_grad, inplace_grad):
     """Every local (rank-private, host-only) check; returns the :class:`~dualvp.validation.Options`."""
-    target_keep = _check_target_keep(
+    _check_target_keep(
         ("logits", logits, "a torch.Tensor [..., V_local] of a floating dtype"), target=target, keep_mask=keep_mask
     )
+    return _checked_options(
+        _meta(logits), _meta(target), _meta(keep_mask), temperature, ignore_index, with_entropy, entropy_grad,
+        inplace_grad,
+    )
+
+
+def _meta(x: Optional[torch.Tensor]) -> Optional[tuple]:
+    """What the local checks read of a tensor: ``(shape, dtype, device, requires_grad, is_leaf, contiguous,
+    stride)``."""
+    if x is None:
+        return None
+    return (x.shape, x.dtype, x.device, x.requires_grad, x.is_leaf, x.is_contiguous(), x.stride())
+
+
+def _checked_options(lm: tuple, tm: tuple, km: Optional[tuple], temperature, ignore_index, with_entropy,
+                     entropy_grad, inplace_grad) -> validation.Options:
+    """The local checks after the type checks, a pure function of the tensors' :func:`_meta` and the options."""
     opt = validation.check_args(
-        logits_shape=tuple(logits.shape),
-        logits_dtype=_dtype_name(logits.dtype),
-        **target_keep,
+        logits_shape=tuple(lm[0]),
+        logits_dtype=_dtype_name(lm[1]),
+        target_shape=tuple(tm[0]),
+        target_dtype=_dtype_name(tm[1]),
+        keep_shape=None if km is None else tuple(km[0]),
+        keep_dtype=None if km is None else _dtype_name(km[1]),
         temperature=temperature,
         ignore_index=ignore_index,
         with_entropy=with_entropy,
         entropy_grad=entropy_grad,
         inplace_grad=inplace_grad,
     )
-    if target.device != logits.device:
-        raise ValueError(f"target: expected a tensor on the logits' device {logits.device}, got device {target.device}")
-    if keep_mask is not None and keep_mask.device != logits.device:
-        raise ValueError(
-            f"keep_mask: expected a tensor on the logits' device {logits.device}, got device {keep_mask.device}"
-        )
+    if tm[2] != lm[2]:
+        raise ValueError(f"target: expected a tensor on the logits' device {lm[2]}, got device {tm[2]}")
+    if km is not None and km[2] != lm[2]:
+        raise ValueError(f"keep_mask: expected a tensor on the logits' device {lm[2]}, got device {km[2]}")
     if inplace_grad:
-        if logits.requires_grad and logits.is_leaf:
+        if lm[3] and lm[4]:
             raise ValueError(
                 "inplace_grad: expected logits produced by an autograd graph (a non-leaf tensor); got a leaf "
                 "tensor that requires grad, whose storage is the caller's own data and is never overwritten"
             )
-        if not logits.is_contiguous():
+        if not lm[5]:
             raise ValueError(
                 f"inplace_grad: expected contiguous logits (the gradient is written into their storage), "
-                f"got strides {tuple(logits.stride())} for shape {tuple(logits.shape)}"
+                f"got strides {tuple(lm[6])} for shape {tuple(lm[0])}"
             )
     return opt
 
@@ -334,9 +362,13 @@ def logprob_entropy(
         with torch's "modified by an inplace operation" error instead of
         using overwritten values; modifying the logits between forward and
         backward fails the same way.
-      impl: ``None`` (the default selection: ``DUALVP_COMPILE``), or one of
-        :data:`dualvp_torch.kernels.IMPLEMENTATIONS` (``"compiled"``,
-        ``"eager"``) to choose how the shard-local stages run.
+      impl: ``None`` (the default: ``"triton"`` for CUDA tensors when the
+        ``triton`` package is installed, else ``DUALVP_COMPILE`` selects),
+        or one of :data:`IMPLEMENTATIONS`: ``"compiled"``, ``"eager"`` (how
+        the shard-local stages of :mod:`dualvp_torch.kernels` run) or
+        ``"triton"`` (the hand-written kernels of
+        :mod:`dualvp_torch.triton_kernels`: CUDA tensors, or CPU tensors
+        under ``TRITON_INTERPRET=1``).
 
     Returns:
       ``(logprob [...], entropy [...] or None)``, float32 (float64 for
@@ -347,7 +379,9 @@ def logprob_entropy(
       group and ``validate=True``, on every rank, or ``RuntimeError`` on every
       rank when the ranks disagree).
     """
-    if _dtensor.involves_dtensor(logits, target, keep_mask):  # torch tensor parallelism: see dtensor.py
+    if not (type(logits) is torch.Tensor and type(target) is torch.Tensor
+            and (keep_mask is None or type(keep_mask) is torch.Tensor)) and _dtensor.involves_dtensor(
+                logits, target, keep_mask):  # torch tensor parallelism: see dtensor.py
         return _dtensor.logprob_entropy(
             logits, target, group=group, keep_mask=keep_mask, temperature=temperature, with_entropy=with_entropy,
             entropy_grad=entropy_grad, ignore_index=ignore_index, validate=validate, inplace_grad=inplace_grad, impl=impl,
@@ -370,6 +404,16 @@ def _logprob_entropy(
     through the agreement step like a local check's error: every rank raises,
     none waits in a collective.
     """
+    if caller_error is None and not label_smoothing and (
+        impl == "triton"
+        or impl is None and isinstance(logits, torch.Tensor) and logits.device.type == "cuda" and _triton.available()
+    ):
+        from .triton_kernels.logits_op import logprob_entropy as _triton_logprob_entropy
+
+        return _triton_logprob_entropy(
+            logits, target, group, keep_mask, temperature, with_entropy, entropy_grad, ignore_index, validate,
+            inplace_grad, "triton",
+        )
     opt = _validated(
         logits, target, group=group, keep_mask=keep_mask, temperature=temperature, with_entropy=with_entropy,
         entropy_grad=entropy_grad, ignore_index=ignore_index, validate=validate, inplace_grad=inplace_grad,

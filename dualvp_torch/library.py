@@ -20,6 +20,14 @@ no ``ProcessGroup``) and is resolved in the op; the residuals are O(T)
 copies (the outputs of a custom op may not alias one another). Anything
 else (DTensor, ``inplace_grad=True``, arguments of other types, which the
 eager checks then reject with their usual errors) keeps the graph break.
+
+On the Triton path (``impl="triton"``, the default for CUDA tensors with
+``triton`` installed) the call becomes ``dualvp::logprob_entropy_triton_fwd``
+(-> logprob, entropy, the merge kernel's residuals ``[5, T]``) and its
+backward ``dualvp::logprob_entropy_triton_bwd`` (one launch) instead: the
+same cached checks and kernels as the eager call; with ``validate=False``
+no synchronisation and no data-dependent allocation, so a caller's CUDA
+graph (``mode="reduce-overhead"``) can capture them.
 """
 
 from __future__ import annotations
@@ -33,6 +41,7 @@ from torch import Tensor
 from dualvp import validation
 
 from . import collectives, kernels
+from . import triton_kernels as _triton
 from . import function as _function
 
 __all__ = ["eligible", "logprob_entropy"]
@@ -104,6 +113,84 @@ def _backward(ctx, grads):
 _fwd.register_autograd(_backward, setup_context=_setup_context)
 
 
+# --- the Triton path (impl="triton", the default for CUDA tensors with triton installed) --------
+#
+# dualvp::logprob_entropy_triton_fwd -> logprob, entropy, res [5, T] (the merge kernel's residuals)
+# dualvp::logprob_entropy_triton_bwd -> the gradient of the logits (one launch)
+# Each runs triton_kernels.logits_op: the cached checks and plan, the kernels, with a group its
+# collectives. With validate=False neither synchronises nor allocates by data: a caller's CUDA graph
+# can capture them.
+
+_TRITON = _triton.available()
+
+
+def _triton_plan(logits, target, keep_mask, group, temperature, with_entropy, entropy_grad, ignore_index, validate):
+    from .triton_kernels import logits_op
+
+    return logits_op.checked_plan(logits, target, keep_mask, group, temperature, with_entropy, entropy_grad,
+                                  ignore_index, validate, False, "triton")
+
+
+@torch.library.custom_op("dualvp::logprob_entropy_triton_fwd", mutates_args=())
+def _tfwd(
+    logits: Tensor, target: Tensor, keep_mask: Optional[Tensor], group_name: str, temperature: float,
+    with_entropy: bool, entropy_grad: bool, ignore_index: int, validate: bool,
+) -> list[Tensor]:
+    from .triton_kernels import logits_op
+
+    group = _group(group_name)
+    plan = _triton_plan(logits, target, keep_mask, group, temperature, with_entropy, entropy_grad, ignore_index,
+                        validate)
+    logprob, entropy, res = logits_op.forward(logits, target, keep_mask, plan, group)
+    return [logprob.view(target.shape), entropy.view(target.shape), res]
+
+
+@_tfwd.register_fake
+def _tfwd_fake(logits, target, keep_mask, group_name, temperature, with_entropy, entropy_grad, ignore_index,
+               validate):
+    cdt = kernels.compute_dtype(logits.dtype)
+    return [logits.new_empty(target.shape, dtype=cdt), logits.new_empty(target.shape, dtype=cdt),
+            logits.new_empty((5, target.numel()), dtype=cdt)]
+
+
+@torch.library.custom_op("dualvp::logprob_entropy_triton_bwd", mutates_args=())
+def _tbwd(
+    logits: Tensor, target: Tensor, keep_mask: Optional[Tensor], res: Tensor, grad_logprob: Tensor,
+    grad_entropy: Tensor, group_name: str, temperature: float, with_entropy: bool, entropy_grad: bool,
+    ignore_index: int,
+) -> Tensor:
+    from .triton_kernels import logits_op
+
+    plan = _triton_plan(logits, target, keep_mask, _group(group_name), temperature, with_entropy, entropy_grad,
+                        ignore_index, False)
+    z = logits.reshape(-1, plan.V)
+    keep = None if keep_mask is None else keep_mask.reshape(-1, plan.V).view(torch.uint8)
+    ge = grad_entropy.reshape(-1) if plan.need_entropy_grad else None
+    return logits_op.grad(z, target.reshape(-1), keep, res, grad_logprob.reshape(-1), ge, plan).view(logits.shape)
+
+
+@_tbwd.register_fake
+def _tbwd_fake(logits, *rest):
+    return torch.empty_like(logits, memory_format=torch.contiguous_format)
+
+
+def _tsetup_context(ctx, inputs, output):
+    logits, target, keep_mask, group_name, temperature, with_entropy, entropy_grad, ignore_index, _ = inputs
+    ctx.save_for_backward(logits, target, keep_mask, output[2])
+    ctx.options = (group_name, temperature, with_entropy, entropy_grad, ignore_index)
+
+
+def _tbackward(ctx, grads):
+    g_logprob, g_entropy = grads[0], grads[1]
+    g_logprob = torch.zeros_like(g_entropy) if g_logprob is None else g_logprob
+    g_entropy = torch.zeros_like(g_logprob) if g_entropy is None else g_entropy
+    g = _tbwd(*ctx.saved_tensors, g_logprob, g_entropy, *ctx.options)
+    return (g,) + (None,) * 8
+
+
+_tfwd.register_autograd(_tbackward, setup_context=_tsetup_context)
+
+
 def eligible(logits, target, *, group=None, keep_mask=None, temperature=1.0, with_entropy=True,
              entropy_grad=True, ignore_index=-100, validate=True, inplace_grad=False, impl=None) -> bool:
     """Whether :func:`logprob_entropy` can take this call (else: one graph break, the eager op)."""
@@ -120,8 +207,12 @@ def eligible(logits, target, *, group=None, keep_mask=None, temperature=1.0, wit
 def logprob_entropy(logits, target, *, group=None, keep_mask=None, temperature=1.0, with_entropy=True,
                     entropy_grad=True, ignore_index=-100, validate=True, inplace_grad=False, impl=None):
     """:func:`dualvp_torch.logprob_entropy` through the custom ops (an :func:`eligible` call)."""
-    out = _fwd(logits, target, keep_mask, "" if group is None else group.group_name, float(temperature),
-               with_entropy, entropy_grad, ignore_index, validate, impl or "")
+    if impl == "triton" or impl is None and _TRITON and logits.is_cuda:
+        out = _tfwd(logits, target, keep_mask, "" if group is None else group.group_name, float(temperature),
+                    with_entropy, entropy_grad, ignore_index, validate)
+    else:
+        out = _fwd(logits, target, keep_mask, "" if group is None else group.group_name, float(temperature),
+                   with_entropy, entropy_grad, ignore_index, validate, impl or "")
     logprob, entropy = out[0], out[1]
     if not with_entropy:
         return logprob, None

@@ -1,0 +1,76 @@
+"""Merge kernel of the logits op: the ranks' statistics to the outputs and the backward's residuals.
+
+Implements :func:`dualvp.spec.reduce_stats` over the ``W`` ranks' ``[W, T, 6]``
+statistics (``W = 1``: the shard's own), :func:`dualvp.spec.finalize` and
+:func:`dualvp.spec.outputs`, per row::
+
+    M  = max_r m_r              S  = sum_r s_r e^dm_r,   dm_r = (m_r - M) / tau
+    Tm = sum_r e^dm_r (t_r + s_r dm_r)   (0 where e^dm_r = 0)
+    Mk = max_r mk_r             Sk = sum_r sk_r e^((mk_r - Mk) / tau)
+    L  = (zy - Mk) / tau - log Sk   (0 where target == ignore_index)
+    H  = log S - Tm / S
+
+in float64 whatever the statistics' dtype (O(W T) work). Writes ``logprob
+[T]``, ``entropy [T]`` and the residuals ``res [5, T]`` = ``(M, log S, c =
+Tm / S, Mk, log Sk)`` (``spec.Combined`` without ``zy``) in the output's
+dtype. The same program on every rank, on the same all-gathered input: every
+rank holds bit-identical results.
+"""
+
+import triton
+import triton.language as tl
+
+__all__ = ["logits_merge_kernel"]
+
+
+@triton.jit
+def logits_merge_kernel(
+    stats_ptr, y_ptr, logprob_ptr, entropy_ptr, res_ptr,
+    T, W, ignore_index, tau: tl.float64,
+    BLOCK_T: tl.constexpr,
+):
+    rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    rmask = rows < T
+    rows64 = rows.to(tl.int64)
+    ninf = float("-inf")
+    inv_tau = tl.full([], 1.0, tl.float64) / tau
+    M = tl.full([BLOCK_T], ninf, tl.float64)
+    Mk = tl.full([BLOCK_T], ninf, tl.float64)
+    for r in range(W):
+        base = stats_ptr + (r * T + rows64) * 6
+        M = tl.maximum(M, tl.load(base + 0, mask=rmask, other=ninf).to(tl.float64))
+        Mk = tl.maximum(Mk, tl.load(base + 3, mask=rmask, other=ninf).to(tl.float64))
+    M_sh = tl.where(M == ninf, 0.0, M)  # spec._finite_or_zero
+    Mk_sh = tl.where(Mk == ninf, 0.0, Mk)
+    S = tl.zeros([BLOCK_T], tl.float64)
+    Tm = tl.zeros([BLOCK_T], tl.float64)
+    Sk = tl.zeros([BLOCK_T], tl.float64)
+    zy = tl.zeros([BLOCK_T], tl.float64)
+    for r in range(W):
+        base = stats_ptr + (r * T + rows64) * 6
+        m = tl.load(base + 0, mask=rmask, other=0.0).to(tl.float64)
+        s = tl.load(base + 1, mask=rmask, other=0.0).to(tl.float64)
+        t = tl.load(base + 2, mask=rmask, other=0.0).to(tl.float64)
+        mk = tl.load(base + 3, mask=rmask, other=0.0).to(tl.float64)
+        sk = tl.load(base + 4, mask=rmask, other=0.0).to(tl.float64)
+        dm = (m - M_sh) * inv_tau
+        w = tl.exp(dm)
+        S += w * s
+        # w == 0 exactly when the shard is all -inf; then s == 0 and dm = -inf
+        Tm += w * (t + tl.where(w > 0, s * dm, 0.0))
+        Sk += tl.exp((mk - Mk_sh) * inv_tau) * sk
+        zy += tl.load(base + 5, mask=rmask, other=0.0).to(tl.float64)
+    log_s = tl.log(S)
+    c = Tm / S
+    log_sk = tl.log(Sk)
+    y = tl.load(y_ptr + rows64, mask=rmask, other=ignore_index).to(tl.int64)
+    logprob = tl.where(y != ignore_index, (zy - Mk) * inv_tau - log_sk, 0.0)
+    entropy = log_s - c
+    dt = res_ptr.dtype.element_ty
+    tl.store(logprob_ptr + rows64, logprob.to(dt), mask=rmask)
+    tl.store(entropy_ptr + rows64, entropy.to(dt), mask=rmask)
+    tl.store(res_ptr + rows64, M.to(dt), mask=rmask)
+    tl.store(res_ptr + T + rows64, log_s.to(dt), mask=rmask)
+    tl.store(res_ptr + 2 * T + rows64, c.to(dt), mask=rmask)
+    tl.store(res_ptr + 3 * T + rows64, Mk.to(dt), mask=rmask)
+    tl.store(res_ptr + 4 * T + rows64, log_sk.to(dt), mask=rmask)

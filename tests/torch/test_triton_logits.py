@@ -1,0 +1,357 @@
+"""The logits op on its Triton kernels (``impl="triton"``) against the float64 oracle, on the CPU.
+
+The kernels run under Triton's interpreter (``TRITON_INTERPRET=1``, set here
+before any kernel module is imported: Triton reads it when a kernel is
+decorated). Where a CUDA device exists this module is skipped:
+``test_triton_logits_cuda.py`` runs the same kernels compiled, and an
+interpreter switched on in the same process would replace them.
+
+Fast tier: the whole conformance table at W = 1, the bad-input table, the
+device range check of ``validate=True``, in place against fresh, the
+non-finite rows, the options without entropy. Slow: the table over 2 and 4
+gloo ranks, the precision at a realistic vocabulary, the ranks' agreement.
+"""
+
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+# Triton decides at decoration time, its own language modules included, whether a kernel is
+# interpreted: the variable must be set before triton is first imported in this process.
+_LATE = "triton" in sys.modules and os.environ.get("TRITON_INTERPRET") != "1"
+os.environ.setdefault("TRITON_INTERPRET", "1")
+torch = pytest.importorskip("torch")
+pytest.importorskip("triton")
+if torch.cuda.is_available():
+    pytest.skip("CUDA present: test_triton_logits_cuda.py runs the compiled kernels", allow_module_level=True)
+if os.environ["TRITON_INTERPRET"] != "1":
+    pytest.skip("TRITON_INTERPRET is set to another value than 1", allow_module_level=True)
+
+from dualvp import reference  # noqa: E402
+from dualvp.testing import backends, cases, metrics, oracle  # noqa: E402
+from dualvp_torch import logprob_entropy  # noqa: E402
+from dualvp_torch.testing import run_ranks  # noqa: E402
+
+if _LATE:  # triton was imported before this module (not interpreted): run the module in a child process
+    def test_in_child_process(request):
+        marks = request.config.getoption("-m")
+        cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__]
+        cmd += ["-m", marks] if marks else []
+        res = subprocess.run(cmd, env=dict(os.environ, TRITON_INTERPRET="1"), capture_output=True, text=True,
+                             timeout=1800)
+        assert res.returncode == 0, res.stdout[-6000:] + res.stderr[-3000:]
+
+
+@pytest.fixture(autouse=True)
+def _interpreted_here(request):
+    if _LATE and request.function.__name__ != "test_in_child_process":
+        pytest.skip("triton was imported before the interpreter was switched on: test_in_child_process runs it")
+
+
+_DT = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64}
+
+
+def _failures(problem, out, *, logprob_grad=True, entropy_grad=True) -> list:
+    ref = oracle(problem, logprob_grad=logprob_grad, entropy_grad=entropy_grad)
+    bad = []
+    for q in ("logprob", "entropy", "grad"):
+        x, r = getattr(out, q), getattr(ref, q)
+        if not metrics.within_tolerance(x, r, metrics.tolerance(problem.case.dtype, q)):
+            bad.append(f"{problem.case.name} {q}: {metrics.max_errors(x, r)}")
+    return bad
+
+
+@pytest.mark.parametrize("case", [c for c in cases.CASES if 1 in c.worlds], ids=lambda c: c.name)
+def test_case_w1(case):
+    p = cases.make(case)
+    assert not _failures(p, backends.run("torch", p, 1, impl="triton"))
+
+
+# Wider vocabularies: the forward walks a row in many column blocks (128 under the interpreter), so the
+# running maxima move between blocks and rescale the running sums (kept pair included)
+_WIDE = [cases.case(n, vocab=v, lead=lead, worlds=(1, 2)) for n, v, lead in (
+    ("everything", 1024, (3, 4)), ("neg_inf_masked", 1536, (6,)), ("extreme_temp", 1024, (6,)),
+    ("drop_target", 1024, (5,)), ("confident_lm_bf16", 1280, (6,)))]
+
+
+@pytest.mark.parametrize("case", _WIDE, ids=lambda c: f"{c.name}_V{c.vocab}")
+def test_case_w1_many_column_blocks(case):
+    p = cases.make(case)
+    assert not _failures(p, backends.run("torch", p, 1, impl="triton"))
+
+
+def test_kept_set_far_below_the_max_across_blocks():
+    """Kept sets hundreds of temperature units below the row's max, the maxima found in later column blocks."""
+    rng = np.random.default_rng(7)
+    T, V = 4, 1024
+    z = rng.normal(size=(T, V))
+    keep = np.zeros((T, V), dtype=bool)
+    y = np.array([5, 10, 900, 3])
+    z[0, 900] = 300.0  # the max in a late block; kept {5, 7} near 0
+    keep[0, [5, 7]] = True
+    z[1, 10], z[1, 1000] = -500.0, -499.0  # the kept max moves to a late block, 500 below the max
+    keep[1, [10, 1000]] = True
+    z[2, 3], z[2, 900] = 200.0, -150.0  # target (dropped by the mask, kept anyway) in a late block
+    keep[2, 3] = True
+    keep[3] = rng.random(V) < 0.1  # an ordinary row
+    c = cases.Case("kept_far", lead=(T,), vocab=V, worlds=(1,), temperature=0.5)
+    p = cases.Problem(c, cases.round_to_dtype(z, "float32"), y, keep, rng.normal(size=T), rng.normal(size=T))
+    assert not _failures(p, backends.run("torch", p, 1, impl="triton"))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world", [2, 4])
+def test_cases_over_gloo_ranks(world):
+    probs = [cases.make(c) for c in cases.CASES if world in c.worlds]
+    outs = backends.run_all("torch", probs, world, impl="triton", timeout=600)
+    assert not [f for p, o in zip(probs, outs) for f in _failures(p, o)]
+
+
+def _call(kw):
+    kw = {"impl": "triton", **kw}
+    for k, v in list(kw.items()):
+        if isinstance(v, np.ndarray):
+            kw[k] = torch.from_numpy(v)
+        elif isinstance(v, np.generic):
+            kw[k] = torch.tensor(v)
+    z = kw.pop("logits")
+    if isinstance(z, torch.Tensor) and z.is_floating_point():
+        z.requires_grad_(True)
+    return logprob_entropy(z, kw.pop("target"), **kw)
+
+
+def test_bad_input_base_is_valid():
+    lp, h = _call(cases.bad_input_base())
+    assert lp.shape == (4,) and h.shape == (4,)
+
+
+@pytest.mark.parametrize("bad", [b for b in cases.BAD_INPUTS if "torch" in b.backends], ids=lambda b: b.name)
+def test_bad_input(bad):
+    kw = cases.bad_input_base()
+    kw.update(bad.changes)
+    for _ in range(2):  # the second call would find a cached success: there must be none
+        with pytest.raises(bad.error) as info:
+            _call(dict(kw))
+        msg = str(info.value)
+        assert f"{bad.arg}:" in msg and "expected" in msg, msg
+
+
+def test_impl_checked():
+    z, y = torch.zeros(2, 4), torch.zeros(2, dtype=torch.int64)
+    with pytest.raises(ValueError, match="impl:"):
+        logprob_entropy(z, y, impl="tritonn")
+    # what the error of an unknown impl lists
+    with pytest.raises(ValueError, match="triton"):
+        logprob_entropy(z, y, impl="cuda")
+
+
+def test_cpu_without_interpreter_refused(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    z, y = torch.zeros(3, 4), torch.zeros(3, dtype=torch.int64)
+    with pytest.raises(ValueError, match="impl: 'triton' runs CUDA tensors"):
+        logprob_entropy(z, y, impl="triton")
+
+
+def test_impl_none_on_cpu_is_not_triton(monkeypatch):
+    from dualvp_torch.triton_kernels import logits_op
+
+    monkeypatch.setenv("DUALVP_COMPILE", "0")  # (the eager kernels: no compile)
+    z = torch.randn(3, 8, requires_grad=True)
+    lp, _ = logprob_entropy(z, torch.tensor([1, 2, 3]), impl=None)
+    assert type(lp.grad_fn).__name__ != logits_op.TritonLogProbEntropy.__name__ + "Backward"
+
+
+@pytest.mark.parametrize("validate", [True, False])
+def test_out_of_range_targets(validate):
+    z = torch.randn(5, 16)
+    y = torch.tensor([0, 3, 16, -100, 2])  # 16 is out of range, -100 ignored
+    if validate:
+        with pytest.raises(ValueError, match=r"target: expected ids in \[0, 16\)"):
+            logprob_entropy(z, y, impl="triton")
+    else:  # no check, no synchronisation: unspecified values, but no error
+        lp, h = logprob_entropy(z, y, impl="triton", validate=False)
+        assert lp.shape == (5,)
+    # in range (and ignored) targets pass
+    lp, _ = logprob_entropy(z, torch.tensor([0, 3, 15, -100, 2]), impl="triton", validate=validate)
+    assert lp[3] == 0
+
+
+def _loss_grad(z, y, **kw):
+    lp, h = logprob_entropy(z, y, impl="triton", **kw)
+    gl = torch.linspace(-1, 1, lp.numel()).reshape(lp.shape)
+    loss = (lp * gl).sum() + (0.0 if h is None or not h.requires_grad else (h * gl.flip(0)).sum())
+    loss.backward()
+    return lp, h
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("mask", ["none", "nucleus"])
+def test_inplace_equals_fresh(dtype, mask):
+    p = cases.make(cases.case("basic", lead=(7,), vocab=80, dtype=dtype, mask=mask))
+    y = torch.from_numpy(p.target)
+    keep = None if p.keep_mask is None else torch.from_numpy(p.keep_mask)
+    leaf = torch.tensor(p.logits, dtype=_DT[dtype], requires_grad=True)
+    lp, h = _loss_grad(leaf, y, keep_mask=keep)
+    leaf2 = torch.tensor(p.logits, dtype=_DT[dtype], requires_grad=True)
+    z2 = leaf2 * 1  # a non-leaf: its storage takes the gradient
+    lp2, h2 = _loss_grad(z2, y, keep_mask=keep, inplace_grad=True)
+    assert torch.equal(lp, lp2) and torch.equal(h, h2)
+    assert torch.equal(leaf.grad, leaf2.grad)
+
+
+def _nonfinite_problem() -> cases.Problem:
+    # tests/cross/test_nonfinite_policy.py's rows: (0) ordinary; (1) banned columns; (2) shard 0 of 2 banned;
+    # (3) the target at -inf; (4) a NaN; (5) a +inf; (6) a NaN on the other shard than the target; (7) ordinary
+    rng = np.random.default_rng(0)
+    z = rng.normal(size=(8, 8))
+    z[1, [0, 5, 7]] = -np.inf
+    z[2, :4] = -np.inf
+    z[3, 3] = -np.inf
+    z[4, 2] = np.nan
+    z[5, 6] = np.inf
+    z[6, 7] = np.nan
+    c = cases.Case("nonfinite", lead=(8,), vocab=8, worlds=(1, 2), dtype="float32")
+    y = np.array([1, 2, 6, 3, 1, 1, 1, 5])
+    return cases.Problem(c, cases.round_to_dtype(z, "float32"), y, None, rng.normal(size=8), rng.normal(size=8))
+
+
+@pytest.mark.parametrize("world", [1, pytest.param(2, marks=pytest.mark.slow)])
+def test_nonfinite_rows(world):
+    p = _nonfinite_problem()
+    out = backends.run("torch", p, world, impl="triton")
+    ref = oracle(p)
+    for r in range(8):
+        if r in (4, 5, 6):  # poisoned: NaN in the row's outputs only
+            assert np.isnan(out.logprob[r]) and np.isnan(out.entropy[r]) and np.isnan(out.grad[r]).all(), r
+            continue
+        assert np.isfinite(out.entropy[r]) and np.isfinite(out.grad[r]).all(), r
+        assert out.logprob[r] == -np.inf if r == 3 else np.isfinite(out.logprob[r]), r
+        for q in ("logprob", "entropy", "grad"):
+            assert metrics.within_tolerance(getattr(out, q)[r], getattr(ref, q)[r], metrics.tolerance("float32", q))
+
+
+@pytest.mark.parametrize("mask", ["none", "random"])
+def test_without_entropy_or_its_grad(mask):
+    p = cases.make(cases.case("temp_0.3", mask=mask, seed=21))
+    y = torch.from_numpy(p.target)
+    keep = None if p.keep_mask is None else torch.from_numpy(p.keep_mask)
+    kw = dict(keep_mask=p.keep_mask, temperature=0.3)
+    ref_lp, ref_h = reference.logprob_entropy(p.logits, p.target, **kw)
+    ref_g = reference.logprob_entropy_grad(p.logits, p.target, p.grad_logprob, None, **kw)
+    tol = metrics.tolerance("float32", "grad")
+    for with_entropy, entropy_grad in ((False, True), (True, False)):
+        z = torch.tensor(p.logits, dtype=torch.float32, requires_grad=True)
+        lp, h = logprob_entropy(z, y, keep_mask=keep, temperature=0.3, impl="triton", with_entropy=with_entropy,
+                                entropy_grad=entropy_grad)
+        assert (h is None) == (not with_entropy)
+        if h is not None:
+            assert not h.requires_grad
+            assert metrics.within_tolerance(h.double().numpy(), ref_h, metrics.tolerance("float32", "entropy"))
+        (lp * torch.from_numpy(p.grad_logprob).float()).sum().backward()
+        assert metrics.within_tolerance(lp.detach().double().numpy(), ref_lp, metrics.tolerance("float32", "logprob"))
+        assert metrics.within_tolerance(z.grad.double().numpy(), ref_g, tol)
+
+
+def test_layouts_and_argument_types():
+    """Non-contiguous logits and mask, expanded upstream gradients, a 0-d tensor temperature (the checked path)."""
+    p = cases.make(cases.case("random_mask_temp", lead=(5,), vocab=40))
+    zt = torch.tensor(p.logits.T.copy(), dtype=torch.float32).t().requires_grad_(True)  # column-major
+    keep = torch.from_numpy(p.keep_mask.T.copy()).t()
+    y = torch.from_numpy(p.target)
+    lp, h = logprob_entropy(zt, y, keep_mask=keep, temperature=torch.tensor(0.7), impl="triton")
+    torch.autograd.backward([lp, h], [torch.ones(()).expand(5), torch.full((), 0.5).expand(5)])
+    kw = dict(keep_mask=p.keep_mask, temperature=0.7)
+    ref_lp, ref_h = reference.logprob_entropy(p.logits, p.target, **kw)
+    ref_g = reference.logprob_entropy_grad(p.logits, p.target, np.ones(5), np.full(5, 0.5), **kw)
+    assert metrics.within_tolerance(lp.detach().double().numpy(), ref_lp, metrics.tolerance("float32", "logprob"))
+    assert metrics.within_tolerance(h.detach().double().numpy(), ref_h, metrics.tolerance("float32", "entropy"))
+    assert metrics.within_tolerance(zt.grad.double().numpy(), ref_g, metrics.tolerance("float32", "grad"))
+
+
+def test_custom_op_eager():
+    """The ``torch.library`` route (what a caller's torch.compile holds) runs the same kernels: equal results."""
+    from dualvp_torch import library
+
+    p = cases.make(cases.case("nucleus", lead=(6,), vocab=72))
+    y, keep = torch.from_numpy(p.target), torch.from_numpy(p.keep_mask)
+    outs = []
+    for fn in (logprob_entropy, library.logprob_entropy):
+        z = torch.tensor(p.logits, dtype=torch.float32, requires_grad=True)
+        lp, h = fn(z, y, keep_mask=keep, temperature=1.3, impl="triton")
+        ((lp * 2).sum() + (h * 3).sum()).backward()
+        outs.append((lp.detach(), h.detach(), z.grad))
+    for a, b in zip(*outs):
+        assert torch.equal(a, b)
+
+
+def _rank_out_of_range(rank, world):
+    z = torch.randn(4, 8)
+    y = torch.tensor([0, 1, 2, 3 if rank == 0 else 99])  # rank 1 holds an id >= W * V_local = 16
+    try:
+        logprob_entropy(z, y, group=torch.distributed.group.WORLD, impl="triton")
+    except Exception as exc:  # noqa: BLE001
+        return type(exc).__name__, str(exc)
+    return None
+
+
+@pytest.mark.slow
+def test_out_of_range_raises_on_every_rank():
+    res = run_ranks(_rank_out_of_range, 2, timeout=300)
+    assert res[0] == res[1] and res[0][0] == "ValueError" and "target: expected ids in [0, 16)" in res[0][1], res
+
+
+@pytest.mark.slow
+def test_precision_at_a_realistic_vocabulary():
+    """float32, T=64, V=32000, normal logits (sd 2), entropy and a gradient of both terms, against float64."""
+    rng = np.random.default_rng(3)
+    T, V = 64, 32000
+    z64 = cases.round_to_dtype(rng.normal(0.0, 2.0, (T, V)), "float32")
+    y = rng.integers(0, V, T)
+    gl, ge = rng.normal(size=T), rng.normal(size=T)
+    z = torch.tensor(z64, dtype=torch.float32, requires_grad=True)
+    lp, h = logprob_entropy(z, torch.from_numpy(y), impl="triton", validate=False)
+    torch.autograd.backward([lp, h], [torch.from_numpy(gl).float(), torch.from_numpy(ge).float()])
+    ref_lp, ref_h = reference.logprob_entropy(z64, y)
+    ref_g = reference.logprob_entropy_grad(z64, y, gl.astype(np.float32), ge.astype(np.float32))
+    err_h = np.abs(h.detach().double().numpy() - ref_h).max()
+    err_lp = np.abs(lp.detach().double().numpy() - ref_lp).max()
+    err_g = np.abs(z.grad.double().numpy() - ref_g).max()
+    print(f"T={T} V={V} float32: logprob {err_lp:.2e} entropy {err_h:.2e} grad {err_g:.2e}")
+    assert err_h <= 1e-6 and err_g <= 5e-7 and err_lp <= 2e-5
+
+
+def test_python_calls_per_call():
+    """O(1) Python per call: calls made in dualvp's own files per forward + backward (validate=False).
+
+    Counted with cProfile at T=64, V=256 after a warm-up call (checks cached,
+    kernels decorated). Under the interpreter the kernels' bodies run as
+    Python once per program (13 here); they are counted too. A count, not a
+    timing: the issue's budget is 40 (the compiled path made 367).
+    """
+    import cProfile
+    import pstats
+
+    import dualvp
+    import dualvp_torch
+
+    roots = tuple(os.path.dirname(m.__file__) + os.sep for m in (dualvp, dualvp_torch))
+    roots += (os.path.join(os.path.dirname(os.path.dirname(dualvp.__file__)), "dualvp_jax") + os.sep,)
+    z0, y = torch.randn(64, 256), torch.randint(0, 256, (64,))
+
+    def step():
+        z = z0.clone().requires_grad_(True)
+        lp, h = logprob_entropy(z, y, validate=False, impl="triton")
+        (lp.sum() + h.sum()).backward()
+
+    step()
+    prof = cProfile.Profile()
+    prof.enable()
+    step()
+    prof.disable()
+    ours = {k: v[1] for k, v in pstats.Stats(prof).stats.items() if k[0].startswith(roots)}
+    n = sum(ours.values())
+    print(f"Python calls in dualvp's files per forward + backward: {n}")
+    assert n <= 40, sorted(ours.items(), key=lambda kv: -kv[1])
