@@ -125,17 +125,19 @@ def grads(h2, weight, ycol, keep, comb, gl, ge, temperature: float, need_dh: boo
             chunk = min(v, max(bv, budget // max(1, 4 * hsz) // bv * bv))
             dw = torch.empty((v, hsz), dtype=weight.dtype, device=dev)
             acc = torch.empty((chunk, hsz), dtype=torch.float32, device=dev)
-    dummy = dh if dh is not None else acc
+    chunked = need_dw and acc is not dw  # 16-bit dW: a float32 buffer per vocabulary chunk
+    dummy = dh if dh is not None else acc  # the pointer a disabled output gets (never written)
     split = bool(split_g) and weight.dtype != torch.float32
     for j0 in range(0, v, chunk):
         j1 = min(v, j0 + chunk)
-        if need_dw and acc is not dw:
+        if chunked:
             acc.zero_()
+        dw_arg = (acc if chunked else acc[j0:j1]) if need_dw else dummy
         km = keep[:, j0:j1].view(torch.uint8) if keep is not None else ycol
         wj = weight[j0:j1]
         linear_grad_kernel[(triton.cdiv(n, bt), triton.cdiv(j1 - j0, bv))](
             h2, wj, ycol, km, M, log_s, c if has_ent else M, mk, log_sk, gl, ge if has_ent else gl,
-            dh if need_dh else dummy, acc[j0:j1] if acc is dw else (acc if need_dw else dummy),
+            dh if need_dh else dummy, dw_arg,
             n, j1 - j0, hsz, j0,
             h2.stride(0), h2.stride(1), wj.stride(0), wj.stride(1),
             km.stride(0) if keep is not None else 0, km.stride(1) if keep is not None else 0,
@@ -144,7 +146,7 @@ def grads(h2, weight, ycol, keep, comb, gl, ge, temperature: float, need_dh: boo
             SPLIT_G=split, UPCAST=_upcast(h2), ALLOW_TF32=allow_tf32,
             BLOCK_T=bt, BLOCK_V=bv, BLOCK_K=bk,
         )
-        if need_dw and acc is not dw:
+        if chunked:
             dw[j0:j1].copy_(acc[: j1 - j0])  # the one rounding of this chunk of dW
     return dh, dw
 
