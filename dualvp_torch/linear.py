@@ -75,6 +75,7 @@ weight row poisons every token's row.
 from __future__ import annotations
 
 import contextlib
+from typing import Optional
 
 import array_api_compat.torch as xp
 import torch
@@ -83,49 +84,19 @@ from torch.autograd.function import once_differentiable
 from dualvp import spec, validation
 
 from . import collectives, kernels, linear_checks, linear_triton
+from .linear_tiles import (  # noqa: F401 (re-exported)
+    BUDGET_FRACTION,
+    CUDA_BUDGET_FRACTION,
+    MIN_BUDGET,
+    MIN_SIDE,
+    _ranges,
+    _TileBuffer,
+    default_budget,
+    tile_shape,
+)
 from .function import _check_materialised, _merge, _one_graph_break, _save_residuals
 
-__all__ = ["BUDGET_FRACTION", "MIN_BUDGET", "MIN_SIDE", "default_budget", "linear_logprob_entropy", "tile_shape"]
-
-#: Default budget of one tile, as a fraction of ``B`` ...
-BUDGET_FRACTION = 1 / 16
-#: ... on a CUDA device (fewer, larger tiles: each tile costs host calls and launches).
-CUDA_BUDGET_FRACTION = 1 / 4
-#: ... but at least this many bytes (tiny problems run in one tile).
-MIN_BUDGET = 1 << 20
-#: A tile spans the whole shorter side when this many of the other side fit the budget.
-MIN_SIDE = 128
-
-
-def default_budget(n_rows: int, v_local: int, itemsize: int, device_type: str = "cpu") -> int:
-    """``max(fraction * B, MIN_BUDGET)`` bytes, ``B = n_rows * v_local * itemsize``.
-
-    ``fraction``: :data:`CUDA_BUDGET_FRACTION` on CUDA, else :data:`BUDGET_FRACTION`.
-    """
-    fraction = CUDA_BUDGET_FRACTION if device_type == "cuda" else BUDGET_FRACTION
-    return max(int(fraction * n_rows * v_local * itemsize), MIN_BUDGET)
-
-
-def tile_shape(n_rows: int, v_local: int, budget: int, elem_bytes: int) -> tuple[int, int]:
-    """``(rows, cols)`` of one tile with ``rows * cols * elem_bytes <= budget`` (at least ``1 x 1``).
-
-    Vocabulary-major (``n_rows <= v_local``): all rows when ``MIN_SIDE``
-    columns of them fit, then as many columns as fit; token-major the other
-    way round.
-    """
-    cap = max(1, budget // max(1, elem_bytes))
-    if n_rows <= v_local:
-        rows = min(n_rows, max(1, cap // min(v_local, MIN_SIDE)))
-        cols = min(v_local, max(1, cap // max(1, rows)))
-    else:
-        cols = min(v_local, max(1, cap // min(n_rows, MIN_SIDE)))
-        rows = min(n_rows, max(1, cap // max(1, cols)))
-    return max(1, rows), max(1, cols)
-
-
-def _ranges(n: int, step: int):
-    return [(i, min(n, i + step)) for i in range(0, n, step)]
-
+__all__ = ["linear_logprob_entropy", "tile_shape", "default_budget", "MIN_SIDE", "MIN_BUDGET", "BUDGET_FRACTION"]
 
 def _ycol(local, owns, valid):
     # [T] int64 for the Triton kernels: the target's column where this shard owns it, -1 for a
@@ -187,12 +158,18 @@ def _addmm_f32_(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor, first: bool
 SPLIT_G = True
 
 
-def _g_parts(g: torch.Tensor, dtype: torch.dtype) -> list:
-    """``[G_hi]`` or ``[G_hi, G_lo]`` in ``dtype``: ``G`` rounded, or split so that ``G_hi + G_lo ~ G``."""
+def _g_parts(g: torch.Tensor, dtype: torch.dtype):
+    """``G``'s parts in ``dtype``, one after the other: ``G_hi`` (``G`` rounded), then ``G_lo`` (``SPLIT_G``).
+
+    ``G_lo`` is ``G - G_hi`` (exact in float32) rounded, formed over ``g``
+    itself: one 16-bit part is alive at a time next to the float32 tile.
+    """
     hi = g.to(dtype)
-    if not SPLIT_G:
-        return [hi]
-    return [hi, (g - hi.to(g.dtype)).to(dtype)]
+    yield hi
+    if SPLIT_G:
+        g.sub_(hi)
+        del hi
+        yield g.to(dtype)
 
 
 def _fwd_operand(x: torch.Tensor, cdt: torch.dtype) -> torch.Tensor:
@@ -200,31 +177,7 @@ def _fwd_operand(x: torch.Tensor, cdt: torch.dtype) -> torch.Tensor:
     return x if _native_out_dtype(x, cdt) else _up(x, cdt)
 
 
-class _TileBuffer:
-    """One pass's tiles, formed one after another in a single buffer of the largest tile's size.
-
-    A fresh tile per step costs nothing on CUDA (the caching allocator hands the
-    last one back) but on the CPU a tile above glibc's mmap threshold is a new
-    mapping whose every 4 KiB page faults on first write: 600-650 thousand
-    faults per forward + backward at T=2048, V_local=152064 (float32, 16 tiles
-    of 78 MB; ``benchmarks/head_step.py``). The buffer is allocated at the
-    first CPU tile and kept for the pass; the peak is one tile either way.
-    """
-
-    def __init__(self, rows: int, cols: int, dtype: torch.dtype, device: torch.device):
-        self.shape, self.dtype, self.device = (rows, cols), dtype, device
-        self._flat: torch.Tensor | None = None
-
-    def take(self, rows: int, cols: int) -> torch.Tensor | None:
-        """A contiguous ``[rows, cols]`` view of the buffer, or ``None`` off the CPU."""
-        if self.device.type != "cpu":
-            return None
-        if self._flat is None:
-            self._flat = torch.empty(self.shape[0] * self.shape[1], dtype=self.dtype, device=self.device)
-        return self._flat[: rows * cols].view(rows, cols)
-
-
-def _logits_block(h_i: torch.Tensor, w_j: torch.Tensor, cdt: torch.dtype, out: torch.Tensor | None = None):
+def _logits_block(h_i: torch.Tensor, w_j: torch.Tensor, cdt: torch.dtype, out: Optional[torch.Tensor] = None):
     """``h_i W_j^T`` as a contiguous ``cdt`` (float32/float64) block, from operands of any float dtype.
 
     ``out``: a contiguous ``[rows, cols]`` ``cdt`` tensor to form it in (see :class:`_TileBuffer`).
@@ -318,14 +271,13 @@ def _grads(h2, weight, local, owns, keep, stats, valid, gl, ge, tau, tiles, need
                 valid[i0:i1], gl[i0:i1], ge_i, tau, start=j0, impl=impl,
             )  # z holds G now (float32)
             if native:
-                parts = _g_parts(z, h2.dtype)
-                for q, g in enumerate(parts):
+                for q, g in enumerate(_g_parts(z, h2.dtype)):
                     if need_dh:
                         _addmm_f32_(dh[i0:i1], g, w_j, False)
                     if need_dw:
                         acc = block_acc if block_acc is not None else dw_full[j0:j1]
                         _addmm_f32_(acc, g.t(), h_i, block_acc is not None and k == 0 and q == 0)
-                del parts
+                    del g
             else:  # float32 G times float32 (or upcast) rows
                 if need_dh:
                     dh[i0:i1].addmm_(z, w_j)
@@ -436,7 +388,7 @@ def linear_logprob_entropy(
     target: torch.Tensor,
     *,
     group=None,
-    keep_mask: torch.Tensor | None = None,
+    keep_mask: Optional[torch.Tensor] = None,
     temperature=1.0,
     with_entropy: bool = True,
     entropy_grad: bool = True,
@@ -444,10 +396,10 @@ def linear_logprob_entropy(
     reduce_hidden_grad: bool = True,
     sequence_parallel: bool = False,
     validate: bool = True,
-    memory_budget: int | None = None,
-    impl: str | None = None,
+    memory_budget: Optional[int] = None,
+    impl: Optional[str] = None,
     allow_tf32: bool = False,
-) -> tuple[torch.Tensor, torch.Tensor | None]:
+) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
     """Log-prob of the target and entropy of ``softmax(hidden @ weight_full.T / tau)``, fused.
 
     Equal (up to rounding) to ``logprob_entropy(hidden @ weight.T, target,
@@ -488,8 +440,8 @@ def linear_logprob_entropy(
       memory_budget: bytes of one float32 logits tile (with the eager
         path's per-element temporaries; ``impl="triton"``: of one float32
         ``dW`` chunk for 16-bit weights); ``None``: ``max(B / 16, 1 MiB)``
-        (``B / 4`` on CUDA) with ``B = T * V_local * itemsize``. Need not
-        agree across ranks (it changes no collective).
+        (``B / 4`` for the tile path on CUDA) with ``B = T * V_local *
+        itemsize``. Need not agree across ranks (it changes no collective).
       impl: ``None``, ``"compiled"`` or ``"eager"``: how the spec stages of
         each tile run (:func:`dualvp_torch.kernels.select`); ``"triton"``:
         the fused Triton kernels (CUDA, or CPU tensors under
@@ -517,7 +469,7 @@ def linear_logprob_entropy(
     )
     n_rows = target.numel()
     budget = memory_budget if memory_budget is not None else default_budget(
-        n_rows, weight.shape[0], hidden.element_size(), hidden.device.type
+        n_rows, weight.shape[0], hidden.element_size(), hidden.device.type, impl
     )
     logprob, entropy = LinearLogProbEntropyFunction.apply(
         hidden, weight, target, keep_mask, opt, group, impl, budget, allow_tf32

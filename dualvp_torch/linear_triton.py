@@ -21,6 +21,8 @@ The kernel modules are imported at the first call: ``triton`` is optional, and
 from __future__ import annotations
 
 import math
+import os
+from typing import Optional
 
 import array_api_compat.torch as xp
 import torch
@@ -29,16 +31,11 @@ from dualvp import spec
 
 from . import triton_kernels
 
-__all__ = ["SPLIT_G_DEFAULT", "blocks", "grads", "stats", "unavailable"]
-
-#: ``G`` enters the backward products as a high and a low part of the input
-#: dtype (two products each) rather than rounded once: with one rounding
-#: ``dh`` and ``dW`` missed the precision goal (docs/decisions.md,
-#: "Fused LM-head: G split into hi + lo").
-SPLIT_G_DEFAULT = True
+__all__ = ["BLOCKS_ENV", "blocks", "grads", "stats", "unavailable"]
 
 
-def unavailable(device: torch.device) -> str | None:
+
+def unavailable(device: torch.device) -> Optional[str]:
     """Why ``impl="triton"`` cannot run on ``device`` (``None`` when it can)."""
     if not triton_kernels.available():
         return "the triton package is not installed"
@@ -49,16 +46,38 @@ def unavailable(device: torch.device) -> str | None:
     return f"needs a CUDA device (or TRITON_INTERPRET=1 for CPU tensors), got device {device}"
 
 
-def blocks(device: torch.device) -> tuple[int, int, int]:
-    """``(BLOCK_T, BLOCK_V, BLOCK_K)`` of the tiles: tensor-core sized on a GPU, small in the interpreter."""
+#: ``"BLOCK_T,BLOCK_V,BLOCK_K[,num_warps]"`` overrides the CUDA tiles (tuning runs of the bench).
+BLOCKS_ENV = "DUALVP_TRITON_LINEAR_BLOCKS"
+
+
+def blocks(device: torch.device) -> tuple[int, int, int, Optional[int]]:
+    """``(BLOCK_T, BLOCK_V, BLOCK_K, num_warps)``: tensor-core sized on a GPU, small in the interpreter.
+
+    The CUDA tiles are untuned (no GPU measurement yet); :data:`BLOCKS_ENV` overrides them.
+    """
     if device.type == "cuda":
-        return 64, 128, 64
-    return 16, 32, 16
+        env = os.environ.get(BLOCKS_ENV)
+        if env:
+            parts = [int(x) for x in env.split(",")]
+            return parts[0], parts[1], parts[2], (parts[3] if len(parts) > 3 else None)
+        return 64, 128, 64, 8
+    return 16, 32, 16, None
 
 
 def _upcast(x: torch.Tensor) -> bool:
     # the interpreter's tl.dot mis-computes bfloat16 operands: convert them after loading
     return x.device.type == "cpu" and x.dtype == torch.bfloat16
+
+
+def _precision(x: torch.Tensor, allow_tf32: bool) -> str:
+    # tl.dot's input precision: float32 operands (or upcast ones) IEEE unless TF32 is allowed
+    if x.dtype == torch.float32 or _upcast(x):
+        return "tf32" if allow_tf32 and x.dtype == torch.float32 else "ieee"
+    return "default"
+
+
+def _launch(warps: Optional[int]) -> dict:
+    return {} if warps is None else {"num_warps": warps}
 
 
 def _n_splits(n_row_blocks: int, n_vblocks: int, device: torch.device) -> int:
@@ -68,7 +87,7 @@ def _n_splits(n_row_blocks: int, n_vblocks: int, device: torch.device) -> int:
     return min(n_vblocks, 3)  # the interpreter: several splits, several blocks per split
 
 
-def stats(h2: torch.Tensor, weight: torch.Tensor, ycol: torch.Tensor, keep: torch.Tensor | None,
+def stats(h2: torch.Tensor, weight: torch.Tensor, ycol: torch.Tensor, keep: Optional[torch.Tensor],
           tau: torch.Tensor, temperature: float, allow_tf32: bool) -> torch.Tensor:
     """``[T, 6]`` float32 statistics of this rank's logits ``h2 weight^T`` (``spec.block_stats``, merged).
 
@@ -80,7 +99,7 @@ def stats(h2: torch.Tensor, weight: torch.Tensor, ycol: torch.Tensor, keep: torc
 
     n, hsz = h2.shape
     v = weight.shape[0]
-    bt, bv, bk = blocks(h2.device)
+    bt, bv, bk, warps = blocks(h2.device)
     n_rows, nvb = triton.cdiv(n, bt), triton.cdiv(v, bv)
     splits = _n_splits(n_rows, nvb, h2.device)
     per_split = triton.cdiv(nvb, splits)
@@ -92,8 +111,8 @@ def stats(h2: torch.Tensor, weight: torch.Tensor, ycol: torch.Tensor, keep: torc
         h2.stride(0), h2.stride(1), weight.stride(0), weight.stride(1),
         km.stride(0) if keep is not None else 0, km.stride(1) if keep is not None else 0,
         1.0 / temperature,
-        HAS_KEEP=keep is not None, UPCAST=_upcast(h2), ALLOW_TF32=allow_tf32,
-        BLOCK_T=bt, BLOCK_V=bv, BLOCK_K=bk,
+        HAS_KEEP=keep is not None, UPCAST=_upcast(h2), PRECISION=_precision(h2, allow_tf32),
+        BLOCK_T=bt, BLOCK_V=bv, BLOCK_K=bk, **_launch(warps),
     )
     return out[0] if splits == 1 else spec.reduce_stats(xp, out, 0, tau)
 
@@ -112,7 +131,7 @@ def grads(h2, weight, ycol, keep, comb, gl, ge, temperature: float, need_dh: boo
     n, hsz = h2.shape
     v = weight.shape[0]
     dev = h2.device
-    bt, bv, bk = blocks(dev)
+    bt, bv, bk, warps = blocks(dev)
     M, log_s, c, mk, log_sk = (None if x is None else x.contiguous() for x in comb)
     has_ent = ge is not None
     dh = torch.zeros((n, hsz), dtype=torch.float32, device=dev) if need_dh else None
@@ -143,8 +162,8 @@ def grads(h2, weight, ycol, keep, comb, gl, ge, temperature: float, need_dh: boo
             km.stride(0) if keep is not None else 0, km.stride(1) if keep is not None else 0,
             1.0 / temperature,
             HAS_KEEP=keep is not None, HAS_ENT_GRAD=has_ent, NEED_DH=need_dh, NEED_DW=need_dw,
-            SPLIT_G=split, UPCAST=_upcast(h2), ALLOW_TF32=allow_tf32,
-            BLOCK_T=bt, BLOCK_V=bv, BLOCK_K=bk,
+            SPLIT_G=split, UPCAST=_upcast(h2), PRECISION=_precision(h2, allow_tf32),
+            BLOCK_T=bt, BLOCK_V=bv, BLOCK_K=bk, **_launch(warps),
         )
         if chunked:
             dw[j0:j1].copy_(acc[: j1 - j0])  # the one rounding of this chunk of dW

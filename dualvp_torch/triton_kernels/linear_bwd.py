@@ -16,7 +16,7 @@ is float32 in registers; for the products it is rounded to the operand dtype
 is added with ``tl.atomic_add`` into float32 ``dh [T, H]`` and ``dW [V, H]``
 buffers, which the host rounds once to the input dtype. Columns at or past
 ``V`` and rows at or past ``T`` get ``G = 0``. Float32 operands multiply in
-IEEE float32 unless ``ALLOW_TF32``; ``UPCAST`` converts 16-bit operands to
+IEEE float32 or TF32 (``PRECISION``); ``UPCAST`` converts 16-bit operands to
 float32 after loading (the CPU interpreter mis-computes ``tl.dot`` on
 bfloat16), ``G`` still rounded (or split) through the input dtype.
 """
@@ -30,10 +30,11 @@ __all__ = ["linear_grad_kernel"]
 
 
 @triton.jit
-def _dot(a, b, acc, ALLOW_TF32: tl.constexpr):
-    if ALLOW_TF32:
-        return tl.dot(a, b, acc, input_precision="tf32")
-    return tl.dot(a, b, acc, input_precision="ieee")
+def _dot(a, b, acc, PRECISION: tl.constexpr):
+    # float32 operands: "ieee" or "tf32"; 16-bit operands: "default" (tensor cores, float32 accumulation)
+    if PRECISION == "default":
+        return tl.dot(a, b, acc)
+    return tl.dot(a, b, acc, input_precision=PRECISION)
 
 
 @triton.jit
@@ -45,7 +46,7 @@ def linear_grad_kernel(
     stride_ht, stride_hk, stride_wv, stride_wk, stride_kt, stride_kv,
     inv_tau,
     HAS_KEEP: tl.constexpr, HAS_ENT_GRAD: tl.constexpr, NEED_DH: tl.constexpr, NEED_DW: tl.constexpr,
-    SPLIT_G: tl.constexpr, UPCAST: tl.constexpr, ALLOW_TF32: tl.constexpr,
+    SPLIT_G: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     """Add this tile's ``G W_j`` to ``dh [T, H]`` and ``G^T h_i`` to ``dW [V, H]`` (float32, contiguous).
@@ -61,8 +62,8 @@ def linear_grad_kernel(
     """
     pid_t = tl.program_id(0)
     pid_v = tl.program_id(1)
-    rows = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
-    cols = pid_v * BLOCK_V + tl.arange(0, BLOCK_V)
+    rows = pid_t * BLOCK_T + tl.arange(0, BLOCK_T).to(tl.int64)  # 64-bit offsets: T * V may pass 2^31
+    cols = pid_v * BLOCK_V + tl.arange(0, BLOCK_V).to(tl.int64)
     row_ok = rows < T
     col_ok = cols < V
     ks = tl.arange(0, BLOCK_K)
@@ -79,7 +80,7 @@ def linear_grad_kernel(
         if UPCAST:
             hb = hb.to(tl.float32)
             wb = wb.to(tl.float32)
-        acc = _dot(hb, tl.trans(wb), acc, ALLOW_TF32)
+        acc = _dot(hb, tl.trans(wb), acc, PRECISION)
     z = tl.where(col_ok[None, :], acc, neg_inf)
 
     ycol = tl.load(ycol_ptr + rows, mask=row_ok, other=-2)
@@ -131,16 +132,16 @@ def linear_grad_kernel(
                          mask=col_ok[:, None] & k_ok[None, :], other=0.0)
             if UPCAST:
                 wb = wb.to(tl.float32)
-            part = _dot(g_hi, wb, tl.zeros((BLOCK_T, BLOCK_K), tl.float32), ALLOW_TF32)
+            part = _dot(g_hi, wb, tl.zeros((BLOCK_T, BLOCK_K), tl.float32), PRECISION)
             if SPLIT_G:
-                part = _dot(g_lo, wb, part, ALLOW_TF32)
+                part = _dot(g_lo, wb, part, PRECISION)
             tl.atomic_add(dh_ptr + rows[:, None] * H + kk[None, :], part, mask=row_ok[:, None] & k_ok[None, :])
         if NEED_DW:
             hb = tl.load(h_ptr + rows[:, None] * stride_ht + kk[None, :] * stride_hk,
                          mask=row_ok[:, None] & k_ok[None, :], other=0.0)
             if UPCAST:
                 hb = hb.to(tl.float32)
-            part = _dot(tl.trans(g_hi), hb, tl.zeros((BLOCK_V, BLOCK_K), tl.float32), ALLOW_TF32)
+            part = _dot(tl.trans(g_hi), hb, tl.zeros((BLOCK_V, BLOCK_K), tl.float32), PRECISION)
             if SPLIT_G:
-                part = _dot(tl.trans(g_lo), hb, part, ALLOW_TF32)
+                part = _dot(tl.trans(g_lo), hb, part, PRECISION)
             tl.atomic_add(dw_ptr + cols[:, None] * H + kk[None, :], part, mask=col_ok[:, None] & k_ok[None, :])

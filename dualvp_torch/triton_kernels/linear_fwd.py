@@ -15,8 +15,8 @@ blocks ``[p * blocks_per_split, (p + 1) * blocks_per_split)`` of
 ``-inf`` logits, so they enter no sum and no maximum.
 
 Precision: the tile product accumulates in float32 (``tl.dot``: 16-bit
-operands on tensor cores; float32 operands in IEEE float32 unless
-``ALLOW_TF32``); all statistics are float32. ``UPCAST`` converts the loaded
+operands on tensor cores; float32 operands in IEEE float32 or TF32,
+``PRECISION``); all statistics are float32. ``UPCAST`` converts the loaded
 operands to float32 before the product (exact): Triton's CPU interpreter
 mis-computes ``tl.dot`` on bfloat16 operands.
 """
@@ -50,7 +50,7 @@ def linear_stats_kernel(
     T, V, H, blocks_per_split,
     stride_ht, stride_hk, stride_wv, stride_wk, stride_kt, stride_kv,
     inv_tau,
-    HAS_KEEP: tl.constexpr, UPCAST: tl.constexpr, ALLOW_TF32: tl.constexpr,
+    HAS_KEEP: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     """``out [n_splits, T, 6]`` = block statistics of ``h [T, H] W [V, H]^T`` per vocabulary split.
@@ -61,7 +61,7 @@ def linear_stats_kernel(
     """
     pid_t = tl.program_id(0)
     pid_s = tl.program_id(1)
-    rows = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
+    rows = pid_t * BLOCK_T + tl.arange(0, BLOCK_T).to(tl.int64)  # 64-bit offsets: T * V may pass 2^31
     row_ok = rows < T
     ycol = tl.load(ycol_ptr + rows, mask=row_ok, other=-1)
     ks = tl.arange(0, BLOCK_K)
@@ -77,7 +77,7 @@ def linear_stats_kernel(
 
     for b in range(blocks_per_split):
         j0 = (pid_s * blocks_per_split + b) * BLOCK_V
-        cols = j0 + tl.arange(0, BLOCK_V)
+        cols = j0 + tl.arange(0, BLOCK_V).to(tl.int64)
         col_ok = cols < V
         acc = tl.zeros((BLOCK_T, BLOCK_V), tl.float32)
         for k0 in range(0, H, BLOCK_K):
@@ -89,10 +89,10 @@ def linear_stats_kernel(
             if UPCAST:
                 hb = hb.to(tl.float32)
                 wb = wb.to(tl.float32)
-            if ALLOW_TF32:
-                acc = tl.dot(hb, tl.trans(wb), acc, input_precision="tf32")
-            else:
-                acc = tl.dot(hb, tl.trans(wb), acc, input_precision="ieee")
+            if PRECISION == "default":  # 16-bit operands: tensor cores, float32 accumulation
+                acc = tl.dot(hb, tl.trans(wb), acc)
+            else:  # float32 operands: "ieee" or "tf32"
+                acc = tl.dot(hb, tl.trans(wb), acc, input_precision=PRECISION)
         z = tl.where(col_ok[None, :], acc, neg_inf)  # padded columns: no mass
         is_y = cols[None, :] == ycol[:, None]
 
