@@ -43,9 +43,10 @@ from torch.autograd.function import once_differentiable
 
 from . import collectives, kernels
 from . import dtensor as _dtensor
+from .compat_verl import linear_cross_entropy
 from .function import _forward, _grad, _kind, _logprob_entropy, _one_graph_break, _validated, logprob_entropy
 
-__all__ = ["calculate_log_probs_and_entropy", "vocab_parallel_cross_entropy"]
+__all__ = ["calculate_log_probs_and_entropy", "linear_cross_entropy", "vocab_parallel_cross_entropy"]
 
 _IGNORE_INDEX = -100
 

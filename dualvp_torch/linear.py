@@ -33,7 +33,7 @@ Tiles and memory
 hold in the caller's dtype). One tile is a float32 block ``[tc, vc]``; its
 bytes (4 per element, plus :data:`dualvp_torch.kernels.BLOCK_SCRATCH_BYTES` per
 element on the eager path, whose spec temporaries are tile-sized) stay within
-``memory_budget``, default ``max(B / 16, 1 MiB)``. The loop order keeps the
+``memory_budget``, default ``max(B / 16, 1 MiB)`` (``B / 4`` on CUDA). The loop order keeps the
 float32 accumulator that must span the whole loop small:
 ``T <= V_local``: vocabulary blocks outside (each block's ``dW_j`` is complete
 after its token chunks; ``dh`` accumulates in ``[T, H]``); otherwise token
@@ -43,23 +43,27 @@ chunks outside (``dh_i`` complete per chunk, ``dW`` accumulates in
 that the common case has no inner loop at all.
 
 Besides the tile the op holds (float32 input: nothing else, the accumulators
-are the returned gradients; bfloat16/float16: ``[T, H]`` float32 for ``dh``,
-float32 copies of the tile's operand rows ``h_i`` and ``W_j``, and a ``[vc,
-H]`` float32 block of ``dW`` rounded once into the returned gradient).
-Between forward and backward: the inputs by reference and O(T) statistics.
-A frozen input (``requires_grad=False``) skips its matmul.
+are the returned gradients; 16-bit: ``[T, H]`` float32 for ``dh``, a ``[vc,
+H]`` float32 block of ``dW`` rounded once into the returned gradient, and on
+the CPU float32 copies of the tile's operand rows). Between forward and
+backward: the inputs by reference and O(T) statistics. A frozen input
+(``requires_grad=False``) skips its matmul.
 
 Precision: every logits block and every gradient block ``G`` is float32
 (float64 for float64 input), and ``dh``/``dW`` accumulate in float32 across
 tiles and ranks; each gradient is rounded once to the input dtype at the end.
-On the CPU there is no bfloat16 x bfloat16 -> float32 matmul in torch, so the
-tile's bfloat16 operands are upcast to float32 (exact) and multiplied in
-float32: exact, but slower than a native bfloat16 GEMM would be; on CUDA the
-forward block uses ``torch.mm(..., out_dtype=torch.float32)`` when torch has
-it, and the backward products (float32 ``G`` times bfloat16 rows) upcast the
-rows, which is exact (unless the caller enabled TF32 for float32 matmuls,
-``torch.backends.cuda.matmul.allow_tf32``, which then applies to them too).
-The CUDA paths are not exercised by the tests (no GPU here).
+16-bit inputs on CUDA: the blocks are ``torch.mm(..., out_dtype=float32)`` of
+the 16-bit operands, and the backward products take ``G`` as a high and a low
+16-bit part (:data:`SPLIT_G`), each multiplied on tensor cores with float32
+accumulation; no float32 copy of a weight or hidden row is made. On the CPU
+(torch has no 16-bit matmul with float32 output there) the operands are
+upcast to float32 (exact) and ``G`` multiplies them as it is. float32 inputs
+multiply in IEEE float32 unless ``allow_tf32=True``.
+
+``impl="triton"`` (:mod:`dualvp_torch.linear_triton`) replaces the tile loop by
+two fused kernels, the statistics in the forward GEMM's epilogue and ``G``
+formed in registers in the backward (``dualvp_torch/triton_kernels/linear_fwd.py``,
+``linear_bwd.py``); the merge, the collectives and autograd are the same.
 
 Non-finite values, row by row: a NaN/inf in hidden row ``t`` makes that row's
 logits non-finite, so its log-prob, entropy and ``dh`` row are NaN (the other
@@ -70,6 +74,7 @@ weight row poisons every token's row.
 
 from __future__ import annotations
 
+import contextlib
 from typing import Optional
 
 import array_api_compat.torch as xp
@@ -78,52 +83,39 @@ from torch.autograd.function import once_differentiable
 
 from dualvp import spec, validation
 
-from . import collectives, kernels
-from .function import (
-    _check_call,
-    _check_materialised,
-    _check_target_keep,
-    _count_bad_targets,
-    _dtype_name,
-    _merge,
-    _one_graph_break,
-    _save_residuals,
+from . import collectives, kernels, linear_checks, linear_triton
+from .linear_tiles import (  # noqa: F401 (re-exported)
+    BUDGET_FRACTION,
+    CUDA_BUDGET_FRACTION,
+    MIN_BUDGET,
+    MIN_SIDE,
+    _ranges,
+    _TileBuffer,
+    default_budget,
+    tile_shape,
 )
+from .function import _check_materialised, _merge, _one_graph_break, _save_residuals
 
 __all__ = ["linear_logprob_entropy", "tile_shape", "default_budget", "MIN_SIDE", "MIN_BUDGET", "BUDGET_FRACTION"]
 
-#: Default budget of one tile, as a fraction of ``B`` ...
-BUDGET_FRACTION = 1 / 16
-#: ... but at least this many bytes (tiny problems run in one tile).
-MIN_BUDGET = 1 << 20
-#: A tile spans the whole shorter side when this many of the other side fit the budget.
-MIN_SIDE = 128
+def _ycol(local, owns, valid):
+    # [T] int64 for the Triton kernels: the target's column where this shard owns it, -1 for a
+    # valid row whose target lies elsewhere, -2 for an ignored row
+    return torch.where(owns, local, torch.where(valid, -1, -2))
 
 
-def default_budget(n_rows: int, v_local: int, itemsize: int) -> int:
-    """``max(BUDGET_FRACTION * B, MIN_BUDGET)`` bytes, ``B = n_rows * v_local * itemsize``."""
-    return max(int(BUDGET_FRACTION * n_rows * v_local * itemsize), MIN_BUDGET)
-
-
-def tile_shape(n_rows: int, v_local: int, budget: int, elem_bytes: int) -> tuple[int, int]:
-    """``(rows, cols)`` of one tile with ``rows * cols * elem_bytes <= budget`` (at least ``1 x 1``).
-
-    Vocabulary-major (``n_rows <= v_local``): all rows when ``MIN_SIDE``
-    columns of them fit, then as many columns as fit; token-major the other
-    way round.
-    """
-    cap = max(1, budget // max(1, elem_bytes))
-    if n_rows <= v_local:
-        rows = min(n_rows, max(1, cap // min(v_local, MIN_SIDE)))
-        cols = min(v_local, max(1, cap // max(1, rows)))
-    else:
-        cols = min(v_local, max(1, cap // min(n_rows, MIN_SIDE)))
-        rows = min(n_rows, max(1, cap // max(1, cols)))
-    return max(1, rows), max(1, cols)
-
-
-def _ranges(n: int, step: int):
-    return [(i, min(n, i + step)) for i in range(0, n, step)]
+@contextlib.contextmanager
+def _matmul_precision(x: torch.Tensor, allow_tf32: bool):
+    """float32 matmuls on CUDA in IEEE float32 (``allow_tf32=False``) or TF32, whatever torch's global flag."""
+    if x.device.type != "cuda" or x.dtype != torch.float32:
+        yield
+        return
+    prev = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = allow_tf32
+    try:
+        yield
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = prev
 
 
 def _up(x: torch.Tensor, cdt: torch.dtype) -> torch.Tensor:
@@ -134,38 +126,55 @@ _OUT_DTYPE_MM: dict = {}
 
 
 def _native_out_dtype(x: torch.Tensor, cdt: torch.dtype) -> bool:
-    # CUDA: a 16-bit x 16-bit -> float32 matmul (float32 accumulation) forms
-    # the forward block without upcasting the operands; the CPU has none.
+    # CUDA: a 16-bit x 16-bit -> float32 matmul (float32 accumulation on
+    # tensor cores) forms the blocks and the backward products without float32
+    # copies of the operands; the CPU has none (torch has no CPU kernel of it).
     return x.dtype != cdt and x.device.type == "cuda" and _OUT_DTYPE_MM.get("cuda", True)
+
+
+def _mm_f32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``a @ b`` of two 16-bit matrices, accumulated and returned in float32."""
+    return torch.mm(a, b, out_dtype=torch.float32)
+
+
+def _addmm_f32_(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor, first: bool) -> None:
+    """``acc (+)= a @ b`` (``first``: ``=``), 16-bit operands, float32 ``acc``."""
+    if _OUT_DTYPE_MM.get("cuda", True):
+        try:
+            r = _mm_f32(a, b)
+            acc.copy_(r) if first else acc.add_(r)
+            return
+        except (TypeError, RuntimeError, NotImplementedError):
+            _OUT_DTYPE_MM["cuda"] = False  # this torch has none: upcast from now on
+    if first:
+        torch.mm(a.to(acc.dtype), b.to(acc.dtype), out=acc)
+    else:
+        acc.addmm_(a.to(acc.dtype), b.to(acc.dtype))
+
+
+#: The backward products take the float32 gradient block ``G`` as a high and
+#: a low 16-bit part (two products each, ~16 significant bits) rather than
+#: rounded once (docs/decisions.md, "Fused LM-head: G split into hi + lo").
+SPLIT_G = True
+
+
+def _g_parts(g: torch.Tensor, dtype: torch.dtype):
+    """``G``'s parts in ``dtype``, one after the other: ``G_hi`` (``G`` rounded), then ``G_lo`` (``SPLIT_G``).
+
+    ``G_lo`` is ``G - G_hi`` (exact in float32) rounded, formed over ``g``
+    itself: one 16-bit part is alive at a time next to the float32 tile.
+    """
+    hi = g.to(dtype)
+    yield hi
+    if SPLIT_G:
+        g.sub_(hi)
+        del hi
+        yield g.to(dtype)
 
 
 def _fwd_operand(x: torch.Tensor, cdt: torch.dtype) -> torch.Tensor:
     """``x`` as the forward matmul takes it: as is where the matmul outputs float32 natively, else upcast."""
     return x if _native_out_dtype(x, cdt) else _up(x, cdt)
-
-
-class _TileBuffer:
-    """One pass's tiles, formed one after another in a single buffer of the largest tile's size.
-
-    A fresh tile per step costs nothing on CUDA (the caching allocator hands the
-    last one back) but on the CPU a tile above glibc's mmap threshold is a new
-    mapping whose every 4 KiB page faults on first write: 600-650 thousand
-    faults per forward + backward at T=2048, V_local=152064 (float32, 16 tiles
-    of 78 MB; ``benchmarks/head_step.py``). The buffer is allocated at the
-    first CPU tile and kept for the pass; the peak is one tile either way.
-    """
-
-    def __init__(self, rows: int, cols: int, dtype: torch.dtype, device: torch.device):
-        self.shape, self.dtype, self.device = (rows, cols), dtype, device
-        self._flat: Optional[torch.Tensor] = None
-
-    def take(self, rows: int, cols: int) -> Optional[torch.Tensor]:
-        """A contiguous ``[rows, cols]`` view of the buffer, or ``None`` off the CPU."""
-        if self.device.type != "cpu":
-            return None
-        if self._flat is None:
-            self._flat = torch.empty(self.shape[0] * self.shape[1], dtype=self.dtype, device=self.device)
-        return self._flat[: rows * cols].view(rows, cols)
 
 
 def _logits_block(h_i: torch.Tensor, w_j: torch.Tensor, cdt: torch.dtype, out: Optional[torch.Tensor] = None):
@@ -175,9 +184,9 @@ def _logits_block(h_i: torch.Tensor, w_j: torch.Tensor, cdt: torch.dtype, out: O
     """
     if h_i.dtype == w_j.dtype and _native_out_dtype(h_i, cdt):
         try:  # a float32-output matmul of the 16-bit operands (float32 accumulation)
-            return torch.mm(h_i, w_j.t(), out_dtype=cdt)
+            return _mm_f32(h_i, w_j.t())
         except (TypeError, RuntimeError, NotImplementedError):
-            _OUT_DTYPE_MM["cuda"] = False
+            _OUT_DTYPE_MM["cuda"] = False  # this torch has none: upcast from now on
     if out is None:
         return torch.mm(_up(h_i, cdt), _up(w_j, cdt).t())
     return torch.mm(_up(h_i, cdt), _up(w_j, cdt).t(), out=out)
@@ -226,6 +235,10 @@ def _grads(h2, weight, local, owns, keep, stats, valid, gl, ge, tau, tiles, need
     rows, cols = _ranges(n, tc), _ranges(v, vc)
     outer, inner = (cols, rows) if vocab_major else (rows, cols)
     buf = _TileBuffer(min(tc, n), min(vc, v), cdt, dev)
+    # 16-bit operands on CUDA: products of G's 16-bit parts with the rows as
+    # they are (tensor cores, float32 accumulation), no float32 copies.
+    native = _native_out_dtype(h2, cdt)
+    up = (lambda x: x) if native else (lambda x: _up(x, cdt))
     # Operand rows upcast once where the inner loop has a single step (the
     # common case): the full hidden for vocabulary-major, the full weight for
     # token-major (that is then one tile wide, so it is tile-sized).
@@ -236,17 +249,17 @@ def _grads(h2, weight, local, owns, keep, stats, valid, gl, ge, tau, tiles, need
         block_acc = None
         if need_dw and vocab_major:
             block_acc = dw_out[a0:a1] if direct_dw else torch.empty((a1 - a0, hsz), dtype=cdt, device=dev)
-        outer_up = _up(weight[a0:a1] if vocab_major else h2[a0:a1], cdt)
+        outer_up = up(weight[a0:a1] if vocab_major else h2[a0:a1])
         for k, (b0, b1) in enumerate(inner):
             (i0, i1), (j0, j1) = ((b0, b1), (a0, a1)) if vocab_major else ((a0, a1), (b0, b1))
             if len(inner) == 1:
                 if inner_up is None:
-                    inner_up = _up(h2[i0:i1] if vocab_major else weight[j0:j1], cdt)
+                    inner_up = up(h2[i0:i1] if vocab_major else weight[j0:j1])
                 this_up = inner_up
             else:
-                this_up = _up(h2[i0:i1] if vocab_major else weight[j0:j1], cdt)
+                this_up = up(h2[i0:i1] if vocab_major else weight[j0:j1])
             h_i, w_j = (this_up, outer_up) if vocab_major else (outer_up, this_up)
-            if _native_out_dtype(h2, cdt):  # the forward's own product (same values as its statistics)
+            if native:  # the forward's own product (same values as its statistics)
                 z = _logits_block(h2[i0:i1], weight[j0:j1], cdt)
             else:
                 z = _logits_block(h_i, w_j, cdt, buf.take(i1 - i0, j1 - j0))
@@ -257,15 +270,24 @@ def _grads(h2, weight, local, owns, keep, stats, valid, gl, ge, tau, tiles, need
                 z, local[i0:i1], owns[i0:i1], kb, M[i0:i1], log_s[i0:i1], c_i, mk[i0:i1], log_sk[i0:i1],
                 valid[i0:i1], gl[i0:i1], ge_i, tau, start=j0, impl=impl,
             )  # z holds G now (float32)
-            if need_dh:
-                dh[i0:i1].addmm_(z, w_j)
-            if need_dw and block_acc is not None:
-                if k == 0:
-                    torch.mm(z.t(), h_i, out=block_acc)
-                else:
-                    block_acc.addmm_(z.t(), h_i)
-            elif need_dw:
-                dw_full[j0:j1].addmm_(z.t(), h_i)
+            if native:
+                for q, g in enumerate(_g_parts(z, h2.dtype)):
+                    if need_dh:
+                        _addmm_f32_(dh[i0:i1], g, w_j, False)
+                    if need_dw:
+                        acc = block_acc if block_acc is not None else dw_full[j0:j1]
+                        _addmm_f32_(acc, g.t(), h_i, block_acc is not None and k == 0 and q == 0)
+                    del g
+            else:  # float32 G times float32 (or upcast) rows
+                if need_dh:
+                    dh[i0:i1].addmm_(z, w_j)
+                if need_dw and block_acc is not None:
+                    if k == 0:
+                        torch.mm(z.t(), h_i, out=block_acc)
+                    else:
+                        block_acc.addmm_(z.t(), h_i)
+                elif need_dw:
+                    dw_full[j0:j1].addmm_(z.t(), h_i)
             del z, this_up
         if block_acc is not None and not direct_dw:
             dw_out[a0:a1].copy_(block_acc)  # the one rounding of this block of dW
@@ -284,10 +306,10 @@ _UNMATERIALISED = (
 
 
 class LinearLogProbEntropyFunction(torch.autograd.Function):
-    """``(hidden, weight, target, keep_mask, options, group, impl, budget) -> (logprob, entropy)``."""
+    """``(hidden, weight, target, keep_mask, options, group, impl, budget, allow_tf32) -> (logprob, entropy)``."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, target, keep_mask, opt: validation.Options, group, impl, budget):
+    def forward(ctx, hidden, weight, target, keep_mask, opt: validation.Options, group, impl, budget, allow_tf32):
         rank, world = collectives.group_rank_world(group)
         h = hidden
         if opt.sequence_parallel and group is not None and world > 1:
@@ -299,14 +321,20 @@ class LinearLogProbEntropyFunction(torch.autograd.Function):
         valid, owns, local = spec.target_to_local(xp, target.reshape(-1).to(torch.int64), rank, v, opt.ignore_index)
         keep = None if keep_mask is None else keep_mask.reshape(-1, v)
         tau = torch.full((), opt.temperature, dtype=cdt, device=hidden.device)
-        elem = 4 + (kernels.BLOCK_SCRATCH_BYTES if kernels.select(impl) == "eager" else 0)
+        fused = impl == "triton"
+        spec_impl = None if fused else impl  # how the O(T) merge runs
+        elem = 4 + (kernels.BLOCK_SCRATCH_BYTES if not fused and kernels.select(impl) == "eager" else 0)
         tiles = tile_shape(n, v, budget, elem)
-        if n:
-            stats = _stats(h2, weight, local, owns, keep, tau, tiles, impl)
-        else:
+        if not n:
             stats = torch.zeros((0, spec.N_STATS), dtype=cdt, device=hidden.device)
-        comb, logprob, entropy = _merge(stats, group, valid, tau, tuple(target.shape), impl)
+        elif fused:
+            stats = linear_triton.stats(h2, weight, _ycol(local, owns, valid), keep, tau, opt.temperature, allow_tf32)
+        else:
+            with _matmul_precision(h2, allow_tf32):
+                stats = _stats(h2, weight, local, owns, keep, tau, tiles, impl)
+        comb, logprob, entropy = _merge(stats, group, valid, tau, tuple(target.shape), spec_impl)
         ctx.opt, ctx.group, ctx.impl, ctx.tiles = opt, group, impl, tiles
+        ctx.budget, ctx.allow_tf32 = budget, allow_tf32
         _save_residuals(ctx, opt, (hidden, weight, keep_mask), local, owns, valid, comb, entropy)
         return logprob, entropy
 
@@ -316,7 +344,7 @@ class LinearLogProbEntropyFunction(torch.autograd.Function):
         opt, group = ctx.opt, ctx.group
         _check_materialised(_UNMATERIALISED, opt, grad_logprob, grad_entropy)
         need_dh, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-        none = (None,) * 6
+        none = (None,) * 7
         if not (need_dh or need_dw):
             return (None, None) + none
         hidden, weight, keep_mask, local, owns, valid, M, log_s, c, mk, log_sk = ctx.saved_tensors
@@ -332,10 +360,18 @@ class LinearLogProbEntropyFunction(torch.autograd.Function):
         gl = grad_logprob.reshape(-1).to(cdt).contiguous()
         ge = grad_entropy.reshape(-1).to(cdt).contiguous() if opt.need_entropy_grad else None
         tau = torch.full((), opt.temperature, dtype=cdt, device=hidden.device)
-        dh, dw = _grads(
-            h2, weight, local, owns, keep, (M, log_s, c, mk, log_sk), valid, gl, ge, tau, ctx.tiles,
-            need_dh, need_dw, ctx.impl,
-        )
+        n = h2.shape[0]
+        if ctx.impl == "triton" and n:
+            dh, dw = linear_triton.grads(
+                h2, weight, _ycol(local, owns, valid), keep, (M, log_s, c, mk, log_sk), gl, ge, opt.temperature,
+                need_dh, need_dw, ctx.allow_tf32, SPLIT_G, ctx.budget,
+            )
+        else:
+            with _matmul_precision(h2, ctx.allow_tf32):
+                dh, dw = _grads(
+                    h2, weight, local, owns, keep, (M, log_s, c, mk, log_sk), valid, gl, ge, tau, ctx.tiles,
+                    need_dh, need_dw, None if ctx.impl == "triton" else ctx.impl,
+                )
         if need_dh:
             if sp:
                 dh = collectives.reduce_scatter_rows(dh, group)
@@ -343,28 +379,6 @@ class LinearLogProbEntropyFunction(torch.autograd.Function):
                 collectives.all_reduce_sum_(dh, group)
             dh = dh.to(hidden.dtype).reshape(hidden.shape)
         return (dh, dw) + none
-
-
-def _local_checks(hidden, weight, target, keep_mask, world, kw) -> validation.Options:
-    target_keep = _check_target_keep(
-        ("hidden", hidden, "a torch.Tensor [..., H] of a floating dtype"),
-        ("weight", weight, "a torch.Tensor [V_local, H] of hidden's dtype"),
-        target=target,
-        keep_mask=keep_mask,
-    )
-    opt = validation.check_linear_args(
-        hidden_shape=tuple(hidden.shape),
-        hidden_dtype=_dtype_name(hidden.dtype),
-        weight_shape=tuple(weight.shape),
-        weight_dtype=_dtype_name(weight.dtype),
-        **target_keep,
-        world_size=world,
-        **kw,
-    )
-    for name, x in (("weight", weight), ("target", target), ("keep_mask", keep_mask)):
-        if x is not None and x.device != hidden.device:
-            raise ValueError(f"{name}: expected a tensor on hidden's device {hidden.device}, got device {x.device}")
-    return opt
 
 
 @_one_graph_break
@@ -384,6 +398,7 @@ def linear_logprob_entropy(
     validate: bool = True,
     memory_budget: Optional[int] = None,
     impl: Optional[str] = None,
+    allow_tf32: bool = False,
 ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
     """Log-prob of the target and entropy of ``softmax(hidden @ weight_full.T / tau)``, fused.
 
@@ -423,11 +438,17 @@ def linear_logprob_entropy(
         ranks that disagree on any of them raise instead of hanging in the
         backward or silently scaling ``dh``.
       memory_budget: bytes of one float32 logits tile (with the eager
-        path's per-element temporaries); ``None``: ``max(B / 16, 1 MiB)``
-        with ``B = T * V_local * itemsize``. Does not need to agree across
-        ranks (it changes no collective).
+        path's per-element temporaries; ``impl="triton"``: of one float32
+        ``dW`` chunk for 16-bit weights); ``None``: ``max(B / 16, 1 MiB)``
+        (``B / 4`` for the tile path on CUDA) with ``B = T * V_local *
+        itemsize``. Need not agree across ranks (it changes no collective).
       impl: ``None``, ``"compiled"`` or ``"eager"``: how the spec stages of
-        each tile run (:func:`dualvp_torch.kernels.select`).
+        each tile run (:func:`dualvp_torch.kernels.select`); ``"triton"``:
+        the fused Triton kernels (CUDA, or CPU tensors under
+        ``TRITON_INTERPRET=1``; float32, bfloat16 and float16).
+      allow_tf32: ``True`` lets float32 inputs multiply in TF32 on CUDA
+        (faster, ~10 bits of mantissa in the products); ``False`` (the
+        default): IEEE float32, whatever torch's global TF32 flag says.
 
     Returns:
       ``(logprob [...], entropy [...] or None)``, float32 (float64 for
@@ -439,54 +460,18 @@ def linear_logprob_entropy(
       group and ``validate=True``, on every rank, or ``RuntimeError`` on every
       rank when the ranks disagree).
     """
-    rank, world = _check_call(group, validate, impl)
     kw = dict(
         temperature=temperature, ignore_index=ignore_index, with_entropy=with_entropy, entropy_grad=entropy_grad,
         reduce_hidden_grad=reduce_hidden_grad, sequence_parallel=sequence_parallel, memory_budget=memory_budget,
     )
-    error = opt = None
-    try:
-        opt = _local_checks(hidden, weight, target, keep_mask, world, kw)
-    except (TypeError, ValueError) as exc:
-        error = exc
-
-    fields = validation.LINEAR_RECORD_FIELDS
-    if validate and group is not None:
-        if error is None:
-            grad_on = torch.is_grad_enabled()
-            record = validation.agreement_record(
-                error=None,
-                n_rows=target.numel(),
-                v_local=weight.shape[0],
-                logits_dtype=_dtype_name(hidden.dtype),
-                options=opt,
-                fused=True,
-                hidden_size=hidden.shape[-1],
-                hidden_rows=hidden.numel() // max(1, hidden.shape[-1]),
-                hidden_requires_grad=grad_on and hidden.requires_grad,
-                weight_requires_grad=grad_on and weight.requires_grad,
-            )
-            bad = _count_bad_targets(target, ignore_index, world * weight.shape[0])
-            device = collectives.comm_device(group, hidden)
-        else:
-            record = validation.agreement_record(error=error, fused=True)
-            bad = None
-            device = collectives.comm_device(group, hidden if isinstance(hidden, torch.Tensor) else None)
-        table = collectives.gather_records(record, bad, group, device)
-        validation.check_agreement(
-            table, rank=rank, local_error=error, vocab_size=None if error else world * weight.shape[0], fields=fields
-        )
-    else:
-        if error is not None:
-            raise error
-        if validate and target.numel():
-            record = [0] * len(fields)
-            record[-1] = int(_count_bad_targets(target, ignore_index, world * weight.shape[0]))  # the one sync
-            validation.check_agreement([record], rank=0, vocab_size=world * weight.shape[0], fields=fields)
-
+    opt = linear_checks.checked_options(
+        hidden, weight, target, keep_mask, group=group, validate=validate, impl=impl, allow_tf32=allow_tf32, kw=kw
+    )
     n_rows = target.numel()
     budget = memory_budget if memory_budget is not None else default_budget(
-        n_rows, weight.shape[0], hidden.element_size()
+        n_rows, weight.shape[0], hidden.element_size(), hidden.device.type, impl
     )
-    logprob, entropy = LinearLogProbEntropyFunction.apply(hidden, weight, target, keep_mask, opt, group, impl, budget)
+    logprob, entropy = LinearLogProbEntropyFunction.apply(
+        hidden, weight, target, keep_mask, opt, group, impl, budget, allow_tf32
+    )
     return logprob, (entropy if with_entropy else None)

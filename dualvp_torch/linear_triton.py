@@ -1,0 +1,180 @@
+"""Host side of the fused LM-head op's Triton kernels (``impl="triton"``).
+
+:func:`stats` launches :func:`~dualvp_torch.triton_kernels.linear_fwd.linear_stats_kernel`
+(one launch, plus :func:`dualvp.spec.reduce_stats` over its vocabulary
+splits) and :func:`grads` launches
+:func:`~dualvp_torch.triton_kernels.linear_bwd.linear_grad_kernel` (one
+launch; for 16-bit weights one per vocabulary chunk, see below). The cross-rank
+merge, the collectives and autograd stay in :mod:`dualvp_torch.linear`.
+
+Memory: the forward holds ``[n_splits, T, 6]`` float32 statistics. The
+backward accumulates ``dh`` in a float32 ``[T, H]`` buffer (the buffer of its
+all-reduce / reduce-scatter, as on the torch path) and ``dW`` in float32: for
+float32 weights the returned gradient itself; for 16-bit weights a ``[chunk,
+H]`` float32 buffer per vocabulary chunk of at most ``memory_budget`` bytes,
+rounded once into the returned gradient after its chunk.
+
+The kernel modules are imported at the first call: ``triton`` is optional, and
+``TRITON_INTERPRET`` (the CPU interpreter) is read when a kernel is defined.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from typing import Optional
+
+import array_api_compat.torch as xp
+import torch
+
+from dualvp import spec
+
+from . import triton_kernels
+
+__all__ = ["BLOCKS_ENV", "blocks", "grads", "stats", "unavailable"]
+
+
+
+def unavailable(device: torch.device) -> Optional[str]:
+    """Why ``impl="triton"`` cannot run on ``device`` (``None`` when it can)."""
+    if not triton_kernels.available():
+        return "the triton package is not installed"
+    if device.type == "cuda":
+        return None
+    if device.type == "cpu" and triton_kernels.interpreting():
+        return None
+    return f"needs a CUDA device (or TRITON_INTERPRET=1 for CPU tensors), got device {device}"
+
+
+#: ``"BLOCK_T,BLOCK_V,BLOCK_K[,num_warps]"`` overrides the CUDA tiles (tuning runs of the bench).
+BLOCKS_ENV = "DUALVP_TRITON_LINEAR_BLOCKS"
+
+
+def blocks(device: torch.device) -> tuple[int, int, int, Optional[int]]:
+    """``(BLOCK_T, BLOCK_V, BLOCK_K, num_warps)``: tensor-core sized on a GPU, small in the interpreter.
+
+    The CUDA tiles are untuned (no GPU measurement yet); :data:`BLOCKS_ENV` overrides them.
+    """
+    if device.type == "cuda":
+        env = os.environ.get(BLOCKS_ENV)
+        if env:
+            parts = [int(x) for x in env.split(",")]
+            return parts[0], parts[1], parts[2], (parts[3] if len(parts) > 3 else None)
+        return 64, 128, 64, 8
+    return 16, 32, 16, None
+
+
+def _upcast(x: torch.Tensor) -> bool:
+    # the interpreter's tl.dot mis-computes bfloat16 operands: convert them after loading
+    return x.device.type == "cpu" and x.dtype == torch.bfloat16
+
+
+def _precision(x: torch.Tensor, allow_tf32: bool) -> str:
+    # tl.dot's input precision: float32 operands (or upcast ones) IEEE unless TF32 is allowed
+    if x.dtype == torch.float32 or _upcast(x):
+        return "tf32" if allow_tf32 and x.dtype == torch.float32 else "ieee"
+    return "default"
+
+
+def _launch(warps: Optional[int]) -> dict:
+    return {} if warps is None else {"num_warps": warps}
+
+
+def _n_splits(n_row_blocks: int, n_vblocks: int, device: torch.device) -> int:
+    if device.type == "cuda":
+        sms = torch.cuda.get_device_properties(device).multi_processor_count
+        return max(1, min(n_vblocks, math.ceil(4 * sms / max(1, n_row_blocks))))
+    return min(n_vblocks, 3)  # the interpreter: several splits, several blocks per split
+
+
+def stats(h2: torch.Tensor, weight: torch.Tensor, ycol: torch.Tensor, keep: Optional[torch.Tensor],
+          tau: torch.Tensor, temperature: float, allow_tf32: bool) -> torch.Tensor:
+    """``[T, 6]`` float32 statistics of this rank's logits ``h2 weight^T`` (``spec.block_stats``, merged).
+
+    ``ycol [T]`` int64: the target's column in the shard, negative where the
+    shard does not own it; ``keep [T, V]`` bool or ``None``; ``tau`` the 0-d
+    float32 temperature (for the host merge), ``temperature`` its value.
+    """
+    from .triton_kernels.linear_fwd import linear_stats_kernel
+
+    n, hsz = h2.shape
+    v = weight.shape[0]
+    bt, bv, bk, warps = blocks(h2.device)
+    n_rows, nvb = triton.cdiv(n, bt), triton.cdiv(v, bv)
+    splits = _n_splits(n_rows, nvb, h2.device)
+    per_split = triton.cdiv(nvb, splits)
+    splits = triton.cdiv(nvb, per_split)
+    out = torch.empty((splits, n, spec.N_STATS), dtype=torch.float32, device=h2.device)
+    km = keep.view(torch.uint8) if keep is not None else ycol
+    linear_stats_kernel[(n_rows, splits)](
+        h2, weight, ycol, km, out, n, v, hsz, per_split,
+        h2.stride(0), h2.stride(1), weight.stride(0), weight.stride(1),
+        km.stride(0) if keep is not None else 0, km.stride(1) if keep is not None else 0,
+        1.0 / temperature,
+        HAS_KEEP=keep is not None, UPCAST=_upcast(h2), PRECISION=_precision(h2, allow_tf32),
+        BLOCK_T=bt, BLOCK_V=bv, BLOCK_K=bk, **_launch(warps),
+    )
+    return out[0] if splits == 1 else spec.reduce_stats(xp, out, 0, tau)
+
+
+def grads(h2, weight, ycol, keep, comb, gl, ge, temperature: float, need_dh: bool, need_dw: bool,
+          allow_tf32: bool, split_g: bool, budget: int):
+    """``(dh [T, H] float32 or None, dW [V, H] in weight's dtype or None)``: this rank's partial sums.
+
+    ``comb = (M, log_s, c, mk, log_sk)`` ``[T]`` float32 (``c`` may be
+    ``None``: no entropy gradient, and then ``ge`` is ``None``); ``gl``,
+    ``ge`` ``[T]`` float32 upstream gradients; ``budget``: bytes of one
+    float32 ``dW`` chunk for 16-bit weights.
+    """
+    from .triton_kernels.linear_bwd import linear_grad_kernel
+
+    n, hsz = h2.shape
+    v = weight.shape[0]
+    dev = h2.device
+    bt, bv, bk, warps = blocks(dev)
+    M, log_s, c, mk, log_sk = (None if x is None else x.contiguous() for x in comb)
+    has_ent = ge is not None
+    dh = torch.zeros((n, hsz), dtype=torch.float32, device=dev) if need_dh else None
+    chunk = v
+    dw = acc = None
+    if need_dw:
+        if weight.dtype == torch.float32:
+            dw = acc = torch.zeros((v, hsz), dtype=torch.float32, device=dev)
+        else:
+            chunk = min(v, max(bv, budget // max(1, 4 * hsz) // bv * bv))
+            dw = torch.empty((v, hsz), dtype=weight.dtype, device=dev)
+            acc = torch.empty((chunk, hsz), dtype=torch.float32, device=dev)
+    chunked = need_dw and acc is not dw  # 16-bit dW: a float32 buffer per vocabulary chunk
+    dummy = dh if dh is not None else acc  # the pointer a disabled output gets (never written)
+    split = bool(split_g) and weight.dtype != torch.float32
+    for j0 in range(0, v, chunk):
+        j1 = min(v, j0 + chunk)
+        if chunked:
+            acc.zero_()
+        dw_arg = (acc if chunked else acc[j0:j1]) if need_dw else dummy
+        km = keep[:, j0:j1].view(torch.uint8) if keep is not None else ycol
+        wj = weight[j0:j1]
+        linear_grad_kernel[(triton.cdiv(n, bt), triton.cdiv(j1 - j0, bv))](
+            h2, wj, ycol, km, M, log_s, c if has_ent else M, mk, log_sk, gl, ge if has_ent else gl,
+            dh if need_dh else dummy, dw_arg,
+            n, j1 - j0, hsz, j0,
+            h2.stride(0), h2.stride(1), wj.stride(0), wj.stride(1),
+            km.stride(0) if keep is not None else 0, km.stride(1) if keep is not None else 0,
+            1.0 / temperature,
+            HAS_KEEP=keep is not None, HAS_ENT_GRAD=has_ent, NEED_DH=need_dh, NEED_DW=need_dw,
+            SPLIT_G=split, UPCAST=_upcast(h2), PRECISION=_precision(h2, allow_tf32),
+            BLOCK_T=bt, BLOCK_V=bv, BLOCK_K=bk, **_launch(warps),
+        )
+        if chunked:
+            dw[j0:j1].copy_(acc[: j1 - j0])  # the one rounding of this chunk of dW
+    return dh, dw
+
+
+class _Triton:
+    # ``triton.cdiv`` without importing triton at module import
+    @staticmethod
+    def cdiv(a: int, b: int) -> int:
+        return -(-a // b)
+
+
+triton = _Triton()

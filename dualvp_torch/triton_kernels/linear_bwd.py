@@ -1,0 +1,147 @@
+"""Backward of the fused LM-head op: recompute the tile, form its gradient in registers, then ``dh`` and ``dW``.
+
+Implements :func:`dualvp.spec.block_grad` of the logits block
+``z = h_i W_j^T`` (recomputed as in :mod:`.linear_fwd`) from the combined
+statistics (:class:`dualvp.spec.Combined`: ``M, log_s, c, mk, log_sk``), and
+the two products of the spec's fused-op section::
+
+    dh_i += G_ij W_j        (summed over the vocabulary blocks j)
+    dW_j += G_ij^T h_i      (summed over the row blocks i)
+
+Grid: ``(cdiv(T, BLOCK_T), cdiv(V, BLOCK_V))``, one program per tile. ``G``
+is float32 in registers; for the products it is rounded to the operand dtype
+(``SPLIT_G=False``) or split into a high and a low part of that dtype
+(``G = G_hi + G_lo`` up to ~16 significant bits, two products each), so that
+16-bit operands run on tensor cores; every product accumulates in float32 and
+is added with ``tl.atomic_add`` into float32 ``dh [T, H]`` and ``dW [V, H]``
+buffers, which the host rounds once to the input dtype. Columns at or past
+``V`` and rows at or past ``T`` get ``G = 0``. Float32 operands multiply in
+IEEE float32 or TF32 (``PRECISION``); ``UPCAST`` converts 16-bit operands to
+float32 after loading (the CPU interpreter mis-computes ``tl.dot`` on
+bfloat16), ``G`` still rounded (or split) through the input dtype.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+__all__ = ["linear_grad_kernel"]
+
+
+@triton.jit
+def _dot(a, b, acc, PRECISION: tl.constexpr):
+    # float32 operands: "ieee" or "tf32"; 16-bit operands: "default" (tensor cores, float32 accumulation)
+    if PRECISION == "default":
+        return tl.dot(a, b, acc)
+    return tl.dot(a, b, acc, input_precision=PRECISION)
+
+
+@triton.jit
+def linear_grad_kernel(
+    h_ptr, w_ptr, ycol_ptr, keep_ptr,
+    M_ptr, log_s_ptr, c_ptr, mk_ptr, log_sk_ptr, gl_ptr, ge_ptr,
+    dh_ptr, dw_ptr,
+    T, V, H, col0,
+    stride_ht, stride_hk, stride_wv, stride_wk, stride_kt, stride_kv,
+    inv_tau,
+    HAS_KEEP: tl.constexpr, HAS_ENT_GRAD: tl.constexpr, NEED_DH: tl.constexpr, NEED_DW: tl.constexpr,
+    SPLIT_G: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
+    BLOCK_T: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    """Add this tile's ``G W_j`` to ``dh [T, H]`` and ``G^T h_i`` to ``dW [V, H]`` (float32, contiguous).
+
+    ``w``, ``keep`` and ``dW`` start at the shard's column ``col0`` (a
+    vocabulary chunk of ``V`` columns: its float32 ``dW`` buffer is
+    ``V * H``); ``ycol`` holds columns of the whole shard.
+
+    ``ycol [T]`` int64: the target's column in this shard where the shard
+    owns it, ``-1`` for a valid row whose target lies elsewhere, ``-2`` for
+    an ignored row. ``gl``, ``ge`` (when ``HAS_ENT_GRAD``), ``M`` ...
+    ``log_sk``: ``[T]`` float32 (``c`` only with ``HAS_ENT_GRAD``).
+    """
+    pid_t = tl.program_id(0)
+    pid_v = tl.program_id(1)
+    rows = pid_t * BLOCK_T + tl.arange(0, BLOCK_T).to(tl.int64)  # 64-bit offsets: T * V may pass 2^31
+    cols = pid_v * BLOCK_V + tl.arange(0, BLOCK_V).to(tl.int64)
+    row_ok = rows < T
+    col_ok = cols < V
+    ks = tl.arange(0, BLOCK_K)
+    neg_inf = float("-inf")
+
+    # the tile's logits, exactly as the forward formed them
+    acc = tl.zeros((BLOCK_T, BLOCK_V), tl.float32)
+    for k0 in range(0, H, BLOCK_K):
+        kk = k0 + ks
+        hb = tl.load(h_ptr + rows[:, None] * stride_ht + kk[None, :] * stride_hk,
+                     mask=row_ok[:, None] & (kk[None, :] < H), other=0.0)
+        wb = tl.load(w_ptr + cols[:, None] * stride_wv + kk[None, :] * stride_wk,
+                     mask=col_ok[:, None] & (kk[None, :] < H), other=0.0)
+        if UPCAST:
+            hb = hb.to(tl.float32)
+            wb = wb.to(tl.float32)
+        acc = _dot(hb, tl.trans(wb), acc, PRECISION)
+    z = tl.where(col_ok[None, :], acc, neg_inf)
+
+    ycol = tl.load(ycol_ptr + rows, mask=row_ok, other=-2)
+    valid = ycol >= -1
+    is_y = (cols + col0)[None, :] == ycol[:, None]
+    M = tl.load(M_ptr + rows, mask=row_ok, other=0.0)
+    log_s = tl.load(log_s_ptr + rows, mask=row_ok, other=0.0)
+    gl = tl.load(gl_ptr + rows, mask=row_ok, other=0.0)
+    Ms = tl.where(M == neg_inf, 0.0, M)
+    d = (z - Ms[:, None]) * inv_tau
+    if HAS_ENT_GRAD:
+        d = tl.maximum(d, -3.4028234663852886e38)  # banned columns: e^d = 0 and p (c - d) = 0, not NaN
+    e_all = tl.exp(d - log_s[:, None])
+    if HAS_KEEP:
+        mk = tl.load(mk_ptr + rows, mask=row_ok, other=0.0)
+        log_sk = tl.load(log_sk_ptr + rows, mask=row_ok, other=0.0)
+        kb = tl.load(keep_ptr + rows[:, None] * stride_kt + cols[None, :] * stride_kv,
+                     mask=row_ok[:, None] & col_ok[None, :], other=0)
+        kept = (kb != 0) | is_y
+        mks = tl.where(mk == neg_inf, 0.0, mk)
+        ek = tl.exp(tl.where(kept, (z - mks[:, None]) * inv_tau - log_sk[:, None], d - log_s[:, None]))
+        q = tl.where(kept, ek, (0.0 * log_sk)[:, None])
+        if HAS_ENT_GRAD:
+            rho = tl.exp((mk - Ms) * inv_tau + log_sk - log_s)[:, None]
+            p = tl.where(kept, tl.where(rho == 0, 0.0, ek * rho), ek)
+    else:
+        q = e_all
+        p = e_all
+    one_y = tl.where(is_y, 1.0, 0.0)
+    g = tl.where(valid[:, None], (tl.where(valid, gl, 0.0) * inv_tau)[:, None] * (one_y - q), 0.0)
+    if HAS_ENT_GRAD:
+        c = tl.load(c_ptr + rows, mask=row_ok, other=0.0)
+        ge = tl.load(ge_ptr + rows, mask=row_ok, other=0.0)
+        g += (ge * inv_tau)[:, None] * (p * (c[:, None] - d))
+    g = tl.where(row_ok[:, None] & col_ok[None, :], g, 0.0)
+
+    # the products: G rounded (or split hi + lo) to the operand dtype, float32 accumulation
+    odt = h_ptr.dtype.element_ty
+    g_hi = g.to(odt)
+    g_lo = (g - g_hi.to(tl.float32)).to(odt)
+    if UPCAST:
+        g_hi = g_hi.to(tl.float32)
+        g_lo = g_lo.to(tl.float32)
+    for k0 in range(0, H, BLOCK_K):
+        kk = k0 + ks
+        k_ok = kk < H
+        if NEED_DH:
+            wb = tl.load(w_ptr + cols[:, None] * stride_wv + kk[None, :] * stride_wk,
+                         mask=col_ok[:, None] & k_ok[None, :], other=0.0)
+            if UPCAST:
+                wb = wb.to(tl.float32)
+            part = _dot(g_hi, wb, tl.zeros((BLOCK_T, BLOCK_K), tl.float32), PRECISION)
+            if SPLIT_G:
+                part = _dot(g_lo, wb, part, PRECISION)
+            tl.atomic_add(dh_ptr + rows[:, None] * H + kk[None, :], part, mask=row_ok[:, None] & k_ok[None, :])
+        if NEED_DW:
+            hb = tl.load(h_ptr + rows[:, None] * stride_ht + kk[None, :] * stride_hk,
+                         mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+            if UPCAST:
+                hb = hb.to(tl.float32)
+            part = _dot(tl.trans(g_hi), hb, tl.zeros((BLOCK_V, BLOCK_K), tl.float32), PRECISION)
+            if SPLIT_G:
+                part = _dot(tl.trans(g_lo), hb, part, PRECISION)
+            tl.atomic_add(dw_ptr + cols[:, None] * H + kk[None, :], part, mask=col_ok[:, None] & k_ok[None, :])

@@ -1,0 +1,114 @@
+"""``dualvp_torch.compat.linear_cross_entropy`` (verl's fused op) against the float64 oracle, on the CPU.
+
+verl's semantics (``verl/utils/kernel/linear_cross_entropy.py``): hidden
+``[batch, tokens, H]`` and labels ``[batch, tokens]`` flattened to ``T``
+rows; ``logprobs`` the log-probability (<= 0) per row, or its sum / its sum
+divided by ``T`` (``reduction="sum"`` / ``"mean"``), float32; ``entropy``
+``[T]`` float32 with its gradient; under tensor parallelism the weight is the
+rank's contiguous vocabulary shard and ``d_hidden`` this rank's partial sum.
+verl's own GPU test is ``tests/utils/test_linear_cross_entropy.py`` in verl's
+repository (needs CUDA and verl; see the fused op's record in
+docs/decisions.md for how it runs against this drop-in).
+"""
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from dualvp import reference  # noqa: E402
+from dualvp.testing.cases import round_to_dtype  # noqa: E402
+from dualvp.testing.metrics import max_errors, tolerance, within_tolerance  # noqa: E402
+from dualvp_torch.compat import linear_cross_entropy  # noqa: E402
+from dualvp_torch.testing import run_ranks  # noqa: E402
+
+from . import _compat_verl_ranks  # noqa: E402
+
+DT = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+def _oracle(h, w, y, tau, g_lp, g_en, reduction):
+    """float64 ``(logprobs, entropy, d_hidden, d_weight)`` of verl's contract, from the op's reference."""
+    n = y.size
+    lp, en = reference.linear_logprob_entropy(h.reshape(n, -1), w, y.reshape(-1), temperature=tau)
+    gl = {"none": g_lp, "sum": np.full(n, g_lp), "mean": np.full(n, g_lp / n)}[reduction]
+    dh, dw = reference.linear_logprob_entropy_grad(h.reshape(n, -1), w, y.reshape(-1), gl, g_en, temperature=tau)
+    lp = {"none": lp, "sum": lp.sum(), "mean": lp.sum() / n}[reduction]
+    return lp, en, dh.reshape(h.shape), dw
+
+
+def _close(x, ref, dtype, what):
+    tol = tolerance(dtype, what, ref) if what in ("dh", "dW") else tolerance(dtype, what)
+    if what == "logprob" and np.ndim(ref) == 0:  # a sum over T rows: T times the per-row bound
+        tol = type(tol)(tol.atol * 16, tol.rtol)
+    assert within_tolerance(x, ref, tol), f"{what}: {max_errors(x, ref)} > {tol}"
+
+
+@pytest.mark.parametrize("reduction", ["none", "sum", "mean"])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_semantics_against_the_oracle(reduction, dtype):
+    rng = np.random.default_rng(1)
+    T, H, V = 16, 24, 101  # verl's inputs: uniform(-0.5, 0.5) hidden and weight, labels in [0, V)
+    h = round_to_dtype(rng.uniform(-0.5, 0.5, size=(1, T, H)) * 4, dtype)
+    w = round_to_dtype(rng.uniform(-0.5, 0.5, size=(V, H)), dtype)
+    y = rng.integers(0, V, size=(1, T))
+    g_lp = round_to_dtype(rng.uniform(-1, 1, size=T if reduction == "none" else ()), "float32")
+    g_en = round_to_dtype(rng.uniform(-0.5, 0.5, size=T), "float32")
+    ht = torch.tensor(h).to(DT[dtype]).requires_grad_(True)
+    wt = torch.tensor(w).to(DT[dtype]).requires_grad_(True)
+    lp, en = linear_cross_entropy(ht, wt, torch.tensor(y), 1.5, reduction)
+    assert lp.dtype == torch.float32 and en.dtype == torch.float32
+    assert lp.shape == ((T,) if reduction == "none" else ()) and en.shape == (T,)
+    d_h, d_w = torch.autograd.grad((en, lp), (ht, wt), (torch.tensor(g_en, dtype=torch.float32),
+                                                        torch.tensor(g_lp, dtype=torch.float32)))
+    assert d_h.shape == ht.shape and d_h.dtype == ht.dtype and d_w.dtype == wt.dtype
+    ref = _oracle(h, w, y, 1.5, g_lp, g_en, reduction)
+    assert np.all(ref[0] <= 0)  # log-probabilities, not losses
+    for x, r, what in zip((lp, en, d_h, d_w), ref, ("logprob", "entropy", "dh", "dW")):
+        _close(x.detach().double().numpy(), r, dtype, what)
+
+
+def test_reduction_is_case_insensitive_and_checked():
+    h, w, y = torch.randn(5, 8), torch.randn(9, 8), torch.randint(0, 9, (5,))
+    a = linear_cross_entropy(h, w, y, 1.0, "MEAN")[0]
+    b = linear_cross_entropy(h, w, y, 1.0, "none")[0].mean()
+    assert torch.allclose(a, b)
+    with pytest.raises(ValueError, match="^reduction:"):
+        linear_cross_entropy(h, w, y, 1.0, "avg")
+    with pytest.raises(TypeError, match="^reduction:"):
+        linear_cross_entropy(h, w, y, 1.0, None)
+    with pytest.raises(TypeError, match="^temperature:"):
+        linear_cross_entropy(h, w, y, "1.0")
+    with pytest.raises(ValueError, match="^temperature:"):
+        linear_cross_entropy(h, w, y, 0.0)
+    with pytest.raises(ValueError, match="^target:"):  # a label outside [0, V) (verl: undefined)
+        linear_cross_entropy(h, w, torch.tensor([0, 1, 2, 3, 9]))
+
+
+def test_minus_100_label_gives_zero_logprob_and_no_gradient():
+    h = torch.randn(4, 8, requires_grad=True)
+    w = torch.randn(9, 8)
+    lp, _ = linear_cross_entropy(h, w, torch.tensor([1, -100, 3, 4]))
+    assert lp[1].item() == 0.0
+    (g,) = torch.autograd.grad(lp.sum(), h)
+    assert torch.all(g[1] == 0) and torch.any(g[0] != 0)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("reduction", ["none", "mean"])
+def test_tensor_parallel_two_ranks(reduction):
+    world = 2
+    res = run_ranks(_compat_verl_ranks.rank_suite, world, reduction, timeout=600)
+    p = _compat_verl_ranks.problem(world)
+    g_lp = p["g_logprobs"] if reduction == "none" else p["g_logprobs"][0]
+    lp, en, dh, dw = _oracle(p["hidden"], p["weight"], p["labels"], _compat_verl_ranks.TAU, g_lp, p["g_entropy"],
+                             reduction)
+    v = _compat_verl_ranks.V_LOCAL
+    for r, out in enumerate(res):
+        _close(out["lp"], lp, "float32", "logprob")
+        _close(out["en"], en, "float32", "entropy")
+        _close(out["dw"], dw[r * v : (r + 1) * v], "float32", "dW")
+        assert out["dh_shape"] == p["hidden"].shape
+    # d_hidden is each rank's partial sum (verl's callers all-reduce it), not the whole gradient
+    _close(sum(out["dh"] for out in res), dh, "float32", "dh")
+    assert not np.allclose(res[0]["dh"], dh, atol=1e-3)

@@ -1,0 +1,76 @@
+"""The torch tile path's 16-bit GEMMs (CUDA: ``torch.mm(..., out_dtype=float32)``), emulated on the CPU.
+
+torch has no CPU kernel of a 16-bit matmul with float32 output, so these tests
+replace ``dualvp_torch.linear._mm_f32`` by its contract (16-bit operands,
+exact products, float32 accumulation and output) and switch the path on for
+CPU tensors. They check that every product takes 16-bit operands (no float32
+copy of a weight or hidden row), the results against the float64 oracle, and
+the precision goal of the split gradient tile: ``dh`` and ``dW`` within 2x of
+the float64 result rounded once to the input dtype.
+"""
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from dualvp.testing import cases, oracle_linear  # noqa: E402
+from dualvp.testing.cases import round_to_dtype  # noqa: E402
+from dualvp.testing.metrics import max_errors, tolerance, within_tolerance  # noqa: E402
+from dualvp_torch import linear as linear_mod  # noqa: E402
+from dualvp_torch import linear_logprob_entropy  # noqa: E402
+
+
+@pytest.fixture
+def emulated(monkeypatch):
+    """The CUDA 16-bit path on CPU tensors; returns the operand dtypes of every product it ran."""
+    seen = []
+
+    def mm_f32(a, b):
+        seen.append((a.dtype, b.dtype))
+        return a.float() @ b.float()
+
+    monkeypatch.setattr(linear_mod, "_native_out_dtype", lambda x, cdt: x.dtype != cdt)
+    monkeypatch.setattr(linear_mod, "_mm_f32", mm_f32)
+    return seen
+
+
+def _run(P, budget=None, impl="eager"):
+    dt = getattr(torch, P.case.dtype)
+    h = torch.tensor(P.hidden).to(dt).requires_grad_(True)
+    w = torch.tensor(P.weight).to(dt).requires_grad_(True)
+    keep = None if P.keep_mask is None else torch.tensor(P.keep_mask)
+    lp, en = linear_logprob_entropy(h, w, torch.tensor(P.target), keep_mask=keep, temperature=P.case.temperature,
+                                    ignore_index=P.case.ignore_index, memory_budget=budget, impl=impl)
+    (lp * torch.tensor(P.grad_logprob, dtype=lp.dtype) + en * torch.tensor(P.grad_entropy, dtype=en.dtype)).sum().backward()
+    return [x.detach().double().numpy() for x in (lp, en, h.grad, w.grad)]
+
+
+@pytest.mark.parametrize("dtype,mask", [("bfloat16", "none"), ("float16", "drop_target"), ("bfloat16", "random")])
+@pytest.mark.parametrize("shape", [(37, 16, 301, 2 * 37 * 40), (300, 8, 50, 4 * 1000)], ids=["vocab_major", "token_major"])
+def test_against_the_oracle(emulated, dtype, mask, shape):
+    T, H, V, tile = shape  # tile: elements of one eager tile (several tiles, ragged last ones)
+    c = cases.case("basic", lead=(T,), vocab=V, worlds=(1,), dtype=dtype, mask=mask, temperature=0.8,
+                   ignore_frac=0.2, seed=2)
+    P = cases.make_linear(c, H)
+    out = _run(P, budget=tile * (4 + 44))
+    ref = oracle_linear(P)
+    for x, r, q in zip(out, ref, ("logprob", "entropy", "dh", "dW")):
+        tol = tolerance(dtype, q, r)
+        assert within_tolerance(x, r, tol), (q, max_errors(x, r))
+    assert emulated and all(a in (torch.bfloat16, torch.float16) and b == a for a, b in emulated)
+    # the forward block and its recomputation, then two parts of G for each of dh and dW, per tile
+    assert len(emulated) % 6 == 0
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_split_gradient_within_twice_the_rounding(emulated, dtype):
+    # the precision goal: max |error| of dh and dW <= 2 x max |float64 oracle rounded once - oracle|
+    c = cases.case("basic", lead=(256,), vocab=2048, worlds=(1,), dtype=dtype, mask="nucleus", temperature=0.7,
+                   seed=3)
+    P = cases.make_linear(c, 128)
+    _, _, dh, dw = _run(P)
+    ref = oracle_linear(P)
+    for x, r in ((dh, ref.dh), (dw, ref.dW)):
+        floor = np.abs(round_to_dtype(r, dtype) - r).max()
+        assert np.abs(x - r).max() <= 2 * floor, (np.abs(x - r).max(), floor)

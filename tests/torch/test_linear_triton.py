@@ -1,0 +1,187 @@
+"""The fused LM-head op's Triton kernels (``impl="triton"``) against the float64 oracle, on the CPU.
+
+The kernels run under Triton's interpreter in a child process (one rank of
+:func:`dualvp_torch.testing.run_ranks`) whose ``TRITON_INTERPRET=1`` is set
+before Triton is imported: Triton defines its own library functions
+(``tl.zeros``, ``tl.sum``, ...) as interpreted or compiled at import, and this
+process may have imported it already (``torch._dynamo`` does). Operands:
+float32, float16 and bfloat16 (converted to float32 after loading, the
+interpreter's ``tl.dot`` being wrong on bfloat16), at sizes that divide no
+tile. ``test_linear_triton_cuda.py`` runs the kernels on a GPU.
+"""
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("triton")
+
+from dualvp import reference
+from dualvp.testing import cases, oracle_linear
+from dualvp.testing.metrics import max_errors, tolerance, within_tolerance
+from dualvp.testing.modes import MODES
+from dualvp_torch import linear_logprob_entropy, linear_triton
+from dualvp_torch.testing import run_ranks
+
+from . import _linear_ranks, _linear_triton_ranks
+
+DT = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+INTERPRET = {"TRITON_INTERPRET": "1"}
+
+
+def _case(dtype, *, T=20, V=50, mask="none", temperature=0.7, ignore_frac=0.2, seed=0):
+    # T, V (and H = 20) divide none of the interpreter's tiles (16 x 32, K blocks of 16)
+    return dict(lead=(T,), vocab=V, worlds=(1,), dtype=dtype, mask=mask, temperature=temperature,
+                ignore_frac=ignore_frac, seed=seed)
+
+
+def _run(case_kw, H=20, *, logit_scale=3.0, nan_at=None, impl="triton", **run_kw):
+    """``(problem, (logprob, entropy, dh, dW))``: the problem here, the outputs from the interpreter's child."""
+    P = _linear_triton_ranks.make_problem(case_kw, H, logit_scale, nan_at)
+    (out,) = run_ranks(_linear_triton_ranks.run_case, 1, case_kw, H, dict(run_kw, impl=impl), logit_scale, nan_at,
+                       env=INTERPRET, timeout=600)
+    return P, out
+
+
+def _check(out, ref, dtype, *, entropy=True, dh=True, dw=True):
+    lp, en, gh, gw = out
+    checks = [("logprob", lp, ref.logprob)]
+    if entropy:
+        checks.append(("entropy", en, ref.entropy))
+    if dh:
+        checks.append(("dh", gh, ref.dh))
+    assert (gh is None) == (not dh)
+    if dw:
+        checks.append(("dW", gw, ref.dW))
+    assert (gw is None) == (not dw)
+    for name, x, r in checks:
+        tol = tolerance(dtype, name, r)
+        assert within_tolerance(x, r, tol), f"{name}: max errors {max_errors(x, r)} > {tol}"
+
+
+# --- fast subset: one run per operand dtype, masked and not ---------------------------
+
+
+@pytest.mark.parametrize("dtype,mask", [("float32", "none"), ("float16", "drop_target")])
+def test_vs_oracle(dtype, mask):
+    P, out = _run(_case(dtype, mask=mask))
+    _check(out, oracle_linear(P), dtype)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("dtype,mask", [("bfloat16", "nucleus"), ("float32", "random"), ("float16", "none")])
+def test_vs_oracle_larger(dtype, mask):
+    P, out = _run(_case(dtype, T=70, V=230, mask=mask, seed=11), 48)
+    _check(out, oracle_linear(P), dtype)
+
+
+def test_bad_inputs_name_their_argument(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "1")  # the checks pass the device; no kernel runs
+    h, w, y = torch.randn(4, 6), torch.randn(10, 6), torch.tensor([0, 3, 9, -100])
+    with pytest.raises(ValueError, match="^impl: 'triton' takes float32"):
+        linear_logprob_entropy(h.double(), w.double(), y, impl="triton")
+    with pytest.raises(TypeError, match="^allow_tf32:"):
+        linear_logprob_entropy(h, w, y, impl="triton", allow_tf32=1)
+    with pytest.raises(ValueError, match="^impl: expected None or one of"):
+        linear_logprob_entropy(h, w, y, impl="cuda")
+    # the shared checks come first, as on the torch path
+    with pytest.raises(ValueError, match="^target:"):
+        linear_logprob_entropy(h, w, torch.tensor([0, 3, 10, 1]), impl="triton")
+    with pytest.raises(ValueError, match="^weight:"):
+        linear_logprob_entropy(h, torch.randn(10, 5), y, impl="triton")
+
+
+def test_unavailable_without_the_interpreter(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    assert "needs a CUDA device" in linear_triton.unavailable(torch.device("cpu"))
+    with pytest.raises(ValueError, match="^impl: 'triton' needs a CUDA device"):
+        linear_logprob_entropy(torch.randn(4, 6), torch.randn(10, 6), torch.tensor([0, 3, 9, 1]), impl="triton")
+
+
+# --- slow: every mode, frozen inputs, dW chunks, non-finite rows, ranks ----------------
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", list(MODES))
+@pytest.mark.parametrize("dtype", ["float32", "float16"])
+def test_every_mode(mode, dtype):
+    m = MODES[mode]
+    P, out = _run(_case(dtype, mask="random" if m.masked else "none", T=37, V=130, seed=5), **m.options())
+    ref = oracle_linear(P, entropy_grad=m.entropy_grad)
+    _check(out, ref, dtype, entropy=m.with_entropy)
+    assert (out[1] is None) == (not m.with_entropy)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("frozen", ["hidden", "weight"])
+def test_frozen_input(frozen):
+    P, out = _run(_case("float32", mask="nucleus", seed=2), hidden_grad=frozen != "hidden",
+                  weight_grad=frozen != "weight")
+    _check(out, oracle_linear(P), "float32", dh=frozen != "hidden", dw=frozen != "weight")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_16bit_dw_in_vocabulary_chunks(dtype):
+    # memory_budget: one float32 dW chunk of 64 rows (2 blocks of 32); V = 150 -> 3 chunks, the last ragged
+    P, out = _run(_case(dtype, V=150, mask="all_but_target", seed=3), 48, memory_budget=64 * 48 * 4)
+    _check(out, oracle_linear(P), dtype)
+
+
+@pytest.mark.slow
+def test_temperature_and_confident_rows():
+    # a large logit scale and a low temperature: rows whose max dominates (p ~ 1 on one column)
+    P, out = _run(_case("float32", T=33, V=120, temperature=0.3, mask="nucleus", seed=9), 40, logit_scale=12.0)
+    _check(out, oracle_linear(P), "float32")
+
+
+@pytest.mark.slow
+def test_nonfinite_row_by_row():
+    P, (lp, en, gh, gw) = _run(_case("float32", mask="random", seed=4, ignore_frac=0.0), nan_at=(4, 3))
+    with np.errstate(invalid="ignore"):
+        ref = oracle_linear(P)
+    for got, r in ((lp, ref.logprob), (en, ref.entropy)):
+        assert np.isnan(got[4]) and np.isnan(r[4])
+        assert within_tolerance(np.delete(got, 4), np.delete(r, 4), tolerance("float32", "logprob"))
+    assert np.all(np.isnan(gh[4])) and not np.isnan(np.delete(gh, 4, axis=0)).any()
+    assert np.isnan(gw).all()
+
+
+@pytest.mark.slow
+def test_matches_the_torch_path():
+    # an independent formulation of the same op: the torch tile loop over the spec's stages
+    kw = _case("float32", mask="drop_target", seed=6, T=50, V=111)
+    _, a = _run(kw)
+    _, b = _run(kw, impl="eager")
+    for xa, yb, q in zip(a, b, ("logprob", "entropy", "dh", "dW")):
+        tol = tolerance("float32", q, yb)
+        assert within_tolerance(xa, yb, tol), (q, max_errors(xa, yb))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("dtype", ["float32", "float16"])
+def test_two_ranks(dtype):
+    world = 2
+    res = run_ranks(_linear_triton_ranks.rank_suite, world, dtype, env={"TRITON_INTERPRET": "1"}, timeout=600)
+    p = _linear_ranks.problem(world)
+    if dtype != "float32":
+        p = dict(p, hidden=cases.round_to_dtype(p["hidden"], dtype), weight=cases.round_to_dtype(p["weight"], dtype))
+    kw = dict(keep_mask=p["keep"], temperature=_linear_ranks.TAU)
+    lp, en = reference.linear_logprob_entropy(p["hidden"], p["weight"], p["target"], **kw)
+    dh, dw = reference.linear_logprob_entropy_grad(p["hidden"], p["weight"], p["target"], p["gl"], p["ge"], **kw)
+    g = reference.logprob_entropy_grad(p["hidden"] @ p["weight"].T, p["target"], p["gl"], p["ge"], **kw)
+    v, n = _linear_ranks.V_LOCAL, _linear_ranks.T // world
+
+    def close(x, ref, what):
+        tol = tolerance(dtype, what, ref) if what in ("dh", "dW") else tolerance(dtype, what)
+        assert within_tolerance(x, ref, tol), (what, max_errors(x, ref))
+
+    for r, out in enumerate(res):
+        for mode in ("plain", "partial", "sp"):
+            close(out[mode]["lp"], lp, "logprob")
+            close(out[mode]["en"], en, "entropy")
+            close(out[mode]["dw"], dw[r * v : (r + 1) * v], "dW")
+        close(out["plain"]["dh"], dh, "dh")
+        close(out["partial"]["dh"], g[:, r * v : (r + 1) * v] @ p["weight"][r * v : (r + 1) * v], "dh")
+        close(out["sp"]["dh"], dh[r * n : (r + 1) * n], "dh")
+        assert np.array_equal(out["plain"]["lp"], res[0]["plain"]["lp"])  # identical on every rank
