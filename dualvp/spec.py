@@ -163,17 +163,11 @@ def _shifted(xp, z, m, tau, *, products: bool = True):
 def _entropy_terms(xp, e, d, how: str):
     # [..., n]: e d per column with 0 where e = e^d is 0, which is exactly
     # where d = -inf (a banned column, or a (z - m) / tau that overflowed) or
-    # underflows. "clamp": d was clamped by _shifted, so e d is finite (one op
-    # per element, the fewest passes for an eager backend). "select": d is
-    # not clamped, and the select turns 0 * -inf = NaN into 0; then d has one
-    # consumer per product and XLA:CPU recomputes z - m inside the product's
-    # loop instead of materialising a clamped d for two loops. Measured at
-    # T=2048 (benchmarks/entropy_terms.py, calls alternating): dualvp_jax's
-    # forward with entropy 0.72-0.90x the time of "clamp" at V_local=32000
-    # and 152064; dualvp_torch's eager kernels 0.96-1.09x, its compiled ones
-    # unchanged, so torch keeps "clamp". The same values either way (a
-    # zero's sign aside); a NaN e gives NaN with "clamp", 0 with "select",
-    # and its row's s is NaN all the same.
+    # underflows. "clamp": d was clamped by _shifted, so e d is finite.
+    # "select": d is not clamped, and the select turns 0 * -inf = NaN into 0.
+    # The same values either way (a zero's sign aside); a NaN e gives NaN with
+    # "clamp", 0 with "select", and its row's s is NaN all the same
+    # (docs/decisions.md, "Spec: entropy terms, clamp or select").
     if how == "clamp":
         return e * d
     return xp.where(e > 0, e * d, 0.0)
@@ -239,9 +233,8 @@ def _target_columns(xp, z, local, owns, start):
 
 def _target_indicator(xp, z, local, owns, start):
     # [..., n] in z's dtype: 1 at the target's column, else 0, as
-    # max(1 - |offset|, 0) in integers: no compare in the loop. XLA:CPU
-    # vectorises that loop, where a compare in it cost as much as the rest of
-    # the unmasked gradient's arithmetic (block_grad's ``indicator``).
+    # max(1 - |offset|, 0) in integers: no compare in the loop (block_grad's
+    # ``indicator``; docs/decisions.md, "Spec: target indicator, compare or arith").
     return _astype(xp, xp.clip(1 - xp.abs(_column_offsets(xp, z, local, owns, start)), 0, None), z.dtype)
 
 
@@ -266,10 +259,10 @@ def _kept_select(xp, keep, is_y):
     distributions: the kept columns get their argument shifted by the kept
     max (so that the kept sum cannot underflow when the kept logits lie far
     below the overall max), the others by the overall max, and a per-row
-    factor converts where a stage needs both (the compiled masked gradients
-    on CPU took 6-25 % less time than with two exponentials). The kept set
-    is never formed as an ``[..., n]`` array: XLA stored it as a separate
-    buffer once several selects read it (1 byte per element).
+    factor converts where a stage needs both. The kept set is never formed
+    as an ``[..., n]`` array, so no backend has to store it once several
+    selects read it (docs/decisions.md, "Spec: one exponential for two
+    distributions").
     """
     def sel(a, b):
         return xp.where(keep, a, xp.where(is_y, a, b))
@@ -352,8 +345,8 @@ def block_stats(
         kept max must be known before the exponentials, so the mask is read in
         both passes over the block. ``"max"``: the overall max, ``mk = m`` and
         ``sk = sum_kept e^d``: one exponential and one read of the mask per
-        element (inductor's CPU code converts a byte mask slowly: ~35 ms per
-        pass at T=2048, V_local=32000). Every merge, output and gradient
+        element (docs/decisions.md, "Spec: kept shift by the overall max").
+        Every merge, output and gradient
         takes any such ``(shift, sum)`` pair, so both give the same results
         up to rounding; rows whose kept sum (shifted by ``m``) is below
         ``e^-KEPT_GAP``, where it could lose precision to underflow (their
@@ -363,10 +356,9 @@ def block_stats(
         must be float32 or wider (``e^-KEPT_GAP`` is normal in it).
       entropy_terms: how ``t``'s terms ``e^d d`` avoid ``0 * -inf`` on
         banned (``-inf``) columns: ``"clamp"`` clamps ``d`` to the lowest
-        finite value first (one op per element: eager backends);
-        ``"select"`` takes 0 where ``e^d = 0`` (XLA, where it lets the
-        compiler fuse ``d`` into both loops). The same statistics either way,
-        except ``t`` of a row holding NaN (NaN or finite; its ``s`` is NaN).
+        finite value first, ``"select"`` takes 0 where ``e^d = 0``. The same
+        statistics either way, except ``t`` of a row holding NaN (NaN or
+        finite; its ``s`` is NaN).
         NumPy warns of the masked ``0 * -inf`` with ``"select"``
         (``np.errstate(invalid="ignore")``).
 
@@ -413,8 +405,7 @@ def block_sums(xp, z, keep=None, temperature=1.0, *, dtype=None, acc_dtype=None,
     """The row reductions of :func:`block_stats` (``kept_shift="max"``, or no mask): ``(m, s, t, sk)``.
 
     The only part of the statistics that reads the ``[..., n]`` block; a
-    backend may compute it with a kernel of its own (``dualvp_jax``'s CPU
-    custom call, ``dualvp_jax/cpu_stats.cc``) and finish with
+    backend may compute it with a kernel of its own and finish with
     :func:`stats_from_sums`. With ``d = (z - m) / tau`` (``m`` shifted by 0
     where it is ``-inf``) and ``e = e^d``::
 
@@ -602,9 +593,8 @@ def block_grad(
       start: the block's first column within the shard.
       dtype: compute dtype (``z`` is cast to it first); ``None``: ``z.dtype``.
       indicator: how ``1[v=y]`` is formed: ``"compare"`` (a compare with
-        the target's column, converted: eager backends) or ``"arith"``
-        (``max(1 - |v - y|, 0)`` in integers, no compare: XLA). The same
-        gradient either way.
+        the target's column, converted) or ``"arith"`` (``max(1 - |v - y|,
+        0)`` in integers, no compare). The same gradient either way.
 
     Returns:
       ``[..., n]`` in the compute dtype:
@@ -617,9 +607,8 @@ def block_grad(
     z = _cast(xp, z, dtype)
     tau = _tau(xp, temperature, z.dtype)
     d = _shifted(xp, z, comb.M, tau, products=g_entropy is not None)
-    # The offsets are formed again for "arith" under a mask rather than held:
-    # an eager backend would keep an integer [..., n] array alive through the
-    # whole gradient (XLA merges the two).
+    # The offsets are formed again for "arith" under a mask rather than held,
+    # so that no integer [..., n] array lives through the whole gradient.
     is_y = _target_columns(xp, z, local, owns, start) if keep is not None or indicator == "compare" else None
     if keep is None:
         p = q = xp.exp(d - comb.log_s[..., None])

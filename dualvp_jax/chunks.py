@@ -1,9 +1,4 @@
-"""Row-chunked evaluation of per-row functions under ``jit`` (the op's forward on XLA:CPU without its kernel).
-
-The op's CPU forward takes its row sums from :mod:`dualvp_jax.cpu_kernel`
-where it can; this is the XLA program it falls back to (float16 and float64
-logits, no compiler), and the one that computes masked rows again with
-``kept_shift="kept"``.
+"""Row-chunked evaluation of per-row functions under ``jit`` (the op's forward on XLA:CPU).
 
 XLA:CPU runs a row reduction as a library fusion that does not absorb the
 elementwise operation feeding it, so a reduction over ``[T, V_local]`` logits
@@ -11,12 +6,13 @@ gets a materialised float32 ``[T, V_local]`` input: the upcast of bfloat16
 logits, ``exp(d)``, ``e * d``, the masked logits. :func:`map_row_chunks` runs
 such a function over bounded blocks of rows instead, so each of those
 intermediates is ``[rows, V_local]`` (a few MiB, see :data:`CHUNK_BYTES`).
-The same library runs a reduction over more than 2**15 columns on about one
-core: :func:`column_blocks` splits wider rows into blocks within that
-(:data:`COLUMN_BLOCK`), whose statistics the caller merges (as the op does).
+The same library runs a reduction over very wide rows on about one core:
+:func:`column_blocks` splits wider rows into blocks of at most
+:data:`COLUMN_BLOCK` columns, whose statistics the caller merges (as the op
+does).
 
 Three things each brought a full-size copy back while this was written, and
-``tests/jax/test_jax_memory.py`` pins each one:
+``tests/jax/test_memory.py`` pins each one:
 
 - XLA:CPU has no native bfloat16 dynamic slice: it upcasts the sliced operand
   to float32, and since the operand is loop-invariant it hoists that upcast of
@@ -45,33 +41,24 @@ from jax import lax
 
 __all__ = ["CHUNK_BYTES", "COLUMN_BLOCK", "chunk_rows", "column_blocks", "map_row_chunks"]
 
-#: Budget, in bytes, of one float32 ``[rows, V_local]`` intermediate of a chunk.
-#: A chunk of the op's statistics holds two or three such buffers at once, so
-#: the scratch is about 3 x 2 MiB = 6 MiB whatever ``T`` (0.01-0.03 B at
-#: T = 2048, V_local = 32000, B = bytes of the shard). 2 MiB gives 16 rows at
-#: ``V_local = 32000`` and 4 (the minimum, see :func:`chunk_rows`) at
-#: ``V_local = 152064``. Measured on a 2-core Xeon
-#: (2 MiB L2 per core): the forward's time moves little between 0.25 and
-#: 16 MiB (4 rows at 32000 were ~10 % faster than 16, 64 rows ~35 % slower;
-#: one row per chunk at 152064 costs no more than 6). Smaller budgets were
-#: not taken because of the 2-device ``shard_map`` case on host devices: there
-#: the process's peak RSS grows beyond the compiled scratch with the number of
-#: loop steps (+0.08 B at 4 rows per chunk, +0.02-0.04 B at 16), while one
-#: device stays within +0.01 B at any budget. Re-checked on a 2-core Xeon with
-#: AVX-512 BF16 (docs/measurements.md, eleventh session): 2 MiB the fastest or
-#: within 5 % of it at 32000 columns.
+#: Default budget, in bytes, of one float32 ``[rows, V_local]`` intermediate
+#: of a chunk. A chunk of the op's statistics holds two or three such buffers
+#: at once, so the forward's scratch is a few such budgets whatever ``T``.
+#: Smaller budgets mean more loop steps, which cost time and, with several
+#: host devices in one process, peak memory beyond the compiled scratch
+#: (docs/decisions.md, "dualvp_jax: row-chunk budget").
 CHUNK_BYTES = 2 << 20
 
 
 def chunk_rows(n_rows: int, width: int, budget: Optional[int] = None) -> int:
     """Rows per chunk so that one float32 ``[rows, width]`` buffer fits ``budget`` bytes.
 
-    ``budget`` defaults to :data:`CHUNK_BYTES` (read at call time, i.e. at
-    trace time of the op). A multiple of 4 and at least 4 (so over budget for
-    ``width > budget / 16``): XLA:CPU reduces blocks of 1 or 3 rows along
-    another path, whose float32 entropy was 1 ulp further from float64 than
-    the whole shard's at ``V_local = 152064``; with 4, 8, ... rows the
-    results matched it. At most ``n_rows`` (a single chunk: no loop).
+    ``budget`` defaults to :data:`CHUNK_BYTES` (the op passes its
+    :class:`~dualvp_jax._tuning.Tuning`'s). A multiple of 4 and at least 4
+    (so over budget for ``width > budget / 16``): XLA:CPU reduces blocks of 1
+    or 3 rows along another path, whose float32 rounding differs from the
+    whole shard's; with 4, 8, ... rows it matches. At most ``n_rows`` (a
+    single chunk: no loop).
     """
     budget = CHUNK_BYTES if budget is None else budget
     rows = int(budget) // max(1, 4 * int(width))
@@ -79,30 +66,19 @@ def chunk_rows(n_rows: int, width: int, budget: Optional[int] = None) -> int:
     return max(1, min(rows, int(n_rows)))
 
 
-#: Widest column block, in columns, of one row reduction on XLA:CPU. XLA's
-#: reduction library (YNNPACK fusions, jax 0.10) runs a row reduction on both
-#: cores of the 2-core test machine up to 2**15 columns and on about one core
-#: from 2**15 + 1 (measured, float32 log-prob forward, T = 2048: 0.26-0.28
-#: ns per element up to 32768 columns, 0.45-0.67 from 32769). Wider
-#: shards are therefore reduced in column blocks of at most this many
-#: columns, merged with ``spec.reduce_stats`` (the merge that combines
-#: shards): the forward at V_local = 152064 took 0.63-0.85x the time of whole
-#: rows, and 16384-column blocks were slower than 32768
-#: (``benchmarks/jax_columns.py``). With a keep mask (since its one-pass
-#: ``kept_shift="max"``) the masked forward took 0.77-0.93x the time of
-#: whole rows, and the peak of 2 host devices in one process rose by 0.04 B
-#: (bfloat16; ``dualvp_jax.function._MASKED_BLOCKS``); before it, 1.0-1.07x,
-#: and masked rows stayed whole. Reshaping each row into
-#: ``[k, V_local / k]`` instead of slicing took 0.89-1.24x the time of whole
-#: rows (slices: 0.63-0.85x).
+#: Default widest column block, in columns, of one row reduction on XLA:CPU,
+#: whose reduction library runs wider rows on about one core. Wider shards
+#: are reduced in blocks of at most this many columns, masked or not, merged
+#: with ``spec.reduce_stats`` (the merge that combines shards)
+#: (docs/decisions.md, "dualvp_jax: column blocks").
 COLUMN_BLOCK = 1 << 15
 
 
 def column_blocks(width: int, max_width: Optional[int] = None) -> list[tuple[int, int]]:
     """``[(start, stop), ...]``: ``width`` columns in the fewest blocks of at most ``max_width``.
 
-    ``max_width`` defaults to :data:`COLUMN_BLOCK` (read at call time, i.e. at
-    trace time of the op). The blocks are contiguous, in order, and their
+    ``max_width`` defaults to :data:`COLUMN_BLOCK` (the op passes its
+    :class:`~dualvp_jax._tuning.Tuning`'s). The blocks are contiguous, in order, and their
     widths differ by at most one (152064 -> 5 blocks of 30412-30413). A width
     of at most ``max_width`` (or 0) is one block.
     """

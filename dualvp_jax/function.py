@@ -8,21 +8,15 @@ Forward, per shard (inside ``shard_map``, or unsharded when ``axis_name`` is
     comb  = spec.combine_stats(table)                  O(T), identical on every shard
     logprob, entropy = spec.outputs(comb)
 
-On the CPU, float32 and bfloat16 shards take their row sums
-(``spec.block_sums``) from one compiled XLA FFI custom call
-(:mod:`dualvp_jax.cpu_kernel`, built at first use; two passes over the
-logits, no scratch of their size) and finish with ``spec.stats_from_sums``.
-Without it (other dtypes, no C++ compiler, ``DUALVP_JAX_CPU_KERNEL=0``) the
-shard statistics are computed over bounded blocks of rows
-(:mod:`dualvp_jax.chunks`, about ``3 * chunks.CHUNK_BYTES`` of scratch,
-whatever ``T``): XLA:CPU would otherwise materialise a float32
-``[T, V_local]`` input for each row reduction (1 to 6 B of scratch, B = the
-bytes of the shard). Each block runs ``spec.block_stats`` itself; rows are
-independent, so the result is the same statistics. Rows wider than
-``chunks.COLUMN_BLOCK`` columns, masked or not, are split into column blocks,
-merged with ``spec.reduce_stats`` like shards (XLA:CPU reduces wider rows on
-one core).
-Other platforms fuse the reductions and take the whole shard at once (:func:`_shard_stats`).
+On the CPU the shard statistics are computed over bounded blocks of rows
+(:mod:`dualvp_jax.chunks`, a few ``chunks.CHUNK_BYTES`` of scratch, whatever
+``T``): XLA:CPU would otherwise materialise a float32 ``[T, V_local]`` input
+for each row reduction. Rows are independent, so each block's
+``spec.block_stats`` are the shard's rows. Rows wider than
+``chunks.COLUMN_BLOCK`` columns are split into column blocks, merged with
+``spec.reduce_stats`` like shards. Other platforms fuse the reductions and
+take the whole shard at once (:func:`_shard_stats`; the choice is a
+:class:`~dualvp_jax._tuning.Tuning`, a static argument).
 
 Backward: ``spec.grad_logits`` from the saved logits and the O(T) combined
 statistics, one fused pass over the shard (read the logits, write the
@@ -30,7 +24,7 @@ gradient); no collective (the statistics are already global). Residuals are
 the caller's logits (a reference, in the caller's dtype), target, keep mask and
 O(T) statistics: nothing of size ``[T, V_local]`` is created for the backward.
 Under ``jit(value_and_grad)`` the peak beyond the inputs is the gradient (1 B)
-plus the chunk scratch (``tests/jax/test_jax_memory.py``).
+plus the chunk scratch (``tests/jax/test_memory.py``).
 
 Varying-manual-axes (``check_vma``): the gathered table and everything
 computed from it (outputs, statistics) is *invariant* over ``axis_name``
@@ -66,7 +60,8 @@ from jax import lax
 from dualvp import spec
 from dualvp.validation import Options, check_args
 
-from . import chunks, cpu_kernel
+from . import chunks
+from ._tuning import DEFAULT, ENTROPY_TERMS, INDICATOR, Tuning
 
 __all__ = ["logprob_entropy"]
 
@@ -171,71 +166,6 @@ def _check_varying(logits, axis_name) -> None:
 
 # --- the op -------------------------------------------------------------------
 
-# Which forward the statistics take: "" (by platform: on the CPU the first of
-# _CPU_PATHS that takes the call, the whole shard elsewhere), "whole",
-# "chunked" (the chunked XLA program) or "kernel" (the CPU custom call; an
-# error where it does not take the call). Tests and benchmarks set it (then
-# clear jit caches) to compare the paths on one machine.
-_FORCE_PATH = ""
-
-# The CPU forward's statistics, in order of preference: "kernel" (the row sums
-# as one compiled custom call, dualvp_jax.cpu_kernel: float32 / bfloat16
-# logits, a compiler at hand; forward 0.3-0.5x the chunked program's time at
-# T=2048, see docs/measurements.md), then "chunked" (XLA, every dtype).
-_CPU_PATHS = ("kernel", "chunked")
-
-# How the forward's entropy terms avoid 0 * -inf (``spec.block_stats``'s
-# ``entropy_terms``, read at trace time): "select" lets XLA:CPU fuse d into
-# both of its loops (the forward with entropy 0.72-0.90x the time of "clamp",
-# benchmarks/entropy_terms.py). A variable so that the benchmark can trace both.
-_ENTROPY_TERMS = "select"
-
-# How a masked chunk's kept sum is shifted on the chunked (CPU) path
-# (``spec.block_stats``'s ``kept_shift``, read at trace time): "max" shifts it
-# by the overall max (one read of the mask and one exponential per element,
-# one row reduction fewer than "kept": forward 0.70-0.94x at T=2048,
-# docs/measurements.md), and the rows that it marks (``spec.marked_rows``: a
-# kept sum below ``e^-spec.KEPT_GAP``, or NaN) are computed again with "kept"
-# under ``lax.cond`` (see ``_REDO_MARKED``). A variable so that benchmarks can
-# trace both.
-_KEPT_SHIFT = "max"
-
-# Whether masked rows wider than ``chunks.COLUMN_BLOCK`` are split into column
-# blocks on the chunked (CPU) path, as unmasked ones are (read at trace time).
-# Measured at V_local = 152064, T = 2048 (docs/measurements.md, fifteenth
-# session): the masked forward 0.77-0.93x the time of whole rows under a 50 %
-# random mask (benchmarks/jax_chunked.py --old-flag _MASKED_BLOCKS=False); the
-# peak of 2 host devices in one process 1.05 B for bfloat16 (whole rows:
-# 1.01 B), one device unchanged. A variable so that benchmarks can trace both.
-_MASKED_BLOCKS = True
-
-# Where the chunked (CPU) forward computes marked rows again with "kept"
-# (``_KEPT_SHIFT = "max"``, read at trace time): "shard" runs the loop of
-# chunks once with "max" and, if any row of the shard is marked, once more with
-# "kept" (one ``lax.cond`` around the loops); "chunk" recomputes each chunk
-# that holds a marked row (a ``lax.cond`` per chunk). Rows are marked only
-# where the kept max lies more than ``spec.KEPT_GAP`` below the max, which a
-# top-k / top-p mask never does (it keeps every column above a kept one), so
-# "shard" pays the second pass only for such masks (and for shards holding a
-# NaN logit, whose rows are marked too), and saves the per-chunk conditional
-# otherwise. Measured against "chunk" at T=2048, V_local=32000,
-# W=1 and 2 (benchmarks/jax_chunked.py --old-flag '_REDO_MARKED="chunk"'):
-# the masked log-prob-only forward 0.80-0.88x, with the entropy 0.86-1.05x;
-# the compiled scratch 0.008-0.016 B instead of 0.010-0.028 B. A variable so
-# that benchmarks can trace both.
-_REDO_MARKED = "shard"
-
-
-# How the backward forms the target's indicator 1[v = y]
-# (``spec.block_grad``'s ``indicator``, read at trace time): "arith" has no
-# compare in the gradient's loop, which XLA:CPU then vectorises. Measured on
-# the 2-core CPU VM (benchmarks/grad_indicator_T2048_V*.txt, "arith" over
-# "compare"): unmasked backward 0.58-0.74x, value_and_grad 0.76-0.81x; masked
-# bf16 0.72-0.85x; masked float32 unchanged (0.83-1.02x). Bit-identical
-# gradients. A variable so that the benchmark can trace both.
-_INDICATOR = "arith"
-
-
 def _compute_dtype(dtype):
     # bf16 / f16 / f32 -> f32; f64 -> f64 (only reachable under jax_enable_x64).
     return jnp.promote_types(dtype, jnp.float32)
@@ -261,111 +191,66 @@ def _gather(axis_name, stats):
     return lax.all_gather(stats, axis_name, axis=0, to="invarying")
 
 
-def _cpu_paths() -> tuple:
-    """The CPU forwards the op may take now, in order of preference (read when the op is called).
-
-    The kernel only where the CPU is JAX's default backend: a GPU or TPU
-    process never lowers the CPU branch of its programs, so it need not build
-    the kernel (nor warn that it cannot).
-    """
-    use = cpu_kernel.enabled() and jax.default_backend() == "cpu"
-    return tuple(p for p in _CPU_PATHS if p != "kernel" or use)
-
-
-def _shard_stats(logits, local, owns, keep, tau, cdt, with_entropy: bool = True, cpu_paths=_CPU_PATHS):
+def _shard_stats(logits, local, owns, keep, tau, cdt, with_entropy: bool, tuning: Tuning):
     """``spec.block_stats`` of the whole shard: ``[..., N_STATS]`` in ``cdt``.
 
-    On the CPU, float32 and bfloat16 logits take the row sums
-    (``spec.block_sums``) from one compiled custom call
-    (:mod:`dualvp_jax.cpu_kernel`; two passes over the logits, nothing of
-    their size written) and the rest from ``spec.stats_from_sums``; masked
-    rows it marks are computed again by the chunked program below with
-    ``"kept"``. Without the kernel (no compiler, other dtypes)
-    the rows are processed in bounded chunks (:mod:`dualvp_jax.chunks`):
-    XLA:CPU would otherwise materialise a float32 ``[..., V_local]`` input for
-    each row reduction (up to 6 B of scratch for bfloat16 logits with a keep
-    mask, B = bytes of the logits); chunked, the forward's scratch is about
-    ``3 * chunks.CHUNK_BYTES`` whatever the row count. Rows wider than
-    ``chunks.COLUMN_BLOCK`` are reduced in column blocks (``start=`` of
+    On the CPU (``tuning.path`` ``"auto"`` or ``"chunked"``) the rows are
+    processed in bounded chunks (:mod:`dualvp_jax.chunks`): XLA:CPU would
+    otherwise materialise a float32 ``[..., V_local]`` input for each row
+    reduction; chunked, the forward's scratch is a few
+    ``tuning.chunk_bytes`` whatever the row count. Rows wider than
+    ``tuning.column_block`` are reduced in column blocks (``start=`` of
     ``spec.block_stats``) merged with ``spec.reduce_stats``, which XLA:CPU
-    runs on all cores (one for wider reductions). With a keep mask the
-    blocks take one pass each (``kept_shift="max"``), and if any block marks
-    a row, the shard (``_REDO_MARKED``) is computed again, all blocks, with
-    ``"kept"``: the mark (``sk = NaN``) survives the merge. On other platforms
-    (GPU, TPU) XLA fuses the elementwise work into its reductions itself and a
-    loop of small chunks would only add steps: the whole shard is one call
-    there (not measured on such a machine in this repository).
+    runs on all cores. With a keep mask every block takes one pass
+    (``kept_shift="max"``), and if any row of the shard is marked
+    (``spec.marked_rows``: its kept sum underflowed, or a NaN), the loop runs
+    once more with ``"kept"`` under one ``lax.cond`` and only the marked rows
+    take its statistics; a top-k / top-p mask keeps every column above a kept
+    one, so it never marks a row (docs/decisions.md, "dualvp_jax: kept
+    shift by the max, one redo per shard"). On other platforms XLA fuses the
+    elementwise work into its reductions itself and a loop of small chunks
+    would only add steps: the whole shard is one call there, with ``"kept"``.
     """
     def whole(z, local, owns, keep, start=0, kept_shift="kept"):
         return spec.block_stats(jnp, z, local, owns, keep, tau, start=start, dtype=cdt, with_entropy=with_entropy,
-                                kept_shift=kept_shift, entropy_terms=_ENTROPY_TERMS)
+                                kept_shift=kept_shift, entropy_terms=ENTROPY_TERMS)
 
-    def blocked(z, local, owns, keep, kept_shift="kept"):
-        # Rows wider than chunks.COLUMN_BLOCK are reduced in column blocks,
-        # which merge like shards.
-        bounds = chunks.column_blocks(z.shape[-1]) if keep is None or _MASKED_BLOCKS else [(0, z.shape[-1])]
+    def blocked(z, local, owns, keep, kept_shift):
+        # Rows wider than the column block are reduced in column blocks, which merge like shards.
+        bounds = chunks.column_blocks(z.shape[-1], tuning.column_block)
         parts = [whole(z[..., a:b], local, owns, None if keep is None else keep[..., a:b], start=a,
                        kept_shift=kept_shift) for a, b in bounds]
         return parts[0] if len(parts) == 1 else spec.reduce_stats(jnp, jnp.stack(parts), axis=0, temperature=tau)
 
-    def redo_marked(fast, again):
-        # A row that a block marks stays marked through the merge (its sk is
-        # NaN). The predicate is on the device: no host synchronisation.
-        # Only the marked rows take the second pass's statistics, as in every
-        # backend: a row's result does not depend on whether another is marked.
-        return lax.cond(jnp.any(spec.marked_rows(jnp, fast)), lambda: spec.redo_marked(jnp, fast, again()),
-                        lambda: fast)
-
-    def flat(z, local, owns, keep):
-        n, v = math.prod(z.shape[:-1]), z.shape[-1]
-        return z.reshape(n, v), local.reshape(n), owns.reshape(n), None if keep is None else keep.reshape(n, v)
-
-    def unflat(out, z):
-        return out.reshape(z.shape[:-1] + out.shape[-1:])
-
-    def over_chunks(fn, args):
-        return chunks.map_row_chunks(fn, args, chunks.chunk_rows(*args[0].shape))
-
     def run(args, kept_shift):
-        return over_chunks(partial(blocked, kept_shift=kept_shift), args)
+        rows = chunks.chunk_rows(*args[0].shape, budget=tuning.chunk_bytes)
+        return chunks.map_row_chunks(partial(blocked, kept_shift=kept_shift), args, rows)
 
     def chunked(z, local, owns, keep):
-        args = flat(z, local, owns, keep)
-        if keep is None or _KEPT_SHIFT == "kept":
+        n, v = math.prod(z.shape[:-1]), z.shape[-1]
+        args = (z.reshape(n, v), local.reshape(n), owns.reshape(n), None if keep is None else keep.reshape(n, v))
+        if keep is None:
             out = run(args, "kept")
-        elif _REDO_MARKED == "chunk":
-            out = over_chunks(lambda *a: redo_marked(blocked(*a, kept_shift="max"), lambda: blocked(*a)), args)
         else:
-            out = redo_marked(run(args, "max"), lambda: run(args, "kept"))
-        return unflat(out, z)
+            fast = run(args, "max")
+            # A row that a block marks stays marked through the merge (its sk
+            # is NaN). The predicate is on the device: no host synchronisation.
+            # Only the marked rows take the second pass's statistics, as in
+            # every backend: a row's result does not depend on another's mark.
+            out = lax.cond(jnp.any(spec.marked_rows(jnp, fast)),
+                           lambda: spec.redo_marked(jnp, fast, run(args, "kept")), lambda: fast)
+        return out.reshape(z.shape[:-1] + out.shape[-1:])
 
-    def kernel(z, local, owns, keep):
-        # The row sums from the compiled kernel (two passes over the logits,
-        # no scratch of their size); the rest is the spec's O(T) work. Marked
-        # rows are computed again by the chunked program with "kept".
-        args = flat(z, local, owns, keep)
-        fast = spec.stats_from_sums(jnp, cpu_kernel.block_sums(args[0], args[3], tau, with_entropy), *args, tau,
-                                    with_entropy=with_entropy)
-        out = fast if keep is None else redo_marked(fast, lambda: run(args, "kept"))
-        return unflat(out, z)
-
-    path = _FORCE_PATH
-    if path == "kernel" and not cpu_kernel.eligible(logits.dtype, tau):
-        raise RuntimeError(f"dualvp_jax: _FORCE_PATH='kernel' but the CPU kernel does not take {logits.dtype} "
-                           f"logits at temperature {tau!r} ({cpu_kernel.unavailable_reason() or 'dtype'})")
-    if not path:
-        # The CPU programs in order of preference (the first that takes the call).
-        path = next(p for p in cpu_paths if p != "kernel" or cpu_kernel.eligible(logits.dtype, tau))
-        cpu = {"kernel": kernel, "chunked": chunked}[path]
-        return lax.platform_dependent(logits, local, owns, keep, cpu=cpu, default=whole)
-    return {"whole": whole, "chunked": chunked, "kernel": kernel}[path](logits, local, owns, keep)
+    if tuning.path == "auto":
+        return lax.platform_dependent(logits, local, owns, keep, cpu=chunked, default=whole)
+    return {"whole": whole, "chunked": chunked}[tuning.path](logits, local, owns, keep)
 
 
-def _forward(logits, target, keep, axis_name, opt: Options, cpu_paths: tuple):
+def _forward(logits, target, keep, axis_name, opt: Options, tuning: Tuning):
     cdt = _compute_dtype(logits.dtype)
     tau = opt.temperature
     valid, owns, local, bad = _shard_position(axis_name, opt, target, logits.shape[-1])
-    stats = _shard_stats(logits, local, owns, keep, tau, cdt, opt.with_entropy, cpu_paths)
+    stats = _shard_stats(logits, local, owns, keep, tau, cdt, opt.with_entropy, tuning)
     comb = spec.finalize(jnp, spec.reduce_stats(jnp, _gather(axis_name, stats), axis=0, temperature=tau), tau)
     logprob, entropy = spec.outputs(jnp, comb, valid, tau)
     nan = jnp.full_like(logprob, jnp.nan)
@@ -375,17 +260,17 @@ def _forward(logits, target, keep, axis_name, opt: Options, cpu_paths: tuple):
 
 
 @partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
-def _op(logits, target, keep, axis_name, opt: Options, cpu_paths: tuple):
-    return _forward(logits, target, keep, axis_name, opt, cpu_paths)[0]
+def _op(logits, target, keep, axis_name, opt: Options, tuning: Tuning):
+    return _forward(logits, target, keep, axis_name, opt, tuning)[0]
 
 
-def _op_fwd(logits, target, keep, axis_name, opt: Options, cpu_paths: tuple):
-    out, comb = _forward(logits, target, keep, axis_name, opt, cpu_paths)
+def _op_fwd(logits, target, keep, axis_name, opt: Options, tuning: Tuning):
+    out, comb = _forward(logits, target, keep, axis_name, opt, tuning)
     # Residuals: references to the inputs plus O(T) statistics.
     return out, (logits, target, keep, comb)
 
 
-def _op_bwd(axis_name, opt: Options, cpu_paths: tuple, res, cotangents):
+def _op_bwd(axis_name, opt: Options, tuning: Tuning, res, cotangents):
     logits, target, keep, comb = res
     g_logprob, g_entropy = cotangents
     cdt = _compute_dtype(logits.dtype)
@@ -393,7 +278,7 @@ def _op_bwd(axis_name, opt: Options, cpu_paths: tuple, res, cotangents):
     g_logprob = jnp.asarray(g_logprob, cdt)
     g_entropy = jnp.asarray(g_entropy, cdt) if opt.need_entropy_grad else None
     g = spec.block_grad(jnp, logits, local, owns, keep, comb, valid, g_logprob, g_entropy, opt.temperature, dtype=cdt,
-                        indicator=_INDICATOR)
+                        indicator=INDICATOR)
     g = jnp.where(bad[..., None], jnp.full_like(g, jnp.nan), g)
     return g.astype(logits.dtype), None, None
 
@@ -447,20 +332,27 @@ def logprob_entropy(
       when ``target`` is concrete and ``axis_name`` is ``None``. Traced
       out-of-range targets give NaN rows.
     """
+    return _logprob_entropy(logits, target, axis_name, keep_mask, temperature, with_entropy, entropy_grad,
+                            ignore_index, DEFAULT)
+
+
+def _logprob_entropy(logits, target, axis_name, keep_mask, temperature, with_entropy, entropy_grad, ignore_index,
+                     tuning: Tuning):
+    """:func:`logprob_entropy` with an explicit :class:`~dualvp_jax._tuning.Tuning` (tests reach other paths)."""
     opt = _validate(logits, target, keep_mask, temperature, ignore_index, with_entropy, entropy_grad)
     if axis_name is None:
         check_target_range(target, int(np.shape(logits)[-1]), ignore_index)
     if axis_name is not None:
         _check_varying(logits, axis_name)
-    return _apply_jit(logits, target, keep_mask, axis_name=axis_name, opt=opt, cpu_paths=_cpu_paths())
+    return _apply_jit(logits, target, keep_mask, axis_name=axis_name, opt=opt, tuning=tuning)
 
 
-def _apply(logits, target, keep_mask, axis_name, opt: Options, cpu_paths: tuple):
-    """The op on validated arguments (called per shard); ``cpu_paths`` from :func:`_cpu_paths` at the call."""
+def _apply(logits, target, keep_mask, axis_name, opt: Options, tuning: Tuning = DEFAULT):
+    """The op on validated arguments (called per shard)."""
     logits = jnp.asarray(logits)
     target = jnp.asarray(target).astype(_int_dtype())
     keep = None if keep_mask is None else jnp.asarray(keep_mask)
-    return _outputs(*_op(logits, target, keep, axis_name, opt, cpu_paths), opt)
+    return _outputs(*_op(logits, target, keep, axis_name, opt, tuning), opt)
 
 
 def _outputs(logprob: jax.Array, entropy: jax.Array, opt: Options) -> tuple[jax.Array, Optional[jax.Array]]:
@@ -478,4 +370,4 @@ def _outputs(logprob: jax.Array, entropy: jax.Array, opt: Options) -> tuple[jax.
 
 # Eager calls run as one compiled program instead of op-by-op dispatch; under an
 # outer jit (or inside shard_map) this is simply inlined.
-_apply_jit = jax.jit(_apply, static_argnames=("axis_name", "opt", "cpu_paths"))
+_apply_jit = jax.jit(_apply, static_argnames=("axis_name", "opt", "tuning"))

@@ -22,7 +22,8 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 
-from .function import _apply, _cpu_paths, _validate, check_target_range
+from ._tuning import DEFAULT, Tuning
+from .function import _apply, _validate, check_target_range
 
 __all__ = ["sharded_logprob_entropy"]
 
@@ -120,6 +121,13 @@ def sharded_logprob_entropy(
       TypeError / ValueError naming the argument; ``ValueError`` for
       out-of-range targets when ``target`` is concrete (not traced).
     """
+    return _sharded_logprob_entropy(logits, target, mesh, vocab_axis, keep_mask, temperature, with_entropy,
+                                    entropy_grad, ignore_index, DEFAULT)
+
+
+def _sharded_logprob_entropy(logits, target, mesh, vocab_axis, keep_mask, temperature, with_entropy, entropy_grad,
+                             ignore_index, tuning: Tuning):
+    """:func:`sharded_logprob_entropy` with an explicit :class:`~dualvp_jax._tuning.Tuning`."""
     opt = _validate(logits, target, keep_mask, temperature, ignore_index, with_entropy, entropy_grad)
     world = _mesh_world(mesh, vocab_axis)
     shape = tuple(np.shape(logits)) if not isinstance(logits, jax.core.Tracer) else tuple(logits.shape)
@@ -146,19 +154,19 @@ def sharded_logprob_entropy(
         logits, target = jnp.asarray(logits), jnp.asarray(target)
         keep_mask = None if keep_mask is None else jnp.asarray(keep_mask)
     lp, h = _run(logits, target, keep_mask, mesh=mesh, axis_name=vocab_axis, opt=opt, lead=lead, all_manual=explicit,
-                 cpu_paths=_cpu_paths())
+                 tuning=tuning)
     return lp, (h if with_entropy else None)
 
 
-@partial(jax.jit, static_argnames=("mesh", "axis_name", "opt", "lead", "all_manual", "cpu_paths"))
-def _run(logits, target, keep_mask, *, mesh, axis_name, opt, lead, all_manual, cpu_paths):
+@partial(jax.jit, static_argnames=("mesh", "axis_name", "opt", "lead", "all_manual", "tuning"))
+def _run(logits, target, keep_mask, *, mesh, axis_name, opt, lead, all_manual, tuning):
     # jit here so that eager calls are one compiled program, not op-by-op
     # dispatch; under an outer jit it is inlined.
     has_mask = keep_mask is not None
     z_spec, t_spec = P(*lead, axis_name), P(*lead)
 
     def body(z, y, *k):
-        lp, h = _apply(z, y, k[0] if has_mask else None, axis_name, opt, cpu_paths)
+        lp, h = _apply(z, y, k[0] if has_mask else None, axis_name, opt, tuning)
         return (lp, h) if opt.with_entropy else (lp,)
 
     in_specs = (z_spec, t_spec) + ((z_spec,) if has_mask else ())

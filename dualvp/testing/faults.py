@@ -4,7 +4,7 @@
 JAX backend through :func:`dualvp.testing.run` makes the JAX backward forget
 the ``1/temperature`` factor (a plausible bug): the fault re-registers the
 custom VJPs of :mod:`dualvp_jax.function` (the logits gradient) and of
-:mod:`dualvp_jax.linear` (the fused LM head's ``dh`` and ``dW``) with a
+:mod:`dualvp_jax.linear_blocks` (the fused LM head's ``dh`` and ``dW``) with a
 wrapped backward, so the production backward itself carries no test code.
 Never set it otherwise.
 """
@@ -30,7 +30,7 @@ def install(name: str) -> None:
     import jax.numpy as jnp
 
     from dualvp_jax import function as f
-    from dualvp_jax import linear as lin
+    from dualvp_jax import linear_blocks as lin
 
     def times_tau(g, tau):
         # undo the 1/tau of the correct gradient: the bug being simulated
@@ -38,9 +38,8 @@ def install(name: str) -> None:
 
     backward = f._op_bwd
 
-    def grad_tau(axis_name, opt, *rest_args):
-        # *rest_args: the other static arguments (the CPU path order), then res, cotangents
-        g, *rest = backward(axis_name, opt, *rest_args)
+    def grad_tau(axis_name, opt, tuning, res, cotangents):
+        g, *rest = backward(axis_name, opt, tuning, res, cotangents)
         return (times_tau(g, opt.temperature), *rest)
 
     linear_backward = lin._op_bwd

@@ -13,6 +13,7 @@ import jax.numpy as jnp
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 import dualvp_jax
+from dualvp_jax import sharded
 from dualvp import testing
 from dualvp.testing import cases
 
@@ -65,9 +66,13 @@ TRACES: collections.Counter = collections.Counter()
 
 
 def sharded_runner(world: int, kind: str, tau: float, ignore_index: int, has_mask: bool,
-                   with_entropy: bool = True, entropy_grad: bool = True, jit: bool = True):
-    """``f(z, y, k, gl, ge) -> (logprob, entropy, grad)`` through the global-array API."""
-    key = (world, kind, tau, ignore_index, has_mask, with_entropy, entropy_grad, jit)
+                   with_entropy: bool = True, entropy_grad: bool = True, jit: bool = True, tuning=None):
+    """``f(z, y, k, gl, ge) -> (logprob, entropy, grad)`` through the global-array API.
+
+    ``tuning``: a :class:`dualvp_jax._tuning.Tuning` for the private entry point, or ``None`` (the public
+    function, its default tuning).
+    """
+    key = (world, kind, tau, ignore_index, has_mask, with_entropy, entropy_grad, jit, tuning)
     if key in _RUNNERS:
         return _RUNNERS[key]
     mesh = mesh_1d(world, kind)
@@ -76,8 +81,12 @@ def sharded_runner(world: int, kind: str, tau: float, ignore_index: int, has_mas
         TRACES["sharded"] += 1
 
         def f(z):
+            keep = k if has_mask else None
+            if tuning is not None:
+                return sharded._sharded_logprob_entropy(z, y, mesh, "tp", keep, tau, with_entropy, entropy_grad,
+                                                        ignore_index, tuning)
             return dualvp_jax.sharded_logprob_entropy(
-                z, y, mesh, "tp", keep_mask=k if has_mask else None, temperature=tau,
+                z, y, mesh, "tp", keep_mask=keep, temperature=tau,
                 with_entropy=with_entropy, entropy_grad=entropy_grad, ignore_index=ignore_index)
 
         (lp, h), vjp = jax.vjp(f, z)

@@ -15,6 +15,7 @@ from ._helpers import (  # noqa: E402
 )
 
 
+@pytest.mark.slow
 def test_jit_and_eager_agree():
     prob = cases.make(cases.case("random_mask_temp"))
     z, y, k, gl, ge = inputs(prob)
@@ -25,6 +26,7 @@ def test_jit_and_eager_agree():
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6, atol=1e-7)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", ["explicit", "auto"])
 def test_vmap_over_batch(kind):
     """vmap of value and gradient over a leading batch dim == per-example calls."""
@@ -51,6 +53,7 @@ def test_vmap_over_batch(kind):
     np.testing.assert_allclose(np.asarray(lp1), np.asarray(lp), rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", ["explicit", "auto"])
 def test_2d_mesh_data_parallel(kind):
     """Tokens split over "dp", vocab over "tp": outputs sharded over dp, exact values and gradients."""
@@ -77,6 +80,7 @@ def test_2d_mesh_data_parallel(kind):
     check_close("2d", g, ref_g, "bfloat16", "grad")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("op", ["logits", "linear"])
 @pytest.mark.parametrize("policy", ["nothing_saveable", "dots_saveable"])
 @pytest.mark.parametrize("world", [1, 2])
@@ -117,7 +121,7 @@ def test_under_remat(world, policy, op):
     (val0, (lp0, ent0, _)), (dh0, dw0) = run(h, w, False)
     for a, b in ((val, val0), (lp, lp0), (ent, ent0), (dh, dh0), (dw, dw0)):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
-    if op == "linear":  # (the fused op against the oracle: tests/jax/test_jax_linear.py)
+    if op == "linear":  # (the fused op against the oracle: tests/jax/test_linear.py)
         return
     # against float64: the op's gradient w.r.t. the (float32) logits, chained through the matmul
     zf = np.asarray(z, np.float64)
@@ -133,6 +137,7 @@ def test_under_remat(world, policy, op):
         check_close(f"remat {name}", np.asarray(got) / scale, want / scale, "float32", "grad")
 
 
+@pytest.mark.slow
 def test_entropy_grad_false_stops_gradient_and_with_entropy_false():
     prob = cases.make(cases.case("basic"))
     z, y, _, _, _ = inputs(prob)

@@ -37,6 +37,7 @@ _NAIVE_CASES = ("basic", "temp_0.3", "drop_target", "all_but_target", "random_ma
                 "ignored_masked", "extreme_temp", "neg_inf", "everything")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", _NAIVE_CASES)
 def test_vs_naive_jax_grad_float64(name):
     case = cases.case(name)
@@ -89,6 +90,7 @@ _MODES = [
 ]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode,world,temperature", _MODES, ids=[f"{m}-W{w}-tau{t}" for m, w, t in _MODES])
 def test_check_grads_float64(mode, world, temperature):
     m = MODES[mode]

@@ -15,8 +15,23 @@ def _check_outputs(case, outs, refs):
 
 
 # Every case through the global-array API (jax.make_mesh, explicit axes) is checked, with 4-row
-# chunks, by tests/jax/test_jax_memory.py::TestChunked at W = 1, 2, 4, and without chunks by
+# chunks, by tests/jax/test_chunks.py::test_chunked_vs_reference at W = 1, 2, 4, and with the default chunks by
 # tests/cross/test_cross_backends.py at W = 2 and 8 (the same API, against the oracle and torch).
+
+
+# The fast tier's conformance sample: the public global-array API with its default forward, W = 1 and 2,
+# masked and unmasked, float32 and bfloat16.
+_FAST = [("basic", 2), ("random_mask_temp", 2), ("bfloat16", 2), ("neg_inf_masked", 1)]
+
+
+@pytest.mark.parametrize("name,world", _FAST, ids=[f"{n}-W{w}" for n, w in _FAST])
+def test_sharded_vs_reference(name, world):
+    case = cases.case(name)
+    prob = cases.make(case)
+    with x64_for(case.dtype):
+        z, y, k, gl, ge = inputs(prob)
+        outs = sharded_runner(world, "explicit", case.temperature, case.ignore_index, k is not None)(z, y, k, gl, ge)
+        _check_outputs(case, outs, reference_of(prob))
 
 
 # The user-level shard_map path on jax.sharding.Mesh (auto axes), at the largest W of a
@@ -26,6 +41,7 @@ _SM_NAMES = ("empty", "batch_dims", "float64", "bfloat16", "float16", "drop_targ
 _SM_PARAMS = [pytest.param(c, max(c.worlds), id=f"{c.name}-W{max(c.worlds)}") for c in cases.CASES if c.name in _SM_NAMES]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case,world", _SM_PARAMS)
 def test_shard_map_auto_mesh_vs_reference(case, world):
     prob = cases.make(case)
@@ -39,6 +55,7 @@ def test_shard_map_auto_mesh_vs_reference(case, world):
 _OPTION_CASES = ("nucleus", "bfloat16", "neg_inf", "everything")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("world", [1, 4])
 @pytest.mark.parametrize("name", _OPTION_CASES)
 @pytest.mark.parametrize("with_entropy,entropy_grad", [(True, False), (False, True)], ids=["no_entropy_grad", "no_entropy"])

@@ -3,7 +3,6 @@
 import numpy as np
 import pytest
 
-from dualvp import testing
 from dualvp.testing import cases
 
 
@@ -20,6 +19,7 @@ def test_case_builds(c):
         assert not p.keep_mask[valid, p.target[valid]].any() if p.target.ndim == 1 else True
 
 
+@pytest.mark.slow
 def test_bfloat16_rounding_matches_torch_if_available():
     torch = pytest.importorskip("torch")
     x = np.random.default_rng(0).normal(size=1000) * 100

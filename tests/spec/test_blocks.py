@@ -100,6 +100,7 @@ def _run(xp, asarray, z, y, keep, tau, entropy_terms="clamp", indicator="compare
     return [np.asarray(x) for x in (lp, h, g)]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("indicator", ["compare", "arith"])
 @pytest.mark.parametrize("entropy_terms", ["clamp", "select"])
 def test_same_spec_on_numpy_jax_torch(entropy_terms, indicator):
@@ -160,6 +161,7 @@ def test_entropy_terms_select_and_clamp_agree(dtype):
         spec.block_stats(np, z, local, owns, entropy_terms="where")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dtype", ["float32", "float64"])
 @pytest.mark.parametrize("block", [None, 1, 5, 17])
 @pytest.mark.parametrize("world", [1, 2, 4])

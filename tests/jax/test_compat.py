@@ -119,6 +119,7 @@ def problem(shape=(12, 16), axis=-1, seed=0):
 # --- unsharded ------------------------------------------------------------------
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("where_kind", ["none", "class", "row", "row_unit_axis", "class_broadcast"])
 @pytest.mark.parametrize("use_jit", [False, True])
 def test_unsharded_where_variants(where_kind, use_jit):
@@ -136,6 +137,7 @@ def test_unsharded_where_variants(where_kind, use_jit):
         assert np.isnan(want[4]) and np.all(np.isfinite(want_g[4]))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("axis", [0, 1, 2, -1, -2, -3])
 @pytest.mark.parametrize("where_kind", ["none", "class", "row"])
 def test_unsharded_axis_variants(axis, where_kind):
@@ -146,6 +148,7 @@ def test_unsharded_axis_variants(axis, where_kind):
     check(out, g, *expected(z, y, cot, axis=axis, where=where))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("axis", [(1, 2), (2, 1), (-1, 0)])
 def test_unsharded_tuple_axis(axis):
     rng = np.random.default_rng(2)
@@ -163,6 +166,7 @@ def test_unsharded_tuple_axis(axis):
         check(out, g, *expected(z, y, cot, axis=axis, where=where))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dtype,vtol,gtol", [("bfloat16", 3e-2, 1e-2), ("float16", 4e-3, 2e-3)])
 def test_16_bit_logits_keep_their_dtype(dtype, vtol, gtol):
     z, y, w, row, cot = problem(seed=3)
@@ -182,6 +186,7 @@ def test_float64_under_x64():
         check(out, g, *expected(np.asarray(z64), y, cot, where=w), dtype=jnp.float64, vtol=1e-12, gtol=1e-12)
 
 
+@pytest.mark.slow
 def test_banned_tokens_minus_inf():
     z, y, w, row, cot = problem(seed=5)
     z[6:, ::3] = -np.inf
@@ -211,6 +216,7 @@ def _auto_mesh(world):
     return Mesh(np.array(jax.devices()[:world]), ("tp",))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("world", [2, 4])
 @pytest.mark.parametrize("where_kind", ["none", "class", "row"])
 @pytest.mark.parametrize("axis", [-1, 0])
@@ -233,6 +239,7 @@ def test_inside_shard_map(world, where_kind, axis):
     check(out, g, *expected(z, y, cot, axis=axis, where=where))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("world", [2, 4])
 @pytest.mark.parametrize("mesh_kind", ["explicit", "auto"])
 @pytest.mark.parametrize("where_kind", ["none", "class", "row"])
@@ -247,6 +254,7 @@ def test_mesh_form(world, mesh_kind, where_kind):
     check(out, g, *expected(z, y, cot, where=where))
 
 
+@pytest.mark.slow
 def test_mesh_form_2d_rows_sharded():
     """Rows over "dp", classes over "tp" on an explicit (dp, tp) mesh."""
     from jax.sharding import NamedSharding

@@ -99,6 +99,7 @@ def _run_unsharded(h, w, y, keep, gl, ge, dtype, *, temperature=1.0, with_entrop
     return lp, ent, dh, dw
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("scenario", list(_SCENARIOS))
 def test_unsharded_vs_float64(scenario, dtype):
@@ -110,7 +111,8 @@ def test_unsharded_vs_float64(scenario, dtype):
     _check_all(out, ref, dtype, with_entropy=sc.get("with_entropy", True))
 
 
-@pytest.mark.parametrize("blocks", [dict(), dict(token_block=5, vocab_block=1000), dict(token_block=64, vocab_block=7)],
+@pytest.mark.parametrize("blocks", [dict(), pytest.param(dict(token_block=5, vocab_block=1000), marks=pytest.mark.slow),
+                                    pytest.param(dict(token_block=64, vocab_block=7), marks=pytest.mark.slow)],
                          ids=["default", "vocab_1000", "vocab_7"])
 def test_block_sizes_and_batch_dims(blocks):
     """Default (one block), a last block of one column, many small blocks; leading dims [2, 3]."""
@@ -122,6 +124,7 @@ def test_block_sizes_and_batch_dims(blocks):
     _check_all(out, ref, "float32")
 
 
+@pytest.mark.slow
 def test_float64_under_x64():
     """float64 inputs compute in float64 (jax_enable_x64, scoped to the test)."""
     h, w, y, keep, gl, ge = _problem(37, 1, "float64", mask=True, ignore=True, seed=6)
@@ -140,6 +143,7 @@ def test_float64_under_x64():
         assert metrics.within_tolerance(x, r, tol), f"{name}: {metrics.max_errors(x, r)} > {tol}"
 
 
+@pytest.mark.slow
 def test_last_column_target_counted_once():
     """Targets in the last vocab block and in the last column: counted once (no overlapping block)."""
     h, w, y, keep, gl, ge = _problem(37, 1, "float32", mask=True, seed=4)
@@ -189,6 +193,7 @@ def _run_shard_map(h, w, y, keep, gl, ge, dtype, world, *, temperature=1.0, mode
     return run(hj, _jx(w, dtype))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("world,dtype", [(2, "float32"), (4, "float32"), (4, "bfloat16")])
 def test_shard_map_vs_float64(world, dtype):
     h, w, y, keep, gl, ge = _problem(37, world, dtype, mask=True, ignore=True, seed=world)
@@ -196,6 +201,7 @@ def test_shard_map_vs_float64(world, dtype):
     _check_all(out, _oracle(h, w, y, gl, ge, keep=keep, temperature=0.7), dtype)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("world", [2, 4])
 def test_partial_hidden_grad_sums_to_full(world):
     """reduce_hidden_grad=False: each shard's dh is partial (not the total); their sum is."""
@@ -208,6 +214,7 @@ def test_partial_hidden_grad_sums_to_full(world):
     _check_all((lp, ent, parts.sum(axis=0), dw), ref, "float32")
 
 
+@pytest.mark.slow
 def test_pcast_hidden_with_partial_grad():
     """The Megatron pattern: hidden made varying by the caller (whose transpose sums), op reduces nothing."""
     h, w, y, keep, gl, ge = _problem(37, 2, "float32", mask=True, seed=20)
@@ -215,6 +222,7 @@ def test_pcast_hidden_with_partial_grad():
     _check_all(out, _oracle(h, w, y, gl, ge, keep=keep), "float32")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("world,dtype", [(2, "float32"), (4, "float32"), (4, "bfloat16")])
 def test_sequence_parallel_vs_float64(world, dtype):
     h, w, y, keep, gl, ge = _problem(36, world, dtype, mask=True, ignore=True, seed=30 + world)
@@ -225,6 +233,7 @@ def test_sequence_parallel_vs_float64(world, dtype):
 # --- global arrays on a mesh --------------------------------------------------------
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind,world,sp", [("explicit", 4, False), ("auto", 2, False), ("explicit", 2, True)])
 def test_sharded_global_form(kind, world, sp):
     h, w, y, keep, gl, ge = _problem(36, world, "float32", mask=True, ignore=True, seed=40 + world)
@@ -344,6 +353,7 @@ def _temp_bytes(fn, *args):
     return jax.jit(fn).lower(*args).compile().memory_analysis().temp_size_in_bytes
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_no_logits_sized_buffer(dtype):
     """Forward + backward scratch stays far below one [T, V_local] float32 buffer; the unfused path does not."""
@@ -396,6 +406,7 @@ def _dot_kinds(fn, h, w, T, V_local, H, blocks):
     return kinds, compiled
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("world", [1, 2])
 def test_frozen_input_skips_its_gemm(world):
     """jax.grad w.r.t. hidden only (frozen weight) compiles no dW GEMM, w.r.t. weight only no dh GEMM.
