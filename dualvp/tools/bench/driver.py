@@ -197,8 +197,9 @@ def _bench_worlds(run: _Run, W: int) -> None:
     inp = make_inputs(gT, V, run.args.seed + W)
     ddir = os.path.join(run.work, f"data_gloo_{W}")
     _save_inputs(ddir, inp)
-    oracle = Oracle(inp, inp["logits"].astype(np.float64), gT)
     cuda = run.plan.device == "cuda"
+    err_rows = min(gT, run.args.err_rows) if cuda else gT
+    oracle = Oracle(inp, inp["logits"].astype(np.float64), err_rows)
     for impl in run.plan.gloo_impls:
         outd = os.path.join(run.work, f"out_gloo_{impl}_{W}")
         os.makedirs(outd)
@@ -206,7 +207,7 @@ def _bench_worlds(run: _Run, W: int) -> None:
         case = dict(index=0, T=gT, V=V, dtype="float32", data_dir=ddir, out_dir=outd)
         over = dict(reps=run.plan.reps, warmup=run.plan.warmup, loop=run.plan.loop) if cuda else \
             dict(reps=1, warmup=0, loop=1, threads=1)
-        jobs = [run.job(impl, [case], world=W, rank=r, port=port, err_rows=gT, **over) for r in range(W)]
+        jobs = [run.job(impl, [case], world=W, rank=r, port=port, err_rows=err_rows, **over) for r in range(W)]
         got: dict = {}
 
         def on_record(rec, job, got=got):

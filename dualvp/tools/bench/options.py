@@ -54,7 +54,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--worlds", default=None, help="comma list of world sizes W>1 run on W gloo ranks (cpu default "
                    "2,4, --quick 2; cuda default none: --worlds 2 runs 2 ranks sharing the GPU); 'none' to skip")
     p.add_argument("--gloo-size", default=None, help="TxV_local per rank of the W>1 run "
-                   "(default cpu 256x4096, --quick 32x512; cuda 4096x32000)")
+                   "(default cpu 256x4096, --quick 32x512; cuda 4096x16000)")
     p.add_argument("--err-rows", type=int, default=256, help="rows whose gradient is compared with float64 "
                    "(log-prob and entropy: the first max(err-rows, 1024) rows)")
     p.add_argument("--results", default=None, metavar="CSV",
@@ -149,7 +149,7 @@ def plan(args) -> Plan:
         skipped={i: why for i, why in found.items() if isinstance(why, str)},
         options={i: found[i] for i in run_impls},
         worlds=[] if worlds == ["none"] else [int(w) for w in worlds],
-        gloo_size=_size(args.gloo_size or ("4096x32000" if cuda else "32x512" if q else "256x4096")),
+        gloo_size=_size(args.gloo_size or ("4096x16000" if cuda else "32x512" if q else "256x4096")),
         reps=reps, big_reps=args.reps or (5 if cuda else 2), warmup=args.warmup if args.warmup is not None else
         (1 if cuda else 0), loop=args.loop or (10 if cuda else 5), quick=q,
     )

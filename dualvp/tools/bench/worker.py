@@ -240,6 +240,7 @@ def run_torch(job: dict) -> None:
             del out, lp, h
             logits.reset()
             emit("result", **_record(job, case, name, rec, B, world, rank))
+        logits = None  # the case's inputs go before the next case's arrive
         del z, keep_t, data
 
 
