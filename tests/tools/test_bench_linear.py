@@ -39,3 +39,57 @@ def test_bench_linear_quick_appends_rows(tmp_path, capsys):
 def test_bench_linear_rejects_unknown_impl(tmp_path, capsys):
     rc = cli.main(["bench", "--op", "linear", "--quick", "--impls", "dualvp-fused,nope", "--results", "none"])
     assert rc == 2 and "nope" in capsys.readouterr().out
+
+
+def _fake_module(monkeypatch, name, **attrs):
+    import sys
+    import types
+
+    mod = types.ModuleType(name)
+    mod.__dict__.update(attrs)
+    monkeypatch.setitem(sys.modules, name, mod)
+    return mod
+
+
+@pytest.mark.slow
+def test_baselines_without_entropy_are_judged_on_their_own_loss(monkeypatch):
+    # Stand-ins for Cut Cross-Entropy and Liger's fused linear cross-entropy (plain torch, the real ones
+    # need Triton on a GPU): the harness's sign, upstream gradients (per row for CCE, a uniform one for
+    # Liger) and oracle choice must make both agree with float64 as closely as the unfused path does.
+    import torch
+
+    from dualvp.tools.bench import linear
+    from dualvp.tools.bench import results as res
+
+    def ce(h, w, y, reduction="none", **_):
+        assert reduction == "none"
+        return torch.nn.functional.cross_entropy((h @ w.T).float(), y, reduction="none")
+
+    class OneScale(torch.autograd.Function):  # Liger's backward: every row scaled by grad_output's first entry
+        @staticmethod
+        def forward(ctx, h, w, y):
+            with torch.enable_grad():
+                h_, w_ = h.detach().requires_grad_(True), w.detach().requires_grad_(True)
+                dh, dw = torch.autograd.grad(ce(h_, w_, y).sum(), (h_, w_))
+            ctx.save_for_backward(dh, dw)
+            return ce(h, w, y)
+
+        @staticmethod
+        def backward(ctx, g):
+            dh, dw = ctx.saved_tensors
+            return dh * g.reshape(-1)[0], dw * g.reshape(-1)[0], None
+
+    _fake_module(monkeypatch, "cut_cross_entropy", linear_cross_entropy=ce)
+    _fake_module(monkeypatch, "liger_kernel")
+    _fake_module(monkeypatch, "liger_kernel.transformers")
+    _fake_module(monkeypatch, "liger_kernel.transformers.functional",
+                 liger_fused_linear_cross_entropy=lambda h, w, y, reduction: OneScale.apply(h, w, y))
+    env = res.environment("cpu")
+    rows = {r["impl"]: r for r in linear.run_shape(16, 8, 40, torch.float32, ["cce", "liger-flce", "dualvp-unfused"],
+                                                   "cpu", env, 1e10, reps=1, warmup=0, loop=1, profiled=0)}
+    for name in ("cce", "liger-flce"):
+        r = rows[name]
+        assert r["mode"] == "lp" and r["err_entropy"] is None
+        for q in ("err_logprob", "err_dh", "err_dW"):
+            assert r[q] < 1e-5, (name, q, r[q])
+    assert rows["dualvp-unfused"]["err_entropy"] < 1e-5

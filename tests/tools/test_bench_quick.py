@@ -115,3 +115,30 @@ def test_interleaved_run_survives_a_worker_that_dies(tmp_path):
     errs = procs.run_jobs(jobs, str(tmp_path), 300, lambda rec, job: got.append(job["impl"]), interleave=True)
     assert sorted(got) == sorted([impls[0], impls[2]])
     assert [job["impl"] for job, _ in errs] == [impls[1]] and "missing" in errs[0][1], errs
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not _have("torch"), reason="needs torch")
+def test_one_worker_runs_several_cases(tmp_path):
+    # On a GPU one worker per implementation runs every (size, dtype): each record names its case, and
+    # each case's outputs land in its own folder.
+    from dualvp.tools.bench import driver, procs
+    from dualvp.tools.bench.inputs import make_inputs, round_logits
+
+    cases = []
+    for i, (T, V, dtype) in enumerate(((8, 64, "float32"), (4, 32, "bfloat16"))):
+        inp = make_inputs(T, V, i)
+        inp["logits"] = round_logits(inp["logits"], dtype)
+        driver._save_inputs(str(tmp_path / f"data{i}"), inp)
+        (tmp_path / f"out{i}").mkdir()
+        cases.append(dict(index=i, T=T, V=V, dtype=dtype, data_dir=str(tmp_path / f"data{i}"),
+                          out_dir=str(tmp_path / f"out{i}")))
+    job = dict(impl="torch-eager", cases=cases, modes=["lp", "lp+ent+grad"], reps=1, warmup=0, loop=1, err_rows=4,
+               options={}, port=None, device="cpu")
+    got = []
+    assert procs.run_jobs([job], str(tmp_path), 300, lambda rec, job: got.append(rec)) == []
+    assert [(r["case"], r["mode"], r["dtype"], r["T"]) for r in got] == [
+        (0, "lp", "float32", 8), (0, "lp+ent+grad", "float32", 8),
+        (1, "lp", "bfloat16", 4), (1, "lp+ent+grad", "bfloat16", 4)]
+    for i in (0, 1):
+        assert sorted(os.listdir(tmp_path / f"out{i}")) == ["out_0_r0.npz", "out_1_r0.npz"]

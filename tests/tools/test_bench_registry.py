@@ -130,3 +130,22 @@ def test_bench_without_slime_skips_it_in_one_line(tmp_path):
     lines = [ln for ln in stdout.splitlines() if "slime" in ln.replace(str(tmp_path), "")]
     assert len(lines) == 1 and lines[0].startswith("skipping slime: --slime-path: no slime/utils/ppo_utils.py")
     assert rows == []
+
+
+def test_liger_forward_is_the_log_prob(monkeypatch):
+    # a stand-in for Liger's Triton cross-entropy (CUDA only): the harness negates its per-row loss
+    import types
+
+    for name in ("liger_kernel", "liger_kernel.transformers"):
+        monkeypatch.setitem(sys.modules, name, types.ModuleType(name))
+    fn = types.ModuleType("liger_kernel.transformers.functional")
+    fn.liger_cross_entropy = lambda z, y, reduction: torch.nn.functional.cross_entropy(z, y, reduction=reduction)
+    monkeypatch.setitem(sys.modules, fn.__name__, fn)
+    impl = impls.IMPLS["liger"]
+    assert impl.modes == ("lp",) and impl.nonleaf_logits and impl.devices == ("cuda",)
+    forward = impl.build(impls.Context(torch))
+    rng = np.random.default_rng(0)
+    z, y = rng.normal(size=(5, 16)) * 3, rng.integers(0, 16, size=5)
+    lp, h = forward(torch.tensor(z), torch.from_numpy(y), None, impls.MODES["lp"])
+    assert h is None
+    np.testing.assert_allclose(lp.numpy(), reference.logprob_entropy(z, y)[0], atol=1e-12)
