@@ -14,15 +14,16 @@ from dualvp.tools.bench import options, results, timing
 def test_measure_syncs_around_every_timed_clock_read_and_queues_the_loop():
     # sync() before each of the 3 clock reads of the first call and of each timed call; none inside the
     # warm-up or the queued loop (one sync after the fast step's first call, one when the loop is drained);
-    # the timed calls come last, so the returned outputs are the last timed call's
+    # the snapshot of the last timed call is taken before its clear()
     log = []
     step = (lambda: log.append("f") or len(log), lambda o: log.append("b"))
     fast = (lambda: log.append("F") or "fast", lambda o: log.append("B"))
-    rec, out = timing.measure(step, lambda: log.append("c"), 128, reps=3, warmup=2, loop=4,
-                              sync=lambda: log.append("s"), peak=timing.NoPeak, fast_step=fast)
+    rec, kept = timing.measure(step, lambda: log.append("c"), 128, reps=3, warmup=2, loop=4,
+                               sync=lambda: log.append("s"), peak=timing.NoPeak, fast_step=fast,
+                               snapshot=lambda out: (out, log.append("k")))
     got = "".join(log)
-    assert got == "sfsbsc" + "fbc" * 2 + "FBcs" + "FBc" * 4 + "s" + "sfsbs" + "csfsbs" * 2, got
-    assert out == got.rindex("f") + 1  # the value fwd() returned on the last timed call
+    assert got == "sfsbsc" + "fbc" * 2 + "sfsbs" + "csfsbs" * 2 + "kc" + "FBcs" + "FBc" * 4 + "s", got
+    assert kept[0] == got[: got.index("k")].rindex("f") + 1  # what fwd() returned on the last timed call
     assert rec["peak_extra_B"] is None and rec["memory_method"] == timing.NoPeak.method and rec["reps"] == 3
     for k in ("first_ms", "wall_ms", "fwd_ms", "bwd_ms", "host_us", "queued_ms"):
         assert isinstance(rec[k], float) and rec[k] >= 0, (k, rec)

@@ -173,19 +173,18 @@ def run_shape(T: int, H: int, V: int, dtype: torch.dtype, impls: list, device: s
             def clear(h=h, w=w):
                 h.grad = w.grad = None
 
-            rec, out = timing.measure((fwd, bwd), clear, B, reps=reps, warmup=warmup, loop=loop, sync=sync,
-                                      peak=(lambda: timing.CudaPeak(torch)) if cuda else timing.NoPeak,
-                                      fast_step=(lambda: fwd(False), bwd), torch=torch if cuda else None,
-                                      profiled=profiled if cuda else 0)
+            rec, (lp, en, dh, dw) = timing.measure(
+                (fwd, bwd), clear, B, reps=reps, warmup=warmup, loop=loop, sync=sync,
+                peak=(lambda: timing.CudaPeak(torch)) if cuda else timing.NoPeak, fast_step=(lambda: fwd(False), bwd),
+                torch=torch if cuda else None, profiled=profiled if cuda else 0,
+                snapshot=lambda out, h=h, w=w: (out[0].detach(), None if out[1] is None else out[1].detach(),
+                                                h.grad, w.grad))
         except (ValueError, NotImplementedError, ImportError) as e:
             if name == "dualvp-fused-triton":
                 print(f"skipping {name}: {type(e).__name__}: {e}", flush=True)
                 continue
             raise
-        lp, en = out
-        dh, dw = h.grad, w.grad
         if not cuda:
-            clear()
             extra = _allocation_peak(lambda: (bwd(fwd()), clear())) - grads
         else:
             extra = rec["peak_extra_B"] * B - grads
@@ -206,7 +205,7 @@ def run_shape(T: int, H: int, V: int, dtype: torch.dtype, impls: list, device: s
               f"extra {row['peak_extra_B']:6.3f} B  err lp {row['err_logprob']:.1e} H "
               f"{'-' if row['err_entropy'] is None else format(row['err_entropy'], '.1e')} dh {row['err_dh']:.1e} "
               f"dW {row['err_dW']:.1e}", flush=True)
-        del out, lp, en, dh, dw, h, w
+        del lp, en, dh, dw, h, w
     return rows
 
 

@@ -4,8 +4,8 @@
 it reports, with ``B`` the bytes of the input the op reads:
 
 * ``first_ms``: the first call (compilation, tracing, warm-up), apart;
-  then ``warmup`` untimed calls, the queued loop and the profile below,
-  and last the ``reps`` timed calls;
+  then ``warmup`` untimed calls and the ``reps`` timed calls; the queued
+  loop and the profile below come last;
 * ``wall_ms``, ``fwd_ms``, ``bwd_ms``: medians over ``reps`` calls, each
   clock read preceded by ``sync()`` (on a GPU: the queued work is inside the
   interval it belongs to);
@@ -196,8 +196,13 @@ def _median_ms(xs: list) -> Optional[float]:
 def measure(step: Callable, clear: Callable[[], None], B: int, *, reps: int, warmup: int = 0,
             loop: int = 5, sync: Optional[Callable[[], None]] = None, peak: Callable = PeakRSS,
             fast_step: Optional[Callable] = None, torch=None, profiled: int = 0,
-            between: Callable[[], None] = lambda: None, counter=None) -> tuple[dict, Any]:
-    """Time and measure ``step`` (see the module docstring); returns ``(record, outputs of the last timed call)``.
+            between: Callable[[], None] = lambda: None, counter=None,
+            snapshot: Optional[Callable[[Any], Any]] = None) -> tuple[dict, Any]:
+    """Time and measure ``step`` (see the module docstring); returns ``(record, kept)``.
+
+    ``kept``: ``snapshot(outputs)`` of the last timed call, taken before
+    ``clear()`` (the caller's copy of what it judges: outputs, gradient), or
+    the outputs themselves without ``snapshot``.
 
     The record also has ``times_ms`` (each timed call) and ``spans`` (each
     timed call's start and end, seconds since the epoch: comparable across
@@ -241,6 +246,35 @@ def measure(step: Callable, clear: Callable[[], None], B: int, *, reps: int, war
         clear()
         rec["collectives"] = {"fwd": cf, "bwd": cb}
 
+    # the timed calls right after the warm-up; what the last one left is kept for the error check
+    tf, tb, tfb, peaks, spans = [], [], [], [], []
+    out = None
+    method = None
+    for _ in range(max(1, reps)):
+        if out is not None:
+            del out
+            clear()
+        between()
+        with peak() as pk:
+            t0 = clock()
+            e0 = time.time()
+            out = fwd()
+            t1 = clock()
+            bwd(out)
+            t2 = clock()
+            spans.append((e0, time.time()))
+        tf.append(t1 - t0)
+        tb.append(t2 - t1)
+        tfb.append(t2 - t0)
+        peaks.append(pk.extra)
+        method = pk.method
+    rec.update(fwd_ms=_median_ms(tf), bwd_ms=_median_ms(tb), wall_ms=_median_ms(tfb), reps=len(tfb),
+               times_ms=[t * 1e3 for t in tfb], spans=spans, memory_method=method,
+               peak_extra_B=None if None in peaks else max(peaks) / B)
+    kept = snapshot(out) if snapshot is not None else out
+    del out
+    clear()
+
     def fast_call():
         fbwd(ffwd())
         clear()
@@ -266,32 +300,7 @@ def measure(step: Callable, clear: Callable[[], None], B: int, *, reps: int, war
     rec["queued_ms"] = events[0].elapsed_time(events[1]) / n if events is not None else (w1 - w0) / n * 1e3
     if torch is not None and profiled:
         rec["kernel_ms"], rec["launches"] = cuda_profile(torch, lambda: fbwd(ffwd()), profiled, clear)
-    # timed calls last: the outputs (and gradient) of the last one are returned for the error check
-    tf, tb, tfb, peaks, spans = [], [], [], [], []
-    out = None
-    method = None
-    for _ in range(max(1, reps)):
-        if out is not None:
-            del out
-            clear()
-        between()
-        with peak() as pk:
-            t0 = clock()
-            e0 = time.time()
-            out = fwd()
-            t1 = clock()
-            bwd(out)
-            t2 = clock()
-            spans.append((e0, time.time()))
-        tf.append(t1 - t0)
-        tb.append(t2 - t1)
-        tfb.append(t2 - t0)
-        peaks.append(pk.extra)
-        method = pk.method
-    rec.update(fwd_ms=_median_ms(tf), bwd_ms=_median_ms(tb), wall_ms=_median_ms(tfb), reps=len(tfb),
-               times_ms=[t * 1e3 for t in tfb], spans=spans, memory_method=method,
-               peak_extra_B=None if None in peaks else max(peaks) / B)
-    return rec, out
+    return rec, kept
 
 
 # --------------------------------------------------------------------------- floor

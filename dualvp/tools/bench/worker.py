@@ -228,17 +228,19 @@ def run_torch(job: dict) -> None:
 
             step = (lambda keep=keep, mode=mode: forward(logits.z, y, keep, mode), bwd)
             fast = (lambda keep=keep, mode=mode: forward(logits.z, y, keep, mode, validate=False), bwd)
-            rec, out = timing.measure(step, logits.reset, B, reps=job["reps"], warmup=job["warmup"],
-                                      loop=job.get("loop", 5), sync=sync, peak=peak, fast_step=fast,
-                                      torch=torch if cuda else None, profiled=job.get("profiled", 3) if cuda else 0,
-                                      between=_TURNS.between, counter=counter)
-            lp, h = out
+            def snapshot(out):
+                lp, h = out
+                return lp.detach(), None if h is None else h.detach(), logits.grad()[: job["err_rows"]].clone()
+
+            rec, (lp, h, g) = timing.measure(
+                step, logits.reset, B, reps=job["reps"], warmup=job["warmup"], loop=job.get("loop", 5), sync=sync,
+                peak=peak, fast_step=fast, torch=torch if cuda else None,
+                profiled=job.get("profiled", 3) if cuda else 0, between=_TURNS.between, counter=counter,
+                snapshot=snapshot)
             np.savez(os.path.join(case["out_dir"], f"out_{i}_r{rank}.npz"),
-                     lp=lp.detach().double().cpu().numpy(),
-                     h=(h.detach().double().cpu().numpy() if h is not None else np.zeros(0)),
-                     g=logits.grad()[: job["err_rows"]].float().cpu().numpy())
-            del out, lp, h
-            logits.reset()
+                     lp=lp.double().cpu().numpy(), h=(h.double().cpu().numpy() if h is not None else np.zeros(0)),
+                     g=g.float().cpu().numpy())
+            del lp, h, g
             emit("result", **_record(job, case, name, rec, B, world, rank))
         logits = None  # the case's inputs go before the next case's arrive
         del z, keep_t, data
@@ -297,15 +299,15 @@ def run_jax(job: dict) -> None:
                 g.block_until_ready()
                 state["g"] = g
 
-            rec, out = timing.measure((fwd, bwd), lambda state=state: state.pop("g", None), B, reps=job["reps"],
-                                      warmup=job["warmup"], loop=job.get("loop", 5),
-                                      peak=timing.NoPeak if cuda else timing.PeakRSS, between=_TURNS.between)
-            outs = out[0]
+            rec, (outs, g) = timing.measure(
+                (fwd, bwd), lambda state=state: state.pop("g", None), B, reps=job["reps"], warmup=job["warmup"],
+                loop=job.get("loop", 5), peak=timing.NoPeak if cuda else timing.PeakRSS, between=_TURNS.between,
+                snapshot=lambda out, state=state: (out[0], state["g"]))
             np.savez(os.path.join(case["out_dir"], f"out_{i}_r0.npz"),
                      lp=np.asarray(outs[0], dtype=np.float64),
                      h=(np.asarray(outs[1], dtype=np.float64) if mode.with_entropy else np.zeros(0)),
-                     g=np.asarray(state.pop("g")[: job["err_rows"]], dtype=np.float32))
-            del out, outs
+                     g=np.asarray(g[: job["err_rows"]], dtype=np.float32))
+            del outs, g
             emit("result", **_record(job, case, name, rec, B, 1, 0))
         del z, keep_t, data
 
