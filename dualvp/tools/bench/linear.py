@@ -227,18 +227,18 @@ def run_args(args) -> int:
             run.append(i)
     shapes = (args.shapes.split(",") if args.shapes else _QUICK_SHAPES if args.quick else _DEFAULT_SHAPES[device])
     cuda = device == "cuda"
-    reps = args.reps or (5 if cuda else 1 if args.quick else 3)
+    reps = args.reps or (3 if cuda else 1 if args.quick else 3)
     env = results.environment(device)
     bandwidth = timing.copy_bandwidth(device)
-    rows = []
+    path = args.results or results.default_path(device)
+    n = 0
     for s in shapes:
         T, H, V = (int(x) for x in s.lower().split("x"))
         for d in dtypes:
-            rows += run_shape(T, H, V, getattr(torch, d), run, device, env, bandwidth, reps,
-                              warmup=1 if args.warmup is None else args.warmup,
-                              loop=args.loop or (5 if cuda else 2), profiled=1)
-    path = args.results or results.default_path(device)
-    if path != "none" and rows:
-        results.append(path, rows)
-        print(f"appended {len(rows)} rows to {path}")
+            rows = run_shape(T, H, V, getattr(torch, d), run, device, env, bandwidth, reps,
+                             warmup=1 if args.warmup is None else args.warmup, loop=args.loop or 3, profiled=1)
+            if path != "none" and rows:  # after each (shape, dtype): a run cut short keeps its rows
+                n += results.append(path, rows)
+    if n:
+        print(f"appended {n} rows to {path}")
     return 0
