@@ -115,6 +115,7 @@ def _bench(tmp_path, *extra):
     return proc.stdout, (results.read(str(csv)) if csv.exists() else [])
 
 
+@pytest.mark.slow
 def test_bench_runs_slime_from_slime_path(tmp_path, slime_checkout):
     stdout, rows = _bench(tmp_path, "--impls", "slime", "--slime-path", str(slime_checkout))
     assert "skipping" not in stdout and "!" not in stdout
