@@ -150,3 +150,13 @@ def test_liger_forward_is_the_log_prob(monkeypatch):
     lp, h = forward(torch.tensor(z), torch.from_numpy(y), None, impls.MODES["lp"])
     assert h is None
     np.testing.assert_allclose(lp.numpy(), reference.logprob_entropy(z, y)[0], atol=1e-12)
+
+
+def test_an_impl_this_dualvp_lacks_is_unavailable_not_a_failure():
+    from dualvp_torch import kernels
+
+    if "triton" in getattr(kernels, "IMPLEMENTATIONS", ()):
+        pytest.skip("this dualvp_torch has impl='triton'")
+    with pytest.raises(impls.Unavailable, match="^impl='triton': ValueError"):
+        impls.IMPLS["dualvp-torch-triton"].build(impls.Context(torch))
+    impls.IMPLS["dualvp-torch-eager"].build(impls.Context(torch))  # one it has builds
