@@ -1,5 +1,5 @@
-"""``dualvp bench --quick`` runs end to end at a tiny size and writes the
-expected JSON structure. No timing assertions: machines are noisy."""
+"""``dualvp bench --quick`` end to end at a tiny size: the rows it appends to the results file, the W=2 run,
+the interleaved run. No timing assertions: machines are noisy; the errors against float64 are the check."""
 
 import importlib.util
 import json
@@ -9,6 +9,7 @@ import sys
 
 import pytest
 
+from dualvp.tools.bench import results
 from dualvp.tools.bench.implementations import MODES
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -22,87 +23,67 @@ def _have(mod):
 
 
 def _quick_bench(tmp_path, impls, modes, *extra):
-    """``dualvp bench --quick`` at 16 x 256; its stdout and result document."""
-    out = tmp_path / "bench.json"
+    """``dualvp bench --quick`` at 16 x 256; its stdout and the rows of its results file."""
+    csv = tmp_path / "cpu.csv"
     env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
     proc = subprocess.run(
         [sys.executable, "-m", "dualvp", "bench", "--quick", "--sizes", "16x256", "--impls", ",".join(impls),
-         "--modes", ",".join(modes), "--out", str(out), *extra],
-        capture_output=True, text=True, timeout=540, env=env, cwd=ROOT,
+         "--modes", ",".join(modes), "--results", str(csv), *extra],
+        capture_output=True, text=True, timeout=540, env=env, cwd=str(tmp_path),
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    return proc.stdout, json.loads(out.read_text())
+    return proc.stdout, results.read(str(csv))
 
 
 @pytest.mark.slow
-def test_bench_quick_writes_json_and_png(tmp_path):
-    # Eager implementations (no compile: the compiled kernels are held against
-    # the oracle by tests/torch), the in-place one among them (its gradient is
-    # read back from the overwritten logits), the donated JAX one (one program
-    # per call, on a fresh copy), two modes, W=2 gloo run.
+def test_bench_quick_appends_one_row_per_impl_and_mode(tmp_path):
+    # Eager implementations (no compile: the compiled stages are held against the oracle by tests/torch),
+    # the in-place one among them (its gradient is read back from the overwritten logits), two modes,
+    # and the W=2 gloo run of dualvp's eager kernels.
     impls = [i for i, m in (("torch-eager", "torch"), ("jax-naive", "jax"), ("dualvp-torch-eager", "dualvp_torch"),
-                            ("dualvp-torch-inplace-eager", "dualvp_torch"), ("dualvp-jax", "dualvp_jax"),
-                            ("dualvp-jax-donated", "dualvp_jax"), ("dualvp-jax-recycled", "dualvp_jax"),
-                            ("dualvp-jax-hugetlb", "dualvp_jax")) if _have(m)]
+                            ("dualvp-torch-inplace", "dualvp_torch"), ("dualvp-jax", "dualvp_jax")) if _have(m)]
     if not impls:
         pytest.skip("neither torch nor jax installed")
     modes = ["lp", "lp+ent+grad.keep"]
-    stdout, doc = _quick_bench(tmp_path, impls, modes, "--gloo-size", "8x128")
-    assert "goals:" in stdout
-    assert set(doc) >= {"meta", "results", "collectives", "summary", "failures"}
-    assert doc["failures"] == []
-    meta = doc["meta"]
-    assert meta["memory_method"] and meta["machine"]["cpus"]
-    assert {"transparent_hugepage", "thp_defrag", "page_reporting_order", "glibc_tunables",
-            "thp_mem_alloc_enable"} <= set(meta["machine"])
-    if os.path.exists("/sys/kernel/mm/transparent_hugepage/enabled"):
-        assert "[" in meta["machine"]["transparent_hugepage"], meta["machine"]
-    assert meta["sizes"] == [{"T": 16, "V_local": 256}]
-    got = {(r["impl"], r["mode"]) for r in doc["results"]}
-    assert got == {(i, m) for i in impls for m in modes}
-    for r in doc["results"]:
-        assert r["dtype"] == "float32" and r["T"] == 16 and r["V_local"] == 256
-        for k in ("fwd_s", "bwd_s", "fwdbwd_s", "mean_fwdbwd_s", "peak_extra_B", "B"):
-            assert isinstance(r[k], (int, float)) and r[k] >= 0, (k, r)
-        assert set(r["first_call_s"]) == {"fwd", "bwd"}
-        assert r["mean_fwdbwd_s"] * r["reps"] == pytest.approx(sum(r["times_fwdbwd_s"]))
-        assert isinstance(r["minor_faults_fwdbwd"], (int, float)) and r["minor_faults_fwdbwd"] >= 0, r
-        # the *-hugetlb workers are started with the glibc tunable, the others with the parent's environment
-        want = "glibc.malloc.hugetlb=1" if r["impl"].endswith("-hugetlb") else os.environ.get("GLIBC_TUNABLES")
-        assert r["glibc_tunables"] == want, r
-        assert r["B"] == 16 * 256 * 4
-        e = r["errors"]
-        # float32 against the float64 oracle: small, and the entropy is
-        # reported exactly when the mode computes it
-        assert e["logprob"] < 1e-3 and e["grad"] < 1e-3
-        assert (e["entropy"] is None) == (not MODES[r["mode"]].with_entropy)
+    stdout, rows = _quick_bench(tmp_path, impls, modes, "--gloo-size", "8x128")
+    assert "appended" in stdout and "goal" not in stdout  # figures only
+    one = [r for r in rows if r["W"] == "1"]
+    assert sorted((r["impl"], r["mode"]) for r in one) == sorted((i, m) for i in impls for m in modes)
+    assert len({(r["date"], r["commit"], r["device"], r["versions"]) for r in rows}) == 1
+    for r in rows:
+        assert r["op"] == "logits" and r["dtype"] == "float32" and r["H"] == ""
+        assert r["kernel_ms"] == "" and r["launches"] == ""  # CUDA only
+        for k in ("wall_ms", "fwd_ms", "bwd_ms", "host_us", "queued_ms", "peak_extra_B", "floor_ms"):
+            assert float(r[k]) >= 0, (k, r)
+        # float32 against the float64 oracle: small, and the entropy is reported exactly when computed
+        assert float(r["err_logprob"]) < 1e-5 and float(r["err_grad"]) < 1e-5, r
+        assert (r["err_entropy"] == "") == (not MODES[r["mode"]].with_entropy), r
+    one = {(r["impl"], r["mode"]): r for r in one}
+    assert one["torch-eager", "lp"]["T"] == "16" and one["torch-eager", "lp"]["V_local"] == "256"
+    if "dualvp-torch-inplace" in impls:  # the gradient overwrites the logits: O(T) extra
+        assert float(one["dualvp-torch-inplace", "lp"]["peak_extra_B"]) < 0.5
     if "dualvp-torch-eager" in impls:
-        coll = [c for c in doc["collectives"] if c["impl"] == "dualvp-torch-eager"]
-        assert {(c["world"], c["mode"]) for c in coll} == {(2, m) for m in modes}
-        for c in coll:
-            assert c["ranks_agree"]
-            assert c["per_call"]["fwd"]["count"] >= 1 and c["per_call"]["fwd"]["bytes"] > 0
-            assert c["errors"]["grad"] < 1e-3
-    assert os.path.exists(tmp_path / "bench.png") or not _have("matplotlib")
-    assert [g["goal"] for g in doc["summary"]["goals"]]
+        w2 = [r for r in rows if r["W"] == "2"]
+        assert sorted(r["mode"] for r in w2) == sorted(modes) and all(r["V_local"] == "128" for r in w2)
+        assert "ranks agree: True" in stdout
 
 
 @pytest.mark.slow
 def test_bench_interleave_alternates_the_workers(tmp_path):
-    # --interleave: the implementations of a (size, dtype) run at once and
-    # take turns; their timed calls must alternate one by one and never
-    # overlap (each record carries its calls' wall-clock intervals). Without
+    # --interleave: the implementations of a case run at once and take turns; their timed calls must
+    # alternate one by one and never overlap (each record carries its calls' wall-clock spans). Without
     # the turns the calls would come in one block per implementation.
     impls = [i for i, m in (("dualvp-torch-eager", "dualvp_torch"), ("jax-naive", "jax"),
-                            ("dualvp-jax", "dualvp_jax")) if _have(m)]
+                            ("torch-eager", "torch")) if _have(m)]
     if len(impls) < 2:
-        pytest.skip("needs two of torch / jax")
+        pytest.skip("needs two implementations")
     modes = ["lp", "lp+ent+grad.keep"]
-    _, doc = _quick_bench(tmp_path, impls, modes, "--worlds", "none", "--reps", "3", "--interleave")
-    assert doc["failures"] == [] and doc["meta"]["interleave"] is True
-    assert "interleaved" in doc["meta"]["timing_method"]
-    assert {(r["impl"], r["mode"]) for r in doc["results"]} == {(i, m) for i in impls for m in modes}
-    calls = sorted((w0, w1, r["impl"]) for r in doc["results"] for w0, w1 in r["wall_fwdbwd"])
+    out = tmp_path / "run.json"
+    _, rows = _quick_bench(tmp_path, impls, modes, "--worlds", "none", "--reps", "3", "--interleave", "--out", str(out))
+    assert sorted((r["impl"], r["mode"]) for r in rows) == sorted((i, m) for i in impls for m in modes)
+    doc = json.loads(out.read_text())
+    assert doc["failures"] == []
+    calls = sorted((a, b, r["impl"]) for r in doc["results"] for a, b in r["spans"])
     assert len(calls) == len(impls) * len(modes) * 3
     for (a0, a1, ia), (b0, b1, ib) in zip(calls, calls[1:]):
         assert a1 <= b0, ("two workers' timed calls overlap", ia, ib)
@@ -114,24 +95,50 @@ def test_bench_interleave_alternates_the_workers(tmp_path):
 @pytest.mark.slow
 @pytest.mark.skipif(not _have("dualvp_torch"), reason="needs torch")
 def test_interleaved_run_survives_a_worker_that_dies(tmp_path):
-    # A worker that fails while the others wait for their turn must not hang
-    # the group: its exit ends its turn, the others run to the end, and the
-    # failure is reported against its own job.
-    from dualvp.tools.bench import driver
+    # A worker that fails while the others wait for their turn must not hang the group: its exit ends its
+    # turn, the others run to the end, and the failure is reported against its own job.
+    from dualvp.tools.bench import driver, procs
     from dualvp.tools.bench.inputs import make_inputs
 
-    inp = make_inputs(8, 64, 0)
     ddir = tmp_path / "data"
-    driver._save_inputs(str(ddir), inp)
+    driver._save_inputs(str(ddir), make_inputs(8, 64, 0))
     jobs = []
-    impls = ["dualvp-torch-eager", "dualvp-torch-inplace-eager", "torch-eager"]
+    impls = ["dualvp-torch-eager", "dualvp-torch-inplace", "torch-eager"]
     for i, impl in enumerate(impls):
         out = tmp_path / f"out{i}"
         out.mkdir()
         data = ddir if i != 1 else tmp_path / "missing"  # the second worker fails on its inputs
-        jobs.append(dict(impl=impl, T=8, V=64, dtype="float32", modes=["lp"], reps=2, warmup=0, data_dir=str(data),
-                         out_dir=str(out), err_rows=8, options={}, port=None, device="cpu"))
+        case = dict(index=0, T=8, V=64, dtype="float32", data_dir=str(data), out_dir=str(out))
+        jobs.append(dict(impl=impl, cases=[case], modes=["lp"], reps=2, warmup=0, loop=1, err_rows=8, options={},
+                         port=None, device="cpu"))
     got = []
-    errs = driver._run_jobs(jobs, str(tmp_path), 300, lambda rec, job: got.append(job["impl"]), interleave=True)
+    errs = procs.run_jobs(jobs, str(tmp_path), 300, lambda rec, job: got.append(job["impl"]), interleave=True)
     assert sorted(got) == sorted([impls[0], impls[2]])
     assert [job["impl"] for job, _ in errs] == [impls[1]] and "missing" in errs[0][1], errs
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not _have("torch"), reason="needs torch")
+def test_one_worker_runs_several_cases(tmp_path):
+    # On a GPU one worker per implementation runs every (size, dtype): each record names its case, and
+    # each case's outputs land in its own folder.
+    from dualvp.tools.bench import driver, procs
+    from dualvp.tools.bench.inputs import make_inputs, round_logits
+
+    cases = []
+    for i, (T, V, dtype) in enumerate(((8, 64, "float32"), (4, 32, "bfloat16"))):
+        inp = make_inputs(T, V, i)
+        inp["logits"] = round_logits(inp["logits"], dtype)
+        driver._save_inputs(str(tmp_path / f"data{i}"), inp)
+        (tmp_path / f"out{i}").mkdir()
+        cases.append(dict(index=i, T=T, V=V, dtype=dtype, data_dir=str(tmp_path / f"data{i}"),
+                          out_dir=str(tmp_path / f"out{i}")))
+    job = dict(impl="torch-eager", cases=cases, modes=["lp", "lp+ent+grad"], reps=1, warmup=0, loop=1, err_rows=4,
+               options={}, port=None, device="cpu")
+    got = []
+    assert procs.run_jobs([job], str(tmp_path), 300, lambda rec, job: got.append(rec)) == []
+    assert [(r["case"], r["mode"], r["dtype"], r["T"]) for r in got] == [
+        (0, "lp", "float32", 8), (0, "lp+ent+grad", "float32", 8),
+        (1, "lp", "bfloat16", 4), (1, "lp+ent+grad", "bfloat16", 4)]
+    for i in (0, 1):
+        assert sorted(os.listdir(tmp_path / f"out{i}")) == ["out_0_r0.npz", "out_1_r0.npz"]

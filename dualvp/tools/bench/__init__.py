@@ -1,10 +1,14 @@
 """``dualvp bench``: speed, memory and precision of every implementation against baselines, in one run.
 
-See :mod:`dualvp.tools.bench.driver` (the run), :mod:`.implementations` (what
-is compared), :mod:`.worker` (how one implementation is measured) and
-:mod:`.report` (what is written).
+:mod:`.options` (the options and the plan), :mod:`.driver` (the logits op's
+run), :mod:`.linear` (``--op linear``), :mod:`.implementations` (what is
+compared), :mod:`.worker` and :mod:`.procs` (one process per
+implementation), :mod:`.timing` (how a call is timed and measured: the one
+timing helper, also used by ``benchmarks/``), :mod:`.results` (the CSV
+results file), :mod:`.report` (what is printed).
 """
 
-from .driver import add_arguments, run
+from .driver import run
+from .options import add_arguments
 
 __all__ = ["add_arguments", "run"]

@@ -6,14 +6,17 @@ An :class:`Impl` names what must be importable, which worker loop runs it
 the worker, so torch, jax, megatron and slime are imported only there) and
 gets a forward function
 
-    forward(z, y, keep, mode) -> (logprob [T], entropy [T] or None)
+    forward(z, y, keep, mode, validate=True) -> (logprob [T], entropy [T] or None)
 
 on this rank's logits shard ``z [T, V_local]``, the global targets ``y [T]``
 and, for masked modes, the keep mask ``keep [T, V_local]`` (else ``None``).
 The backward is the framework's own: the worker loop differentiates
 ``sum(gl * logprob) + sum(gh * entropy)`` (the entropy term only when the
 mode asks for its gradient), identically for every implementation of a
-framework.
+framework. ``validate=False`` is what the host-time loop passes (dualvp's
+ops then skip their synchronising checks; the baselines have none).
+``build`` raises :class:`Unavailable` when the implementation cannot run
+here (an ``impl=`` this dualvp does not have); the run lists it as skipped.
 
 Adding an implementation is adding one entry to :data:`IMPLS`.
 """
@@ -30,7 +33,7 @@ from typing import Any, Callable, Mapping, Optional, Union
 
 from dualvp.testing.modes import MODES, Mode  # the one table of option modes (tests use it too)
 
-__all__ = ["Mode", "MODES", "Context", "Impl", "IMPLS", "BASELINES", "locate", "load_slime_ops"]
+__all__ = ["Mode", "MODES", "Context", "Impl", "IMPLS", "Unavailable", "locate", "load_slime_ops"]
 
 
 @dataclass(frozen=True)
@@ -42,10 +45,15 @@ class Context:
     rank: int = 0
     world: int = 1
     vocab_start: int = 0  # first global column of this rank's shard
+    device: str = "cpu"  # where the worker runs: "cpu" or "cuda"
     options: Mapping[str, Any] = field(default_factory=dict)  # from `locate`, e.g. the slime file
 
 
 Forward = Callable[..., tuple]
+
+
+class Unavailable(Exception):
+    """Raised by ``build`` when the implementation cannot run here; the message says why."""
 
 
 @dataclass(frozen=True)
@@ -58,16 +66,13 @@ class Impl:
       needs: modules that must be importable for it to run.
       build: ``build(ctx) -> forward`` (see the module docstring).
       about: one line, listed by ``dualvp bench --help``.
-      env: extra environment of its worker processes.
-      baseline: a baseline the goals compare ``dualvp-torch`` with.
       process_group: needs a ``torch.distributed`` group even at W=1.
-      gloo: also run on W gloo ranks to count its collectives.
-      nonleaf_logits: the logits must be the output of an autograd node
-        (``inplace_grad``); see :func:`dualvp.tools.bench.worker.run_torch`.
-      donate: (JAX) ``"logits"`` or ``"gradient"``: forward and backward run
-        as one ``jit`` that donates the logits, or the previous call's
-        gradient, so that XLA may write the gradient into that buffer; see
-        :func:`dualvp.tools.bench.worker.run_jax`.
+      gloo: also runs on W ranks (``--worlds``) over a gloo group.
+      nonleaf_logits: the logits must be the output of an autograd node (the
+        gradient overwrites them); see :func:`dualvp.tools.bench.worker.run_torch`.
+      modes: the modes it computes (default all of :data:`MODES`).
+      devices: where it runs at all; default_devices: where it runs when
+        ``--impls`` is not given.
       locate: ``locate(args) -> options dict`` or a string saying why it
         cannot run; the default checks ``needs``.
     """
@@ -77,12 +82,12 @@ class Impl:
     needs: tuple
     build: Callable[[Context], Forward]
     about: str
-    env: Mapping[str, str] = field(default_factory=dict)
-    baseline: bool = False
     process_group: bool = False
     gloo: bool = False
     nonleaf_logits: bool = False
-    donate: str = ""
+    modes: tuple = tuple(MODES)
+    devices: tuple = ("cpu", "cuda")
+    default_devices: tuple = ("cpu", "cuda")
     locate: Optional[Callable[[argparse.Namespace], Union[str, dict]]] = None
 
 
@@ -90,24 +95,39 @@ class Impl:
 
 
 def _dualvp_torch(ctx: Context, **fixed) -> Forward:
+    import torch
+
     from dualvp_torch import logprob_entropy
 
-    def forward(z, y, keep, mode: Mode):
+    if fixed.get("impl") is not None:  # an impl this dualvp lacks (or cannot run here) is skipped
+        try:
+            _check_impl(torch, logprob_entropy, fixed["impl"], ctx.device)
+        except (ValueError, NotImplementedError, ImportError) as e:
+            raise Unavailable(f"impl={fixed['impl']!r}: {type(e).__name__}: {e}") from e
+
+    def forward(z, y, keep, mode: Mode, validate: bool = True):
         return logprob_entropy(z, y, group=ctx.group, keep_mask=keep, with_entropy=mode.with_entropy,
-                               entropy_grad=mode.entropy_grad, **fixed)
+                               entropy_grad=mode.entropy_grad, validate=validate, **fixed)
 
     return forward
 
 
-def _dualvp_torch_inplace(ctx: Context) -> Forward:
-    return _dualvp_torch(ctx, inplace_grad=True)
+def _check_impl(torch, logprob_entropy, impl: str, device: str) -> None:
+    """Raise if dualvp_torch cannot run ``impl``: its own selection check where it has one (no
+    compile), else a call on a 2 x 4 problem."""
+    try:
+        from dualvp_torch.kernels import select
+    except ImportError:
+        select = None
+    if select is not None:
+        select(impl)
+        return
+    z = torch.zeros(2, 4, device=device, requires_grad=True)
+    logprob_entropy(z, torch.zeros(2, dtype=torch.long, device=device), impl=impl)[0].sum().backward()
 
 
-def _dualvp_torch_advised(ctx: Context) -> Forward:
-    from dualvp_torch import kernels
-
-    kernels.HUGE_PAGE_DEVICES = frozenset({"cpu"})  # this worker's fresh CPU gradients advised as huge pages
-    return _dualvp_torch(ctx)
+def _dualvp_impl(impl: Optional[str] = None, **fixed) -> Callable[[Context], Forward]:
+    return lambda ctx: _dualvp_torch(ctx, impl=impl, **fixed)
 
 
 def _kept_with_target(torch, keep, y, vocab_start: int):
@@ -122,7 +142,7 @@ def _torch_eager(ctx: Context) -> Forward:
     """``log_softmax`` + ``gather``, entropy ``-(p * log p).sum``, autograd, in the input dtype."""
     torch = ctx.fw
 
-    def forward(z, y, keep, mode: Mode):
+    def forward(z, y, keep, mode: Mode, validate: bool = True):
         logp = torch.log_softmax(z, dim=-1)
         lq = logp
         if keep is not None:
@@ -180,7 +200,7 @@ def _megatron(ctx: Context) -> Forward:
     torch = ctx.fw
     entropy = _tp_entropy(torch, dist)
 
-    def forward(z, y, keep, mode: Mode):
+    def forward(z, y, keep, mode: Mode, validate: bool = True):
         zz = z
         if keep is not None:
             zz = z.masked_fill(~_kept_with_target(torch, keep, y, ctx.vocab_start), float("-inf"))
@@ -274,10 +294,27 @@ def _slime(ctx: Context) -> Forward:
     ops = load_slime_ops(ctx.options["slime_file"])
     fn = ops.calculate_log_probs_and_entropy
 
-    def forward(z, y, keep, mode: Mode):
+    def forward(z, y, keep, mode: Mode, validate: bool = True):
         lp, h = fn(z, y, ctx.group, with_entropy=mode.with_entropy, log_prob_keep_mask=keep,
                    with_entropy_grad=mode.entropy_grad)
         return lp.reshape(-1), h  # slime returns the log-prob as [T, 1]
+
+    return forward
+
+
+# --------------------------------------------------------------------------- liger
+
+
+def _liger(ctx: Context) -> Forward:
+    """Liger-Kernel's Triton cross-entropy, ``reduction="none"``: the log-prob only.
+
+    It writes the gradient into its input during the forward, so its logits
+    are non-leaf copies (``nonleaf_logits``), as an LM head's output is.
+    """
+    from liger_kernel.transformers.functional import liger_cross_entropy
+
+    def forward(z, y, keep, mode: Mode, validate: bool = True):
+        return -liger_cross_entropy(z, y, reduction="none"), None
 
     return forward
 
@@ -288,7 +325,7 @@ def _slime(ctx: Context) -> Forward:
 def _dualvp_jax(ctx: Context) -> Forward:
     import dualvp_jax
 
-    def forward(z, y, keep, mode: Mode):
+    def forward(z, y, keep, mode: Mode, validate: bool = True):
         return dualvp_jax.logprob_entropy(z, y, keep_mask=keep, with_entropy=mode.with_entropy,
                                           entropy_grad=mode.entropy_grad)
 
@@ -300,7 +337,7 @@ def _jax_naive(ctx: Context) -> Forward:
     jax = ctx.fw
     jnp = jax.numpy
 
-    def forward(z, y, keep, mode: Mode):
+    def forward(z, y, keep, mode: Mode, validate: bool = True):
         logp = jax.nn.log_softmax(z, axis=-1)
         lq = logp
         if keep is not None:
@@ -320,51 +357,33 @@ def _jax_naive(ctx: Context) -> Forward:
 # --------------------------------------------------------------------------- the registry
 
 _DUALVP_TORCH = ("torch", "dualvp_torch.function")
-# glibc >= 2.35 reads this at process start only (nothing can set it later), so it is a worker
-# variant: on a kernel whose transparent huge pages are "madvise", XLA:CPU's fresh buffers fault
-# every 4 KiB page unless glibc advises them (README "JAX", docs/measurements.md)
-_HUGETLB_ENV = {"GLIBC_TUNABLES": "glibc.malloc.hugetlb=1"}
-_HUGETLB = "GLIBC_TUNABLES=" + _HUGETLB_ENV["GLIBC_TUNABLES"]
+_LP_ONLY = ("lp",)
 
 IMPLS: dict[str, Impl] = {i.name: i for i in (
-    Impl("dualvp-torch", "torch", _DUALVP_TORCH, _dualvp_torch,
-         "dualvp_torch.logprob_entropy, compiled kernels"),
-    Impl("dualvp-torch-eager", "torch", _DUALVP_TORCH, _dualvp_torch,
-         "the same with DUALVP_COMPILE=0 (eager row-chunked kernels)", env={"DUALVP_COMPILE": "0"}, gloo=True),
-    Impl("dualvp-torch-inplace", "torch", _DUALVP_TORCH, _dualvp_torch_inplace,
+    Impl("dualvp-torch", "torch", _DUALVP_TORCH, _dualvp_impl(),
+         "dualvp_torch.logprob_entropy, the default implementation selection", gloo=True),
+    Impl("dualvp-torch-compiled", "torch", _DUALVP_TORCH, _dualvp_impl("compiled"),
+         "the same with impl='compiled' (the compiled spec stages)", default_devices=("cuda",)),
+    Impl("dualvp-torch-triton", "torch", _DUALVP_TORCH, _dualvp_impl("triton"),
+         "the same with impl='triton' (hand-written Triton kernels; CUDA only)", gloo=True, devices=("cuda",)),
+    Impl("dualvp-torch-eager", "torch", _DUALVP_TORCH, _dualvp_impl("eager"),
+         "the same with impl='eager' (row-chunked eager kernels)", gloo=True),
+    Impl("dualvp-torch-inplace", "torch", _DUALVP_TORCH, _dualvp_impl(inplace_grad=True),
          "dualvp-torch with inplace_grad=True (the gradient overwrites the logits)", nonleaf_logits=True),
-    Impl("dualvp-torch-inplace-eager", "torch", _DUALVP_TORCH, _dualvp_torch_inplace,
-         "the same with DUALVP_COMPILE=0", env={"DUALVP_COMPILE": "0"}, nonleaf_logits=True),
-    Impl("dualvp-torch-advised", "torch", _DUALVP_TORCH, _dualvp_torch_advised,
-         "dualvp-torch with kernels.HUGE_PAGE_DEVICES = {'cpu'} (its fresh gradient advised as huge pages; "
-         "the default until 2026-12-05, results before it name the default without advice dualvp-torch-4k)"),
-    Impl("dualvp-torch-hugetlb", "torch", _DUALVP_TORCH, _dualvp_torch,
-         "dualvp-torch in workers started with " + _HUGETLB + " (every large allocation advised as huge pages)",
-         env=_HUGETLB_ENV),
     Impl("dualvp-jax", "jax", ("jax", "dualvp_jax"), _dualvp_jax, "dualvp_jax.logprob_entropy under jax.jit"),
-    Impl("dualvp-jax-donated", "jax", ("jax", "dualvp_jax"), _dualvp_jax,
-         "the same, forward and backward in one jit that donates the logits (the gradient takes their buffer)",
-         donate="logits"),
-    Impl("dualvp-jax-recycled", "jax", ("jax", "dualvp_jax"), _dualvp_jax,
-         "the same, donating the previous call's gradient instead (keep_unused=True), which XLA reuses for the "
-         "new one: the logits stay, one gradient is held between calls (resident before the measured call)",
-         donate="gradient"),
-    Impl("dualvp-jax-hugetlb", "jax", ("jax", "dualvp_jax"), _dualvp_jax,
-         "dualvp-jax in workers started with " + _HUGETLB + " (XLA's fresh gradient then faults in 2 MiB "
-         "pages, not 4 KiB ones; dualvp-torch advises its own gradient buffer)",
-         env=_HUGETLB_ENV),
     Impl("torch-eager", "torch", ("torch",), _torch_eager,
-         "log_softmax + gather, entropy -(p*log p).sum, autograd, in the input dtype", baseline=True),
-    Impl("jax-naive", "jax", ("jax",), _jax_naive, "the same in JAX under jit (jax.vjp)", baseline=True),
-    Impl("megatron", "torch", ("torch", "megatron.core"), _megatron,
-         "Megatron-core fused_vocab_parallel_cross_entropy + an unfused vocab-parallel entropy (saves the softmax)",
-         baseline=True, process_group=True, gloo=True),
+         "log_softmax + gather, entropy -(p*log p).sum, autograd, in the input dtype"),
+    Impl("jax-naive", "jax", ("jax",), _jax_naive, "the same in JAX under jit (jax.vjp)"),
     Impl("slime", "torch", ("torch",), _slime,
          "slime's fused calculate_log_probs_and_entropy from the user's checkout (--slime-path)",
-         baseline=True, gloo=True, locate=_locate_slime),
+         gloo=True, locate=_locate_slime),
+    Impl("liger", "torch", ("torch", "triton", "liger_kernel"), _liger,
+         "Liger-Kernel's cross-entropy (reduction='none'): log-prob only, W=1, CUDA only",
+         nonleaf_logits=True, modes=_LP_ONLY, devices=("cuda",)),
+    Impl("megatron", "torch", ("torch", "megatron.core"), _megatron,
+         "Megatron-core fused_vocab_parallel_cross_entropy + an unfused vocab-parallel entropy (saves the softmax)",
+         process_group=True, gloo=True),
 )}
-
-BASELINES = tuple(n for n, i in IMPLS.items() if i.baseline)
 
 
 def locate(impl: Impl, args: argparse.Namespace) -> Union[str, dict]:
