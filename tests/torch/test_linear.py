@@ -127,6 +127,7 @@ def test_vs_oracle_eager(shape, dtype, mask):
     _assert_all(out, _oracle(p, **kw), dtype)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dtype,mask", [("float32", True), ("bfloat16", False)])
 def test_vs_oracle_compiled(dtype, mask):
     p = _problem((37,), 16, 1001, dtype, mask=mask, seed=1)
@@ -338,6 +339,7 @@ def _close(x, ref, what):
     assert within_tolerance(x, ref, tol), f"{what}: {max_errors(x, ref)}"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("world", [2, 4])
 def test_ranks_against_oracle(world):
     res = _suite(world)
@@ -360,6 +362,7 @@ def test_ranks_against_oracle(world):
     assert not np.allclose(res[0]["partial"]["dh"], dh)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("world", [2, 4])
 @pytest.mark.parametrize("name", list(_linear_ranks.SCENARIOS))
 def test_ranks_disagree_every_rank_raises(world, name):
