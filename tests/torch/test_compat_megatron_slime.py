@@ -322,7 +322,7 @@ def _job():
 @pytest.mark.slow
 def test_megatron_ranks_fork_with_megatron_imported():
     # tests/conftest.py names megatron-core in DUALVP_FORKSERVER_PRELOAD: the ranks' forkserver
-    # imports it once, and every rank starts with it (not ~2 s of import each)
+    # imports it once, and every rank starts with it (instead of importing it in each rank)
     from dualvp_torch import testing
 
     res = _job()  # skips where megatron-core is missing
