@@ -30,7 +30,7 @@ def _run(z0, y, keep):
 
 
 @pytest.mark.parametrize("with_mask", [False, True])
-def test_workers_match_serial_and_keep_thread_settings(monkeypatch, with_mask):
+def test_workers_match_serial_and_keep_thread_settings(with_mask):
     if torch.get_num_threads() < 2:
         torch.set_num_threads(2)
     g = torch.Generator().manual_seed(0)

@@ -197,7 +197,7 @@ def test_frozen_input_skips_its_matmul(frozen):
     assert both == 4 * n_tiles and one == 3 * n_tiles
 
 
-@pytest.mark.parametrize("shape", ["v1001_tiles", "token_major"])
+@pytest.mark.parametrize("shape", ["v1001_tiles", pytest.param("token_major", marks=pytest.mark.slow)])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_cpu_tiles_share_one_buffer_per_pass(monkeypatch, shape, dtype):
     # Every CPU tile of a pass is formed in one buffer (dualvp_torch.linear._TileBuffer): a fresh

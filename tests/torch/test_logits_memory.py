@@ -125,7 +125,7 @@ def test_inplace_grad_memory(dtype, mode, impl, serial_eager):
     assert _peak(sizes) <= 0.05 * B, _peak(sizes) / B
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [pytest.param(torch.float32, marks=pytest.mark.slow), torch.bfloat16])
 def test_label_smoothing_memory(dtype):
     # Megatron's drop-in with label smoothing: its extra O(T) statistic and
     # in-place gradient term add no [T, V_local] buffer (on CPU, a 16-bit
