@@ -33,7 +33,7 @@ if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
     os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
     os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "-1")
 
-# The 8-rank Megatron job (tests/torch/test_torch_compat.py) imports megatron-core in every
+# The 8-rank Megatron job (tests/torch/test_compat_megatron_slime.py) imports megatron-core in every
 # rank, ~2 s each: the ranks' forkserver imports it once instead (dualvp_torch.testing). Set
 # only where megatron is installed (find_spec of the top-level package imports nothing).
 import importlib.util  # noqa: E402
@@ -58,7 +58,7 @@ settings.load_profile("dualvp")
 
 # pytest-xdist (``-n 2``, the README's test command): whole test files per
 # worker, in collection order. A file's tests share what its module caches
-# (the one spawn per W of tests/torch/test_distributed.py, the tables of
+# (the one spawn per W of tests/torch/test_logits_ranks.py, the tables of
 # tests/cross/test_cross_backends.py, the 8-rank Megatron job, compiled
 # programs); xdist's default ``load`` would split a file over both workers,
 # which spawn and compile all that twice. Collection order rather than xdist's
@@ -78,20 +78,20 @@ def pytest_xdist_make_scheduler(config, log):
     return LoadFileScheduling(config, log)
 
 
-# File order. tests/torch/test_single_process.py compiles every torch kernel
+# File order. tests/torch/test_logits_conformance.py compiles every torch kernel
 # variant at W = 1 and goes first; tests/cross/test_cross_backends.py, whose
 # W = 2 ranks compile the same graphs, goes after tests/jax, by when those
 # compiles sit in inductor's FX graph cache (the compiled kernels no longer
 # depend on the thread count, so the 1-thread ranks read what the 2-thread
 # test process wrote) instead of being repeated cold in both ranks at once.
-_FIRST = ("tests/torch/test_single_process.py",)
-# tests/torch/test_memory_compat.py (15 s) goes before the other tests/torch files, which are
+_FIRST = ("tests/torch/test_logits_conformance.py",)
+# tests/torch/test_logits_memory.py (15 s) goes before the other tests/torch files, which are
 # shorter: the run then ends on short files on both workers (in a model of the run from one
 # run's per-file times, the later worker's end 175 -> 171 s, against a floor of 170 s for
 # perfect balance).
 _MOVED = {  # file -> after the last file under this prefix
     "tests/cross/test_cross_backends.py": "tests/jax/",
-    "tests/torch/test_memory_compat.py": "tests/tools/",
+    "tests/torch/test_logits_memory.py": "tests/tools/",
 }
 
 

@@ -127,6 +127,7 @@ def test_vs_oracle_eager(shape, dtype, mask):
     _assert_all(out, _oracle(p, **kw), dtype)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dtype,mask", [("float32", True), ("bfloat16", False)])
 def test_vs_oracle_compiled(dtype, mask):
     p = _problem((37,), 16, 1001, dtype, mask=mask, seed=1)
@@ -196,7 +197,7 @@ def test_frozen_input_skips_its_matmul(frozen):
     assert both == 4 * n_tiles and one == 3 * n_tiles
 
 
-@pytest.mark.parametrize("shape", ["v1001_tiles", "token_major"])
+@pytest.mark.parametrize("shape", ["v1001_tiles", pytest.param("token_major", marks=pytest.mark.slow)])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_cpu_tiles_share_one_buffer_per_pass(monkeypatch, shape, dtype):
     # Every CPU tile of a pass is formed in one buffer (dualvp_torch.linear._TileBuffer): a fresh
@@ -338,6 +339,7 @@ def _close(x, ref, what):
     assert within_tolerance(x, ref, tol), f"{what}: {max_errors(x, ref)}"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("world", [2, 4])
 def test_ranks_against_oracle(world):
     res = _suite(world)
@@ -360,6 +362,7 @@ def test_ranks_against_oracle(world):
     assert not np.allclose(res[0]["partial"]["dh"], dh)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("world", [2, 4])
 @pytest.mark.parametrize("name", list(_linear_ranks.SCENARIOS))
 def test_ranks_disagree_every_rank_raises(world, name):

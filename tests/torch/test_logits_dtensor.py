@@ -225,6 +225,8 @@ def _rank_2d(rank, world):
 
 # --- the tests ----------------------------------------------------------------
 
+pytestmark = pytest.mark.slow  # gloo ranks spawned
+
 
 @functools.lru_cache(maxsize=None)
 def _results(world):

@@ -76,9 +76,11 @@ def _same(a, b) -> bool:
 @pytest.mark.parametrize("ckpt", ["non_reentrant", "reentrant"])
 @pytest.mark.parametrize(
     "op, impl, inplace",
-    [("logits", "eager", False), ("logits", "eager", True), ("logits", "compiled", False),
-     ("logits", "compiled", True), ("linear", "eager", False), ("linear", "compiled", False),
-     ("slime", None, False), ("megatron", None, False)],
+    [("logits", "eager", False), ("logits", "eager", True),
+     pytest.param("logits", "compiled", False, marks=pytest.mark.slow),
+     pytest.param("logits", "compiled", True, marks=pytest.mark.slow), ("linear", "eager", False),
+     pytest.param("linear", "compiled", False, marks=pytest.mark.slow), ("slime", None, False),
+     ("megatron", None, False)],
 )
 def test_under_activation_checkpointing(op, impl, inplace, ckpt):
     args = _inputs(0, 1)
@@ -107,6 +109,7 @@ def _ranks_body(rank, world_size):
     return out
 
 
+@pytest.mark.slow
 def test_under_activation_checkpointing_on_two_ranks():
-    for result in run_ranks(_ranks_body, 2, timeout=120):
+    for result in run_ranks(_ranks_body, 2, timeout=300):
         assert result == {op: (1, 2, True) for op in RANK_OPS}, result

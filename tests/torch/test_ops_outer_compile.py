@@ -56,7 +56,8 @@ LOSSES = {"logits": _logits_loss, "linear": _linear_loss, "slime": _slime_loss, 
           "megatron-smoothed": _megatron_smoothed_loss}
 
 
-@pytest.mark.parametrize("op", sorted(LOSSES))
+@pytest.mark.parametrize("op", [pytest.param(op, marks=pytest.mark.slow) if op == "logits" else op
+                                for op in sorted(LOSSES)])  # logits: compiles the op's kernels
 def test_inside_a_callers_torch_compile(op):
     prob = cases.make(cases.case("everything"))  # [3, 4] rows, ignored rows, keep mask, -inf logits
     y, keep = torch.from_numpy(prob.target), torch.from_numpy(prob.keep_mask)
@@ -94,8 +95,14 @@ def _fullgraph_loss(x, y, keep, use_keep=False, **kw):
     return (lp * weights).sum() + (0.0 if h is None else 0.1 * (h * h).sum())
 
 
-@pytest.mark.parametrize("backend", ["counter", "aot_eager"])
-@pytest.mark.parametrize("name", sorted(FULLGRAPH))
+# the fast tier keeps the eager kernels on dynamo's counter backend (the others compile the op's kernels)
+_FAST_FULLGRAPH = {("bfloat16_eager_kernels", "counter")}
+
+
+@pytest.mark.parametrize("name,backend", [
+    pytest.param(n, b, marks=() if (n, b) in _FAST_FULLGRAPH else pytest.mark.slow)
+    for n in sorted(FULLGRAPH) for b in ("counter", "aot_eager")
+])
 def test_logprob_entropy_in_a_fullgraph_compile(name, backend):
     """``torch.compile(fullgraph=True)`` of a loss around the op: one frame, values and gradients bit for bit.
 
@@ -155,6 +162,7 @@ def _fullgraph_ranks(rank, world_size):
     return bool(torch.equal(got, want) and torch.equal(xc.grad, x.grad))
 
 
+@pytest.mark.slow
 def test_fullgraph_on_two_ranks():
     """With a process group (passed to the custom op by name), validation and all-gather included."""
     assert run_ranks(_fullgraph_ranks, 2, timeout=120) == [True, True]

@@ -319,9 +319,10 @@ def _job():
     return _JOB["res"]
 
 
+@pytest.mark.slow
 def test_megatron_ranks_fork_with_megatron_imported():
     # tests/conftest.py names megatron-core in DUALVP_FORKSERVER_PRELOAD: the ranks' forkserver
-    # imports it once, and every rank starts with it (not ~2 s of import each)
+    # imports it once, and every rank starts with it (instead of importing it in each rank)
     from dualvp_torch import testing
 
     res = _job()  # skips where megatron-core is missing
@@ -396,6 +397,7 @@ def _smoothing_disagreement_job(rank: int, world: int) -> dict:
     return out
 
 
+@pytest.mark.slow
 def test_megatron_label_smoothing_disagreement_raises_on_every_rank():
     res = run_ranks(_smoothing_disagreement_job, 2, timeout=120)
     for r in res:

@@ -18,6 +18,8 @@ from ._sweep import suite as _suite  # noqa: E402
 
 NAMES = list(_disagree.SCENARIOS)
 
+pytestmark = pytest.mark.slow  # gloo ranks spawned
+
 
 @pytest.mark.parametrize("world", [2, 4])
 def test_table_against_reference(world):

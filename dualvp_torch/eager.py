@@ -1,0 +1,223 @@
+"""The eager path: the spec stages run op by op over row chunks, for environments without a compiler.
+
+A chunk holds :func:`chunk_rows` rows, sized from a memory budget: the
+temporaries of the chunks in flight (at most :data:`STATS_SCRATCH_BYTES` /
+:data:`GRAD_SCRATCH_BYTES` bytes per chunk element) stay within a fraction of
+the shard's bytes ``B``: :data:`STATS_FRACTION` in the forward (nothing else
+is alive then), :data:`GRAD_FRACTION` next to a fresh gradient buffer (peak
+``<= 1.1 B``), :data:`INPLACE_FRACTION` for the in-place gradient (``<= 0.05
+B``); on CPU one chunk's scratch also stays within
+``Tuning.cpu_chunk_scratch_bytes``; and a chunk has at least
+:data:`MIN_CHUNK_ELEMENTS` elements, so that tiny shards do not run one row at
+a time. Row sums accumulate in float32 (eager torch sums are cascaded).
+
+On CPU the chunks run in parallel on up to ``torch.get_num_threads()`` worker
+threads (at most ``Tuning.max_eager_workers``), each running its ops
+single-threaded; the caller's thread settings are unchanged
+(docs/decisions.md, "Eager chunks on single-threaded workers").
+"""
+
+from __future__ import annotations
+
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from typing import Callable, Optional
+
+import torch
+
+from dualvp import spec
+
+from . import host_memory, stages, tuning
+
+__all__ = [
+    "STATS_SCRATCH_BYTES",
+    "GRAD_SCRATCH_BYTES",
+    "STATS_FRACTION",
+    "GRAD_FRACTION",
+    "INPLACE_FRACTION",
+    "MIN_CHUNK_ELEMENTS",
+    "chunk_rows",
+    "stats",
+    "grad",
+    "redo_marked_rows",
+]
+
+#: Upper bound of the spec's live temporaries per chunk element, in bytes, for
+#: the statistics (the profiler's allocation trace at the peak, chunks in the
+#: calling thread, float32 and bfloat16 input, with and without a mask and
+#: the entropy) ...
+STATS_SCRATCH_BYTES = 28
+#: ... and for the gradient, its output chunk included
+#: (tests/torch/test_logits_memory.py holds the resulting peaks).
+GRAD_SCRATCH_BYTES = 44
+#: The chunks' scratch in the forward, as a fraction of the shard's bytes.
+STATS_FRACTION = 0.5
+#: ... in the in-place gradient.
+INPLACE_FRACTION = 0.04
+#: ... and next to a fresh gradient buffer (the backward's peak is then <= 1.1 B).
+GRAD_FRACTION = 0.09
+#: ... but a chunk has at least this many elements (or all rows).
+MIN_CHUNK_ELEMENTS = 1 << 12
+
+
+def chunk_rows(
+    n_rows: int, v_local: int, itemsize: int = 4, fraction: float = STATS_FRACTION,
+    scratch_bytes: int = STATS_SCRATCH_BYTES, workers: int = 1, cap_bytes: Optional[int] = None,
+) -> int:
+    """Rows per chunk (at least 1, at most ``n_rows``).
+
+    ``workers * scratch_bytes * rows * v_local <= fraction * n_rows * v_local
+    * itemsize`` (the temporaries of the chunks in flight are that fraction
+    of the shard's bytes) and, when ``cap_bytes`` is given (on CPU:
+    ``Tuning.cpu_chunk_scratch_bytes``), ``scratch_bytes * rows * v_local <=
+    cap_bytes``; but at least :data:`MIN_CHUNK_ELEMENTS` elements per chunk.
+    """
+    v = max(1, v_local)
+    budget = int(fraction * n_rows * itemsize / (scratch_bytes * max(1, workers)))
+    if cap_bytes is not None:
+        budget = min(budget, cap_bytes // (scratch_bytes * v))
+    return max(1, min(n_rows, max(budget, MIN_CHUNK_ELEMENTS // v)))
+
+
+def _cap(z: torch.Tensor, setting: tuning.Tuning) -> Optional[int]:
+    # On CPU a chunk's temporaries stay small enough to stay in cache between
+    # the spec's ops instead of being page-faulted afresh
+    # (docs/decisions.md, "Eager CPU chunks within a cache-sized bound").
+    return setting.cpu_chunk_scratch_bytes if z.device.type == "cpu" else None
+
+
+# --- worker threads --------------------------------------------------------------------
+#
+# On CPU one chunk runs per worker thread, each worker's ops single-threaded,
+# instead of one chunk at a time with every op split over torch's intra-op
+# threads: the spec's ops are small at chunk size, and an intra-op team pays a
+# barrier per op, which under CPU contention waits for a descheduled thread.
+# Independent chunks need no barrier.
+
+_pool: dict = {}
+_lock = threading.Lock()
+
+
+def _set_threads(n: int, barrier: Optional[threading.Barrier] = None) -> None:
+    torch.set_num_threads(n)
+    if barrier is not None:
+        barrier.wait()
+
+
+def _workers(z: torch.Tensor, n_chunks_max: int, setting: tuning.Tuning) -> int:
+    if z.device.type != "cpu":
+        return 1  # kernel launches are asynchronous; one host thread suffices
+    return max(1, min(torch.get_num_threads(), setting.max_eager_workers, n_chunks_max))
+
+
+def _executor(workers: int) -> ThreadPoolExecutor:
+    # Workers with one intra-op thread each. torch.set_num_threads in a
+    # thread sets that thread's OpenMP team size, and also the default that
+    # threads started later initialise from: a throwaway thread restores that
+    # default (and MKL's global count) to the caller's value, so that nothing
+    # outside these workers changes.
+    with _lock:
+        ex = _pool.get(workers)
+        if ex is None:
+            ex = ThreadPoolExecutor(workers, thread_name_prefix="dualvp-eager")
+            barrier = threading.Barrier(workers)
+            for f in [ex.submit(_set_threads, 1, barrier) for _ in range(workers)]:
+                f.result()
+            restore = threading.Thread(target=_set_threads, args=(torch.get_num_threads(),))
+            restore.start()
+            restore.join()
+            _pool[workers] = ex
+        return ex
+
+
+def _map_chunks(
+    fn: Callable, z: torch.Tensor, fraction: float, scratch_bytes: int, setting: tuning.Tuning,
+    release: bool = False,
+) -> list:
+    n, v = z.shape
+    workers = _workers(z, n, setting)
+    glibc = setting.glibc_heap and z.device.type == "cpu"
+    if glibc:
+        host_memory.keep_chunk_scratch_mapped(setting.cpu_chunk_scratch_bytes)
+    step = chunk_rows(n, v, z.element_size(), fraction, scratch_bytes, workers, _cap(z, setting))
+    chunks = [(i, min(n, i + step)) for i in range(0, n, step)]
+
+    def run(c):
+        with torch.no_grad():  # grad mode is thread-local: a worker starts with it on
+            return fn(*c)
+
+    try:
+        if workers == 1 or len(chunks) == 1:
+            return [fn(i, j) for i, j in chunks]
+        return list(_executor(min(workers, len(chunks))).map(run, chunks))
+    finally:
+        if release and glibc and len(chunks) > 1:
+            host_memory.release_chunk_scratch()
+
+
+# --- the stages over row chunks --------------------------------------------------------
+
+
+def _rows(x, i, j):
+    return None if x is None else x[i:j]
+
+
+def stats(z, local, owns, keep, tau, with_entropy: bool = True) -> torch.Tensor:
+    """``[T, 6]`` statistics of the shard, chunk by chunk (``tau``: a 0-d tensor or the number 1)."""
+    setting = tuning.current()
+    shift = stages.kept_shift(z, keep)
+
+    # Each chunk's statistics go into one [T, k] buffer, made by the first
+    # chunk to finish (k and the dtype come from the spec). A list of
+    # per-chunk results, concatenated at the end, kept one small allocation
+    # alive per chunk, and glibc's heap then grew by about one chunk's
+    # scratch per chunk (tests/torch/test_eager_path.py reproduces it).
+    out = []
+
+    def chunk(i, j):
+        st = stages.stats_stage(z[i:j], local[i:j], owns[i:j], _rows(keep, i, j), tau, None, with_entropy, shift)
+        if shift == "max":
+            redo_marked_rows(st, z[i:j], local[i:j], owns[i:j], keep[i:j], tau, with_entropy, setting)
+        if not out:
+            with _lock:
+                if not out:
+                    out.append(st.new_empty((z.shape[0],) + st.shape[1:]))
+        out[0][i:j] = st
+
+    _map_chunks(chunk, z, STATS_FRACTION, STATS_SCRATCH_BYTES, setting, release=True)
+    return out[0]
+
+
+def grad(z, out, local, owns, keep, *row_args) -> None:
+    """Write the shard's gradient into ``out`` (``z`` itself for the in-place gradient), chunk by chunk.
+
+    ``row_args``: ``M, log_s, c, mk, log_sk, valid, gl, ge, tau`` as in
+    :func:`dualvp_torch.kernels.shard_grad`.
+    """
+    setting = tuning.current()
+    *per_row, tau = row_args
+    fraction = INPLACE_FRACTION if out.data_ptr() == z.data_ptr() else GRAD_FRACTION
+
+    def chunk(i, j):
+        rows = [_rows(x, i, j) for x in per_row]
+        out[i:j] = stages.grad_stage(z[i:j], local[i:j], owns[i:j], _rows(keep, i, j), *rows, tau)
+
+    _map_chunks(chunk, z, fraction, GRAD_SCRATCH_BYTES, setting)
+
+
+def redo_marked_rows(out, z, local, owns, keep, tau, with_entropy: bool, setting: Optional[tuning.Tuning] = None):
+    """Recompute with ``kept_shift="kept"`` the rows that ``kept_shift="max"`` marked in ``out``.
+
+    CPU only: the marked rows are found with ``nonzero`` on host memory (no
+    device to synchronise with). They are rows whose kept max lies more than
+    ``spec.KEPT_GAP`` temperature units below the overall max (rare with
+    top-k / top-p masks, which keep the argmax) and rows holding NaN (NaN
+    again); they are gathered in row chunks of the eager path's size.
+    """
+    rows = spec.marked_rows(stages.xp, out).nonzero()[:, 0]
+    if rows.numel() == 0:
+        return
+    setting = setting or tuning.current()
+    step = chunk_rows(z.shape[0], z.shape[1], z.element_size(), cap_bytes=_cap(z, setting))
+    for idx in rows.split(step):
+        out[idx] = stages.stats_stage(z[idx], local[idx], owns[idx], keep[idx], tau, None, with_entropy).to(out.dtype)

@@ -1,0 +1,121 @@
+"""The tuning choices of the torch stages, as one frozen object.
+
+:class:`Tuning` holds every choice that rests on a measurement rather than on
+the math (which row sums run in float64, which devices compile for a fixed
+vocabulary width, ...); the numbers are the same under every setting within
+the shared tolerances. :data:`DEFAULT` is what every call uses unless a block
+runs under :func:`using`::
+
+    from dualvp_torch import tuning
+
+    with tuning.using(tuning.Tuning(max_eager_workers=1)):
+        lp, h = logprob_entropy(z, y, impl="eager")
+
+The setting is process-wide (the eager path's worker threads read it too):
+blocks that use different settings must not run at the same time.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import threading
+from typing import Iterator
+
+import torch
+
+__all__ = ["Tuning", "DEFAULT", "current", "using"]
+
+
+def _frozenset_field(name: str, value, kind: type) -> frozenset:
+    if isinstance(value, (str, bytes)) or not hasattr(value, "__iter__"):
+        raise TypeError(f"{name}: expected a set of {kind.__name__}, got {value!r}")
+    items = frozenset(value)
+    bad = [v for v in items if not isinstance(v, kind)]
+    if bad:
+        raise TypeError(f"{name}: expected a set of {kind.__name__}, got {bad[0]!r} in it")
+    return items
+
+
+@dataclasses.dataclass(frozen=True)
+class Tuning:
+    """Choices of the torch stages that rest on a measurement (``docs/decisions.md``).
+
+    Attributes:
+      float64_sums_devices: device types ("cpu", "cuda") whose compiled
+        kernels sum rows in float64 (:func:`dualvp_torch.kernels.accumulation_dtype`);
+        without a device its compiled sums are float32
+        (docs/decisions.md, "float64 row sums in compiled kernels").
+      static_vocab_devices: device types on which the shard stages are
+        compiled for the vocabulary width they first see, only the row count
+        dynamic (a new width recompiles)
+        (docs/decisions.md, "Static vocabulary width on CUDA").
+      full_stats_cpu_dtypes: input dtypes whose compiled CPU statistics keep
+        the entropy's statistic even with ``with_entropy=False`` (the leaner
+        kernel is the slower one there)
+        (docs/decisions.md, "Full statistics for 16-bit CPU input").
+      max_eager_workers: most worker threads of the eager path on CPU (also
+        at most ``torch.get_num_threads()``); 1 runs the chunks in the
+        calling thread.
+      cpu_chunk_scratch_bytes: most bytes of temporaries of one eager CPU
+        chunk (docs/decisions.md, "Eager CPU chunks within a cache-sized bound").
+      glibc_heap: opt in to :mod:`dualvp_torch.host_memory` (glibc heap
+        thresholds and ``malloc_trim`` around the eager CPU chunks); off, the
+        op makes no allocator call of its own
+        (docs/decisions.md, "glibc heap calls of the eager path: opt-in").
+    """
+
+    float64_sums_devices: frozenset = frozenset({"cpu", "cuda"})
+    static_vocab_devices: frozenset = frozenset({"cuda"})
+    full_stats_cpu_dtypes: frozenset = frozenset({torch.bfloat16, torch.float16})
+    max_eager_workers: int = 8
+    cpu_chunk_scratch_bytes: int = 16 << 20
+    glibc_heap: bool = False
+
+    def __post_init__(self):
+        for name in ("float64_sums_devices", "static_vocab_devices"):
+            object.__setattr__(self, name, _frozenset_field(name, getattr(self, name), str))
+        object.__setattr__(
+            self, "full_stats_cpu_dtypes", _frozenset_field("full_stats_cpu_dtypes", self.full_stats_cpu_dtypes,
+                                                            torch.dtype)
+        )
+        for name in ("max_eager_workers", "cpu_chunk_scratch_bytes"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"{name}: expected an int >= 1, got {v!r}")
+        if not isinstance(self.glibc_heap, bool):
+            raise TypeError(f"glibc_heap: expected a bool, got {self.glibc_heap!r}")
+
+
+#: The setting every call uses outside :func:`using`.
+DEFAULT = Tuning()
+
+_current = [DEFAULT]
+_lock = threading.Lock()
+
+
+def current() -> Tuning:
+    """The setting in force: the innermost :func:`using` block's, else :data:`DEFAULT`."""
+    return _current[-1]
+
+
+@contextlib.contextmanager
+def using(setting: Tuning) -> Iterator[Tuning]:
+    """Run the block with ``setting`` in force (process-wide; blocks nest).
+
+    Raises:
+      TypeError: ``setting`` is not a :class:`Tuning`.
+    """
+    if not isinstance(setting, Tuning):
+        raise TypeError(f"setting: expected a dualvp_torch.tuning.Tuning, got {type(setting).__name__}")
+    with _lock:
+        _current.append(setting)
+    try:
+        yield setting
+    finally:
+        with _lock:
+            # remove this block's entry (the last one, unless blocks of other threads interleaved)
+            for i in range(len(_current) - 1, 0, -1):
+                if _current[i] is setting:
+                    del _current[i]
+                    break
