@@ -54,7 +54,7 @@ Precision: every logits block and every gradient block ``G`` is float32
 tiles and ranks; each gradient is rounded once to the input dtype at the end.
 16-bit inputs on CUDA: the blocks are ``torch.mm(..., out_dtype=float32)`` of
 the 16-bit operands, and the backward products take ``G`` as a high and a low
-16-bit part (:data:`SPLIT_G`), each multiplied on tensor cores with float32
+16-bit part (``tuning.Tuning.split_gradient``), each multiplied on tensor cores with float32
 accumulation; no float32 copy of a weight or hidden row is made. On the CPU
 (torch has no 16-bit matmul with float32 output there) the operands are
 upcast to float32 (exact) and ``G`` multiplies them as it is. float32 inputs
@@ -83,7 +83,7 @@ from torch.autograd.function import once_differentiable
 
 from dualvp import spec, validation
 
-from . import collectives, kernels, linear_checks, linear_triton
+from . import collectives, kernels, linear_checks, linear_triton, tuning
 from .linear_tiles import (  # noqa: F401 (re-exported)
     BUDGET_FRACTION,
     CUDA_BUDGET_FRACTION,
@@ -152,21 +152,18 @@ def _addmm_f32_(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor, first: bool
         acc.addmm_(a.to(acc.dtype), b.to(acc.dtype))
 
 
-#: The backward products take the float32 gradient block ``G`` as a high and
-#: a low 16-bit part (two products each, ~16 significant bits) rather than
-#: rounded once (docs/decisions.md, "Fused LM-head: G split into hi + lo").
-SPLIT_G = True
-
-
 def _g_parts(g: torch.Tensor, dtype: torch.dtype):
-    """``G``'s parts in ``dtype``, one after the other: ``G_hi`` (``G`` rounded), then ``G_lo`` (``SPLIT_G``).
+    """``G``'s parts in ``dtype``, one after the other: ``G_hi`` (``G`` rounded), then ``G_lo``.
+
+    ``G_lo`` only with ``tuning.current().split_gradient`` (a high and a low
+    part, ~16 significant bits; docs/decisions.md, "Fused LM-head: G split into hi + lo").
 
     ``G_lo`` is ``G - G_hi`` (exact in float32) rounded, formed over ``g``
     itself: one 16-bit part is alive at a time next to the float32 tile.
     """
     hi = g.to(dtype)
     yield hi
-    if SPLIT_G:
+    if tuning.current().split_gradient:
         g.sub_(hi)
         del hi
         yield g.to(dtype)
@@ -364,7 +361,7 @@ class LinearLogProbEntropyFunction(torch.autograd.Function):
         if ctx.impl == "triton" and n:
             dh, dw = linear_triton.grads(
                 h2, weight, _ycol(local, owns, valid), keep, (M, log_s, c, mk, log_sk), gl, ge, opt.temperature,
-                need_dh, need_dw, ctx.allow_tf32, SPLIT_G, ctx.budget,
+                need_dh, need_dw, ctx.allow_tf32, tuning.current().split_gradient, ctx.budget,
             )
         else:
             with _matmul_precision(h2, ctx.allow_tf32):

@@ -21,7 +21,6 @@ The kernel modules are imported at the first call: ``triton`` is optional, and
 from __future__ import annotations
 
 import math
-import os
 from typing import Optional
 
 import array_api_compat.torch as xp
@@ -29,7 +28,7 @@ import torch
 
 from dualvp import spec
 
-from . import triton_kernels
+from . import triton_kernels, tuning
 
 __all__ = ["BLOCKS_ENV", "blocks", "grads", "stats", "unavailable"]
 
@@ -46,21 +45,14 @@ def unavailable(device: torch.device) -> Optional[str]:
     return f"needs a CUDA device (or TRITON_INTERPRET=1 for CPU tensors), got device {device}"
 
 
-#: ``"BLOCK_T,BLOCK_V,BLOCK_K[,num_warps]"`` overrides the CUDA tiles (tuning runs of the bench).
-BLOCKS_ENV = "DUALVP_TRITON_LINEAR_BLOCKS"
-
-
 def blocks(device: torch.device) -> tuple[int, int, int, Optional[int]]:
     """``(BLOCK_T, BLOCK_V, BLOCK_K, num_warps)``: tensor-core sized on a GPU, small in the interpreter.
 
-    The CUDA tiles are untuned (no GPU measurement yet); :data:`BLOCKS_ENV` overrides them.
+    The CUDA tiles are untuned (no GPU measurement yet); ``tuning.Tuning.triton_linear_blocks``
+    overrides them.
     """
     if device.type == "cuda":
-        env = os.environ.get(BLOCKS_ENV)
-        if env:
-            parts = [int(x) for x in env.split(",")]
-            return parts[0], parts[1], parts[2], (parts[3] if len(parts) > 3 else None)
-        return 64, 128, 64, 8
+        return tuning.current().triton_linear_blocks or (64, 128, 64, 8)
     return 16, 32, 16, None
 
 

@@ -20,7 +20,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import threading
-from typing import Iterator
+from typing import Iterator, Optional
 
 import torch
 
@@ -63,6 +63,13 @@ class Tuning:
         thresholds and ``malloc_trim`` around the eager CPU chunks); off, the
         op makes no allocator call of its own
         (docs/decisions.md, "glibc heap calls of the eager path: opt-in").
+      split_gradient: the fused LM-head op's 16-bit backward products take
+        the float32 gradient block ``G`` as a high and a low 16-bit part (two
+        products each) rather than rounded once
+        (docs/decisions.md, "Fused LM-head: G split into hi + lo").
+      triton_linear_blocks: ``(BLOCK_T, BLOCK_V, BLOCK_K, num_warps)`` of the
+        fused op's Triton kernels on CUDA (``num_warps`` may be ``None``), or
+        ``None`` for the built-in tiles.
     """
 
     float64_sums_devices: frozenset = frozenset({"cpu", "cuda"})
@@ -71,6 +78,8 @@ class Tuning:
     max_eager_workers: int = 8
     cpu_chunk_scratch_bytes: int = 16 << 20
     glibc_heap: bool = False
+    split_gradient: bool = True
+    triton_linear_blocks: Optional[tuple] = None
 
     def __post_init__(self):
         for name in ("float64_sums_devices", "static_vocab_devices"):
@@ -83,8 +92,17 @@ class Tuning:
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ValueError(f"{name}: expected an int >= 1, got {v!r}")
-        if not isinstance(self.glibc_heap, bool):
-            raise TypeError(f"glibc_heap: expected a bool, got {self.glibc_heap!r}")
+        for name in ("glibc_heap", "split_gradient"):
+            if not isinstance(getattr(self, name), bool):
+                raise TypeError(f"{name}: expected a bool, got {getattr(self, name)!r}")
+        b = self.triton_linear_blocks
+        if b is not None:
+            ok = (isinstance(b, tuple) and len(b) == 4 and all(isinstance(x, int) and not isinstance(x, bool)
+                                                                 and x > 0 for x in b[:3])
+                  and (b[3] is None or (isinstance(b[3], int) and b[3] > 0)))
+            if not ok:
+                raise TypeError(f"triton_linear_blocks: expected None or (BLOCK_T, BLOCK_V, BLOCK_K, num_warps) "
+                                f"positive ints (num_warps may be None), got {b!r}")
 
 
 #: The setting every call uses outside :func:`using`.

@@ -1,5 +1,12 @@
 import os
 
+# Without a GPU the Triton kernels run on the CPU under Triton's interpreter. Triton decides at import
+# (its language functions) and at decoration (each kernel) whether it interprets, so the variable is set
+# here, before any test module imports triton or torch._dynamo (which imports triton). On a machine with
+# a GPU it is left unset: the CUDA tests (pytest -m cuda) run the compiled kernels.
+if "TRITON_INTERPRET" not in os.environ and not os.path.exists("/dev/nvidiactl"):
+    os.environ["TRITON_INTERPRET"] = "1"
+
 # JAX reads XLA_FLAGS once, at import: give every test process (and the torch
 # ranks it spawns, which inherit the environment) 8 host devices before any
 # test module imports jax.

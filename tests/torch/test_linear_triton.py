@@ -1,10 +1,11 @@
 """The fused LM-head op's Triton kernels (``impl="triton"``) against the float64 oracle, on the CPU.
 
-The kernels run under Triton's interpreter in a child process (one rank of
-:func:`dualvp_torch.testing.run_ranks`) whose ``TRITON_INTERPRET=1`` is set
-before Triton is imported: Triton defines its own library functions
-(``tl.zeros``, ``tl.sum``, ...) as interpreted or compiled at import, and this
-process may have imported it already (``torch._dynamo`` does). Operands:
+The kernels run under Triton's interpreter: in this process when
+``TRITON_INTERPRET=1`` was set before Triton was imported (``tests/conftest.py``
+sets it where there is no GPU), else in a child process (one rank of
+:func:`dualvp_torch.testing.run_ranks`) that sets it first: Triton defines its
+own library functions (``tl.zeros``, ``tl.sum``, ...) as interpreted or
+compiled at import. Operands:
 float32, float16 and bfloat16 (converted to float32 after loading, the
 interpreter's ``tl.dot`` being wrong on bfloat16), at sizes that divide no
 tile. ``test_linear_triton_cuda.py`` runs the kernels on a GPU.
@@ -20,13 +21,16 @@ from dualvp import reference
 from dualvp.testing import cases, oracle_linear
 from dualvp.testing.metrics import max_errors, tolerance, within_tolerance
 from dualvp.testing.modes import MODES
-from dualvp_torch import linear_logprob_entropy, linear_triton
+from dualvp_torch import linear_logprob_entropy, linear_triton, triton_kernels
 from dualvp_torch.testing import run_ranks
 
 from . import _linear_ranks, _linear_triton_ranks
 
 DT = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 INTERPRET = {"TRITON_INTERPRET": "1"}
+# tests/conftest.py sets TRITON_INTERPRET=1 (without a GPU) before triton is imported: the kernels then
+# run in this process; otherwise each call runs in a child process that sets it first
+_INTERPRETED = triton_kernels.interpreting()
 
 
 def _case(dtype, *, T=20, V=50, mask="none", temperature=0.7, ignore_frac=0.2, seed=0):
@@ -38,8 +42,10 @@ def _case(dtype, *, T=20, V=50, mask="none", temperature=0.7, ignore_frac=0.2, s
 def _run(case_kw, H=20, *, logit_scale=3.0, nan_at=None, impl="triton", **run_kw):
     """``(problem, (logprob, entropy, dh, dW))``: the problem here, the outputs from the interpreter's child."""
     P = _linear_triton_ranks.make_problem(case_kw, H, logit_scale, nan_at)
-    (out,) = run_ranks(_linear_triton_ranks.run_case, 1, case_kw, H, dict(run_kw, impl=impl), logit_scale, nan_at,
-                       env=INTERPRET, timeout=600)
+    args = (case_kw, H, dict(run_kw, impl=impl), logit_scale, nan_at)
+    if _INTERPRETED:
+        return P, _linear_triton_ranks.run_case(0, 1, *args)
+    (out,) = run_ranks(_linear_triton_ranks.run_case, 1, *args, env=INTERPRET, timeout=600)
     return P, out
 
 

@@ -13,42 +13,26 @@ gloo ranks, the precision at a realistic vocabulary, the ranks' agreement.
 """
 
 import os
-import subprocess
 import sys
 
 import numpy as np
 import pytest
 
-# Triton decides at decoration time, its own language modules included, whether a kernel is
-# interpreted: the variable must be set before triton is first imported in this process.
+# Triton decides at import and at decoration whether it interprets: tests/conftest.py sets
+# TRITON_INTERPRET=1 where there is no GPU, before anything imports triton (run alone, this line does).
 _LATE = "triton" in sys.modules and os.environ.get("TRITON_INTERPRET") != "1"
 os.environ.setdefault("TRITON_INTERPRET", "1")
 torch = pytest.importorskip("torch")
 pytest.importorskip("triton")
 if torch.cuda.is_available():
     pytest.skip("CUDA present: test_triton_logits_cuda.py runs the compiled kernels", allow_module_level=True)
-if os.environ["TRITON_INTERPRET"] != "1":
-    pytest.skip("TRITON_INTERPRET is set to another value than 1", allow_module_level=True)
+if _LATE or os.environ["TRITON_INTERPRET"] != "1":
+    pytest.skip("triton was imported before TRITON_INTERPRET=1 was set", allow_module_level=True)
 
 from dualvp import reference  # noqa: E402
 from dualvp.testing import backends, cases, metrics, oracle  # noqa: E402
 from dualvp_torch import logprob_entropy  # noqa: E402
 from dualvp_torch.testing import run_ranks  # noqa: E402
-
-if _LATE:  # triton was imported before this module (not interpreted): run the module in a child process
-    def test_in_child_process(request):
-        marks = request.config.getoption("-m")
-        cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__]
-        cmd += ["-m", marks] if marks else []
-        res = subprocess.run(cmd, env=dict(os.environ, TRITON_INTERPRET="1"), capture_output=True, text=True,
-                             timeout=1800)
-        assert res.returncode == 0, res.stdout[-6000:] + res.stderr[-3000:]
-
-
-@pytest.fixture(autouse=True)
-def _interpreted_here(request):
-    if _LATE and request.function.__name__ != "test_in_child_process":
-        pytest.skip("triton was imported before the interpreter was switched on: test_in_child_process runs it")
 
 
 _DT = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64}
