@@ -35,6 +35,7 @@ def test_helper_reports_the_fault(tmp_path, fault):
         assert any(f.startswith("torch vs jax grad") for f in failures)
 
 
+@pytest.mark.slow
 def test_verify_reports_the_fault():
     args = ["--tp", "2", "--tokens", "16", "--vocab", "64", "--temperature", "0.5", "--no-compile"]
     proc = run_verify(*args, fault="grad_tau")

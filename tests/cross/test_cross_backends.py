@@ -35,10 +35,12 @@ def _table_results(world: int) -> dict:
     return {p.case.name: (p, t) for p, t in zip(problems, torch_out)}
 
 
-_PARAMS = [(c, w) for w in IMPL for c in cases.CASES if w in c.worlds]
+# every W > 1 spawns its ranks once for the whole table: the slow tier
+_PARAMS = [pytest.param(c, w, marks=pytest.mark.slow, id=f"{c.name}-W{w}")
+           for w in IMPL for c in cases.CASES if w in c.worlds]
 
 
-@pytest.mark.parametrize("c,world", _PARAMS, ids=[f"{c.name}-W{w}" for c, w in _PARAMS])
+@pytest.mark.parametrize("c,world", _PARAMS)
 def test_backends_agree_with_oracle_and_each_other(c, world):
     prob, torch_out = _table_results(world)[c.name]
     assert testing.failures(prob, {"torch": torch_out, "jax": testing.run("jax", prob, world)}) == []
@@ -66,6 +68,7 @@ def random_cases(world: int, n: int, seed: int) -> list:
             for i in range(n)]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("world", (2, 4))
 def test_random_scenarios_multi_rank(world):
     # One spawn (the costly part) for a batch of ten scenarios. Drawn with a

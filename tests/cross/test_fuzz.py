@@ -55,6 +55,7 @@ def fuzz_problems(draw) -> cases.Problem:
 
 
 @given(fuzz_problems())
+@pytest.mark.slow
 def test_fuzz_against_oracle(prob):
     world = prob.case.worlds[0]
     torch_out = testing.run("torch", prob, 1, impl="eager")  # unsharded; W > 1: test_cross_backends

@@ -31,6 +31,7 @@ def _saved(seed=0, lead=(2, 6), vocab=64):
     return z, y, k
 
 
+@pytest.mark.slow
 def test_torch_save_file_passes_at_tp2(tmp_path):
     z, y, k = _saved()
     path = tmp_path / "batch.pt"
@@ -46,6 +47,7 @@ def test_torch_save_file_passes_at_tp2(tmp_path):
     assert proc.stdout.rstrip().endswith("PASS: 12 checks within tolerance")
 
 
+@pytest.mark.slow
 def test_npz_file_and_the_check_can_fail(tmp_path):
     z, y, _ = _saved(seed=1)
     path = tmp_path / "batch.npz"

@@ -31,6 +31,7 @@ def _rows(stdout):
     return [ln for ln in stdout.splitlines() if ln.rstrip().endswith(("PASS", "FAIL"))]
 
 
+@pytest.mark.slow
 def test_verify_linear_passes_at_tp2():
     dtype = "float32"
     proc = run_verify(*_SMALL, "--dtype", dtype)
@@ -45,6 +46,7 @@ def test_verify_linear_passes_at_tp2():
     assert proc.stdout.rstrip().endswith("PASS: 12 checks within tolerance")
 
 
+@pytest.mark.slow
 def test_verify_linear_bfloat16_fault_fails_the_jax_gradients():
     bad = run_verify(*_SMALL, "--dtype", "bfloat16", fault="grad_tau")
     assert bad.returncode == 1, bad.stdout + bad.stderr

@@ -29,6 +29,7 @@ _ROOT = Path(__file__).resolve().parents[2]
 _STEPS = 24
 
 
+@pytest.mark.slow
 def test_grpo_tiny_learns_and_audits(tmp_path):
     out_json, out_png = tmp_path / "history.json", tmp_path / "example.png"
     env = dict(os.environ, DUALVP_COMPILE="0")

@@ -126,6 +126,7 @@ def test_bench_runs_slime_from_slime_path(tmp_path, slime_checkout):
     assert float(rows["lp+ent+grad.keep"]["err_entropy"]) < 1e-5
 
 
+@pytest.mark.slow
 def test_bench_without_slime_skips_it_in_one_line(tmp_path):
     stdout, rows = _bench(tmp_path, "--impls", "slime", "--slime-path", str(tmp_path / "nowhere"))
     lines = [ln for ln in stdout.splitlines() if "slime" in ln.replace(str(tmp_path), "")]

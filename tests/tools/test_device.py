@@ -75,6 +75,7 @@ def test_verify_with_too_few_gpus_says_how_many(nothing_starts, monkeypatch, cap
 
 
 @no_cuda_here
+@pytest.mark.slow
 @pytest.mark.parametrize("command", ["verify", "bench"])
 def test_cli_without_cuda_fails_fast_in_a_subprocess(command, tmp_path):
     extra = ["--quick", "--out", str(tmp_path / "x.json")] if command == "bench" else []
