@@ -4,7 +4,8 @@ This is the specification executed exactly as a sharded backend executes it
 (per-shard statistics, an "all-gather" that is a stack, the reduce and
 finalize, the local gradient), in one process; optionally each shard is
 further split into column blocks whose statistics merge with the same
-:func:`dualvp.spec.reduce_stats` (as the fused LM-head op's vocab chunks do). The tests hold it against :mod:`dualvp.reference`,
+:func:`dualvp.spec.reduce_stats` (as the fused LM-head op's vocab chunks do). The tests hold it against
+:mod:`dualvp.reference`,
 and ``dualvp verify`` reports it as the ``spec`` row (through
 :func:`dualvp.testing.run` with backend ``"spec"``).
 """
@@ -63,7 +64,8 @@ def over_shards(
         raise ValueError(f"world_size: V={v} is not divisible by world_size={world_size}")
     vr = v // world_size
     shards = [z[..., r * vr : (r + 1) * vr] for r in range(world_size)]
-    keeps = [None if keep_mask is None else np.asarray(keep_mask)[..., r * vr : (r + 1) * vr] for r in range(world_size)]
+    keeps = [None if keep_mask is None else np.asarray(keep_mask)[..., r * vr : (r + 1) * vr]
+             for r in range(world_size)]
     locs = [spec.target_to_local(np, y, r, vr, ignore_index) for r in range(world_size)]
     width = vr if block is None else max(1, int(block))
     starts = list(range(0, vr, width)) or [0]

@@ -71,7 +71,7 @@ with their matmul and run the functions of this module on each block.
 from __future__ import annotations
 
 import math
-from typing import Any, NamedTuple, Optional
+from typing import Any, NamedTuple
 
 __all__ = [
     "STATS",

@@ -16,4 +16,5 @@ from .function import check_target_range, logprob_entropy
 from .sharded import sharded_logprob_entropy
 from .linear import linear_logprob_entropy, sharded_linear_logprob_entropy
 
-__all__ = ["logprob_entropy", "sharded_logprob_entropy", "linear_logprob_entropy", "sharded_linear_logprob_entropy", "check_target_range", "compat"]
+__all__ = ["logprob_entropy", "sharded_logprob_entropy", "linear_logprob_entropy", "sharded_linear_logprob_entropy",
+           "check_target_range", "compat"]

@@ -117,7 +117,8 @@ def _prepare(logits, labels, axis, where, sharded: bool):
     ndim = len(ls)
     if isinstance(axis, tuple):
         if sharded:
-            raise ValueError(f"axis: a tuple of axes is only supported unsharded (without axis_name / mesh), got {axis}")
+            raise ValueError(
+                f"axis: a tuple of axes is only supported unsharded (without axis_name / mesh), got {axis}")
         if not axis:
             raise ValueError("axis: expected a non-empty tuple of axes, got ()")
         class_axes = tuple(_canonical_axis(a, ndim) for a in axis)
@@ -152,7 +153,8 @@ def _prepare(logits, labels, axis, where, sharded: bool):
         except ValueError:
             ok = False
         if not ok:
-            raise ValueError(f"where: expected a shape broadcastable to logits {ls}, got shape {tuple(np.shape(where))}")
+            raise ValueError(
+                f"where: expected a shape broadcastable to logits {ls}, got shape {tuple(np.shape(where))}")
 
     perm = batch_axes + class_axes
 

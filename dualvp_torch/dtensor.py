@@ -170,9 +170,11 @@ def _check_group_order(mesh, d: int, group) -> None:
 
 def _check_companion(name: str, x, logits, expected: tuple, shape: tuple) -> None:
     if x.device_mesh != logits.device_mesh:
-        raise ValueError(f"{name}: expected a DTensor on the logits' device mesh {logits.device_mesh}, got {x.device_mesh}")
+        raise ValueError(
+            f"{name}: expected a DTensor on the logits' device mesh {logits.device_mesh}, got {x.device_mesh}")
     if tuple(x.shape) != shape:
-        raise ValueError(f"{name}: expected global shape {shape} (from logits {tuple(logits.shape)}), got {tuple(x.shape)}")
+        raise ValueError(
+            f"{name}: expected global shape {shape} (from logits {tuple(logits.shape)}), got {tuple(x.shape)}")
     got = _norm(x.placements, x.ndim)
     if got != expected:
         raise ValueError(

@@ -54,7 +54,10 @@ def _kind(x) -> str:
 
 
 def _check_tensors(*expected) -> None:
-    """``TypeError`` naming the first ``(name, x, what)`` whose ``x`` is not a tensor (``None`` passes for keep_mask)."""
+    """``TypeError`` naming the first ``(name, x, what)`` whose ``x`` is not a tensor.
+
+    ``None`` passes for keep_mask.
+    """
     for name, x, what in expected:
         if not isinstance(x, torch.Tensor) and not (name == "keep_mask" and x is None):
             raise TypeError(f"{name}: expected {what}, got {_kind(x)}")
@@ -384,7 +387,8 @@ def logprob_entropy(
                 logits, target, keep_mask):  # torch tensor parallelism: see dtensor.py
         return _dtensor.logprob_entropy(
             logits, target, group=group, keep_mask=keep_mask, temperature=temperature, with_entropy=with_entropy,
-            entropy_grad=entropy_grad, ignore_index=ignore_index, validate=validate, inplace_grad=inplace_grad, impl=impl,
+            entropy_grad=entropy_grad, ignore_index=ignore_index, validate=validate, inplace_grad=inplace_grad,
+            impl=impl,
         )
     return _logprob_entropy(
         logits, target, group=group, keep_mask=keep_mask, temperature=temperature, with_entropy=with_entropy,
@@ -461,7 +465,8 @@ def _validated(
             bad = None
             device = collectives.comm_device(group, logits if isinstance(logits, torch.Tensor) else None)
         table = collectives.gather_records(record, bad, group, device)
-        validation.check_agreement(table, rank=rank, local_error=error, vocab_size=None if error else world * logits.shape[-1])
+        validation.check_agreement(table, rank=rank, local_error=error,
+                                   vocab_size=None if error else world * logits.shape[-1])
     else:
         if error is not None:
             raise error

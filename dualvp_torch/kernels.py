@@ -67,7 +67,7 @@ from .stages import accumulation_dtype, compute_dtype, xp
 
 __all__ = [
     "IMPLEMENTATIONS",
-    "COMPILE_ERRORS",
+    "COMPILE_ERRORS",  # noqa: F822 - built on first use by the module __getattr__
     "STATS_SCRATCH_BYTES",
     "GRAD_SCRATCH_BYTES",
     "STATS_FRACTION",

@@ -30,7 +30,7 @@ from dualvp import spec
 
 from . import triton_kernels, tuning
 
-__all__ = ["BLOCKS_ENV", "blocks", "grads", "stats", "unavailable"]
+__all__ = ["blocks", "grads", "stats", "unavailable"]
 
 
 

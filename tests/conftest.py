@@ -13,9 +13,9 @@ if "TRITON_INTERPRET" not in os.environ and not os.path.exists("/dev/nvidiactl")
 if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
 
-# Compile time, the larger part of a CPU test run (JAX: about two thirds of
-# tests/jax). XLA's LLVM backend at optimisation level 0 compiles in less time
-# (tests/jax/test_jax_linear.py: 60 vs 88 s alone) and computes the same
+# Compile time, the larger part of a CPU test run. XLA's LLVM backend at
+# optimisation level 0 compiles in less time (docs/decisions.md, "Test time:
+# compiles and processes") and computes the same
 # numbers: XLA:CPU does not enable fast-math, so LLVM may not reorder a
 # floating-point operation at any level, and the HLO passes (fusion, buffer
 # assignment: what the memory tests read) run before LLVM, unchanged.

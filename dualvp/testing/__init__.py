@@ -29,7 +29,8 @@ from .oracle import LinearOutputs, Outputs, oracle, oracle_linear
 __all__ = [
     "cases", "metrics", "modes", "backends", "faults",
     "Outputs", "LinearOutputs", "oracle", "oracle_linear", "run", "run_all", "BACKENDS",
-    "TOLERANCES", "Row", "compare", "failures", "max_errors", "within_tolerance", "tolerance", "pair_tolerance", "QUANTITIES",
+    "TOLERANCES", "Row", "compare", "failures", "max_errors", "within_tolerance", "tolerance", "pair_tolerance",
+    "QUANTITIES",
     "LINEAR_QUANTITIES",
 ]
 

@@ -27,7 +27,8 @@ def _parser() -> argparse.ArgumentParser:
                    "optionally 'keep_mask' [T, V]; leading dims are flattened; V must be divisible by --tp")
     v.add_argument("--tokens", type=int, default=None,
                    help="rows T (default 256); with --input: use only the first TOKENS rows (default all)")
-    v.add_argument("--vocab", type=int, default=4096, help="full vocabulary V (divisible by --tp; ignored with --input)")
+    v.add_argument("--vocab", type=int, default=4096,
+                   help="full vocabulary V (divisible by --tp; ignored with --input)")
     v.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16", "float64"],
                    help="logits dtype (default float32; with --input: the file's, or round the file's logits to this)")
     v.add_argument("--temperature", type=float, default=1.0)

@@ -284,7 +284,8 @@ def _print_table(rows: list, args, prob: Union[cases.Problem, cases.LinearProble
     if getattr(args, "device", "cpu") == "cuda":
         print(f"device: torch on CUDA ({'1 GPU, in this process' if args.tp == 1 else f'{args.tp} NCCL ranks'}); "
               "everything else on the CPU (JAX on host devices)")
-    head = f"{'check':<18} {'quantity':<9} {'max abs err':>12} {'max rel err':>12}  {'tolerance (abs + rel*|ref|)':<28} result"
+    head = (f"{'check':<18} {'quantity':<9} {'max abs err':>12} {'max rel err':>12}  "
+            f"{'tolerance (abs + rel*|ref|)':<28} result")
     print(head)
     print("-" * len(head))
     for r in rows:

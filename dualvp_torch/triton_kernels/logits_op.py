@@ -74,7 +74,7 @@ def make_plan(opt: validation.Options, rank: int, world: int, T: int, V: int, dt
     of 4096 (4-byte) or 8192 (2-byte) elements, 16-byte vector loads by 8
     warps; the backward takes tiles of 4 x 1024 elements (4 warps); the merge
     256 rows per program. A simple heuristic, to be measured by the bench
-    (docs/decisions.md, "dualvp_torch: CUDA").
+    (docs/decisions.md, "Triton launch sizes").
     """
     compute = torch.float64 if dtype == torch.float64 else torch.float32
     if device_type == "cpu":  # TRITON_INTERPRET=1

@@ -203,7 +203,8 @@ def test_matches_optax_when_installed():
     for axis, where in ((-1, None), (-1, w), (-1, row), (0, None)):
         zz, yy, ww = (z, y, where) if axis == -1 else (z.T.copy(), y, None)
         a, ga = value_and_grad(
-            lambda z: optax.softmax_cross_entropy_with_integer_labels(z, jnp.asarray(yy), axis, ww), jnp.asarray(zz), cot)  # noqa: B023
+            lambda z: optax.softmax_cross_entropy_with_integer_labels(z, jnp.asarray(yy), axis, ww),  # noqa: B023
+            jnp.asarray(zz), cot)
         b, gb = value_and_grad(lambda z: ce(z, jnp.asarray(yy), axis, ww), jnp.asarray(zz), cot)  # noqa: B023
         np.testing.assert_allclose(np.asarray(b), np.asarray(a), rtol=2e-6, atol=2e-6, equal_nan=True)
         np.testing.assert_allclose(np.asarray(gb), np.asarray(ga), rtol=2e-6, atol=2e-6)

@@ -38,7 +38,8 @@ def test_sharded_vs_reference(name, world):
 # representative subset (every dtype, mask kind, extreme row kind and the empty problem).
 _SM_NAMES = ("empty", "batch_dims", "float64", "bfloat16", "float16", "drop_target", "all_but_target",
              "extreme_temp", "neg_inf_masked", "ties", "confident_lm_bf16", "everything")
-_SM_PARAMS = [pytest.param(c, max(c.worlds), id=f"{c.name}-W{max(c.worlds)}") for c in cases.CASES if c.name in _SM_NAMES]
+_SM_PARAMS = [pytest.param(c, max(c.worlds), id=f"{c.name}-W{max(c.worlds)}")
+              for c in cases.CASES if c.name in _SM_NAMES]
 
 
 @pytest.mark.slow
@@ -58,7 +59,8 @@ _OPTION_CASES = ("nucleus", "bfloat16", "neg_inf", "everything")
 @pytest.mark.slow
 @pytest.mark.parametrize("world", [1, 4])
 @pytest.mark.parametrize("name", _OPTION_CASES)
-@pytest.mark.parametrize("with_entropy,entropy_grad", [(True, False), (False, True)], ids=["no_entropy_grad", "no_entropy"])
+@pytest.mark.parametrize("with_entropy,entropy_grad", [(True, False), (False, True)],
+                         ids=["no_entropy_grad", "no_entropy"])
 def test_options_vs_reference(name, world, with_entropy, entropy_grad):
     """entropy_grad=False / with_entropy=False: values as before, gradient of the log-prob only."""
     case = cases.case(name)

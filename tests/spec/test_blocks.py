@@ -14,7 +14,8 @@ TOL = cases.Tolerance(1e-10, 1e-12)
 @pytest.mark.parametrize("entropy_terms", ["clamp", "select"])
 @pytest.mark.parametrize("kept_shift", ["kept", "max"])
 @pytest.mark.parametrize("block", [1, 5, 17, 96])
-@pytest.mark.parametrize("name", ["confident_lm", "nucleus", "neg_inf_masked", "random_mask_temp", "extreme_temp", "everything"])
+@pytest.mark.parametrize("name", ["confident_lm", "nucleus", "neg_inf_masked", "random_mask_temp", "extreme_temp",
+                                  "everything"])
 @pytest.mark.parametrize("world", [1, 2, 4])
 def test_blocks_match_oracle(name, world, block, kept_shift, entropy_terms):
     c = cases.case(name)
@@ -77,7 +78,8 @@ def test_temperature_array_keeps_dtype_and_accumulation():
         st = spec.block_stats(np, z32, local, owns, keep, tau, acc_dtype=np.float64)
         comb = spec.finalize(np, spec.reduce_stats(np, st[None], temperature=tau), tau)
         lp, h = spec.outputs(np, comb, valid, tau)
-        g = spec.block_grad(np, z32, local, owns, keep, comb, valid, np.ones(6, np.float32), np.ones(6, np.float32), tau)
+        ones = np.ones(6, np.float32)
+        g = spec.block_grad(np, z32, local, owns, keep, comb, valid, ones, ones, tau)
         st64 = spec.block_stats(np, z32, local, owns, keep, 0.7, dtype=np.float64)
     assert st.dtype == lp.dtype == h.dtype == g.dtype == np.float32
     assert st64.dtype == np.float64

@@ -40,7 +40,8 @@ def _odd(rank: int) -> bool:
 SCENARIOS = {
     "with_entropy": (lambda kw: kw.update(with_entropy=False), "disagree on with_entropy"),
     "entropy_grad": (lambda kw: kw.update(entropy_grad=False), "disagree on entropy_grad"),
-    "mask_present": (lambda kw: kw.update(keep_mask=torch.ones(T, V, dtype=torch.bool)), "disagree on keep_mask present"),
+    "mask_present": (lambda kw: kw.update(keep_mask=torch.ones(T, V, dtype=torch.bool)),
+                     "disagree on keep_mask present"),
     "temperature": (lambda kw: kw.update(temperature=0.7), "disagree on temperature"),
     "ignore_index": (lambda kw: kw.update(ignore_index=-1), "disagree on ignore_index"),
     "rows": (lambda kw: kw.update(logits=kw["logits"][:4], target=kw["target"][:4]), "disagree on T ("),

@@ -84,7 +84,8 @@ SCENARIOS = {
     "hidden_requires_grad": (_odd(lambda d: d.update(frozen_hidden=True)), "disagree on hidden requires grad"),
     "keep_mask_shape": (_odd(lambda d: d.update(keep_mask=torch.ones(8, 4, dtype=torch.bool))), "rank 1 (keep_mask)"),
     "sp_rows_not_dividing": (
-        _all(lambda d: d.update(hidden=d["hidden"][:3], target=torch.tensor([0, 1, 2, 3, 4]), kw={"sequence_parallel": True})),
+        _all(lambda d: d.update(hidden=d["hidden"][:3], target=torch.tensor([0, 1, 2, 3, 4]),
+                                kw={"sequence_parallel": True})),
         "sequence_parallel: expected the W",
     ),
     "temperature": (_odd(_set_kw(temperature=0.5)), "disagree on temperature"),

@@ -139,7 +139,6 @@ def test_kernels_match_spec(monkeypatch, compiled, mask):
     torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
     comb = spec.combine_stats(xp, want[None], temperature=tau)
     gl, ge = torch.randn(64, dtype=torch.float64), torch.randn(64, dtype=torch.float64)
-    gl0 = torch.where(valid, gl, torch.zeros_like(gl))
     gw = spec.grad_logits(xp, z, local, owns, keep, comb, valid, gl, ge, tau)
     g = kernels.shard_grad(z, local, owns, keep, comb.M, comb.log_s, comb.c, comb.mk, comb.log_sk, valid, gl, ge,
                            tau_t)

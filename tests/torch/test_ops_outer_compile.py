@@ -1,4 +1,4 @@
-"""The torch ops and the slime and megatron-core drop-ins called inside a caller's ``torch.compile`` (a compiled loss function).
+"""The torch ops and the slime and megatron-core drop-ins inside a caller's ``torch.compile`` (a compiled loss).
 
 Each op is at most one graph break there, run exactly as it runs eagerly: the caller's code before and after
 it are the only frames dynamo compiles, and values and gradients are bit-identical to an eager call of the

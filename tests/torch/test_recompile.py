@@ -76,7 +76,6 @@ def test_static_vocab_compiles_once_per_width_with_dynamic_rows(monkeypatch):
     # per stage for every row count (views and contiguous inputs alike), a new one per vocabulary
     # width, and the same numbers as the dynamic-shape kernels.
     monkeypatch.setattr(compiled, "_state", {"failed": False})
-    g = torch.Generator().manual_seed(5)
     count = lambda: torch._dynamo.utils.counters["stats"]["unique_graphs"]  # noqa: E731
 
     def step(t, v, static):

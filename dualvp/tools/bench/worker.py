@@ -39,8 +39,6 @@ import numpy as np
 from . import timing
 from .implementations import IMPLS, MODES, Context, Unavailable
 
-PeakRSS = timing.PeakRSS  # its former home (tests/torch/test_eager_threads.py imports it from here)
-
 
 def emit(kind: str, **kw) -> None:
     print("@@" + json.dumps({"kind": kind, **kw}), flush=True)
