@@ -20,7 +20,7 @@ from dualvp.tools import verify  # noqa: E402
 from ._cli import run_verify  # noqa: E402
 
 
-@pytest.mark.parametrize("fault", ["", "grad_tau"])
+@pytest.mark.parametrize("fault", [pytest.param("", marks=pytest.mark.slow), "grad_tau"])
 def test_helper_reports_the_fault(tmp_path, fault):
     prob = cases.make(cases.case("temp_0.3"))
     started = verify.start_jax(prob, 2, str(tmp_path), {faults.ENV: fault or None})

@@ -55,7 +55,7 @@ def _check(out: testing.Outputs, prob: cases.Problem):
 # eager ones at W = 2 (the combine across shards is the same code on both paths;
 # two ranks compiling would cost more than the rest of this file).
 @pytest.mark.parametrize("backend,world,impl", [("jax", 1, None), ("jax", 2, None), ("torch", 1, "compiled"),
-                                                ("torch", 2, "eager")])
+                                                pytest.param("torch", 2, "eager", marks=pytest.mark.slow)])
 def test_rows(backend, world, impl):
     prob = _problem()
     _check(testing.run(backend, prob, world, impl=impl, timeout=300), prob)

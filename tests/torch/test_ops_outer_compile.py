@@ -56,8 +56,8 @@ LOSSES = {"logits": _logits_loss, "linear": _linear_loss, "slime": _slime_loss, 
           "megatron-smoothed": _megatron_smoothed_loss}
 
 
-@pytest.mark.parametrize("op", [pytest.param(op, marks=pytest.mark.slow) if op == "logits" else op
-                                for op in sorted(LOSSES)])  # logits: compiles the op's kernels
+@pytest.mark.parametrize("op", [pytest.param(op, marks=pytest.mark.slow) if op in ("logits", "linear") else op
+                                for op in sorted(LOSSES)])  # logits, linear: compile the op's kernels
 def test_inside_a_callers_torch_compile(op):
     prob = cases.make(cases.case("everything"))  # [3, 4] rows, ignored rows, keep mask, -inf logits
     y, keep = torch.from_numpy(prob.target), torch.from_numpy(prob.keep_mask)
