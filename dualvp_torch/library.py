@@ -101,12 +101,16 @@ def _setup_context(ctx, inputs, output):
     ctx.options = (temperature, with_entropy, entropy_grad, impl)
 
 
-def _backward(ctx, grads):
+def _upstream(grads) -> tuple:
+    # (g_logprob, g_entropy): an output that does not reach the loss arrives as None, a zero here
     g_logprob, g_entropy = grads[0], grads[1]
-    # (an output that does not reach the loss arrives as None)
     g_logprob = torch.zeros_like(g_entropy) if g_logprob is None else g_logprob
     g_entropy = torch.zeros_like(g_logprob) if g_entropy is None else g_entropy
-    g = _bwd(*ctx.saved_tensors, g_logprob, g_entropy, *ctx.options)
+    return g_logprob, g_entropy
+
+
+def _backward(ctx, grads):
+    g = _bwd(*ctx.saved_tensors, *_upstream(grads), *ctx.options)
     return (g,) + (None,) * 9
 
 
@@ -181,10 +185,7 @@ def _tsetup_context(ctx, inputs, output):
 
 
 def _tbackward(ctx, grads):
-    g_logprob, g_entropy = grads[0], grads[1]
-    g_logprob = torch.zeros_like(g_entropy) if g_logprob is None else g_logprob
-    g_entropy = torch.zeros_like(g_logprob) if g_entropy is None else g_entropy
-    g = _tbwd(*ctx.saved_tensors, g_logprob, g_entropy, *ctx.options)
+    g = _tbwd(*ctx.saved_tensors, *_upstream(grads), *ctx.options)
     return (g,) + (None,) * 8
 
 

@@ -26,15 +26,9 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from .linear_tile import dot, tile_logits
+
 __all__ = ["linear_grad_kernel"]
-
-
-@triton.jit
-def _dot(a, b, acc, PRECISION: tl.constexpr):
-    # float32 operands: "ieee" or "tf32"; 16-bit operands: "default" (tensor cores, float32 accumulation)
-    if PRECISION == "default":
-        return tl.dot(a, b, acc)
-    return tl.dot(a, b, acc, input_precision=PRECISION)
 
 
 @triton.jit
@@ -70,17 +64,8 @@ def linear_grad_kernel(
     neg_inf = float("-inf")
 
     # the tile's logits, exactly as the forward formed them
-    acc = tl.zeros((BLOCK_T, BLOCK_V), tl.float32)
-    for k0 in range(0, H, BLOCK_K):
-        kk = k0 + ks
-        hb = tl.load(h_ptr + rows[:, None] * stride_ht + kk[None, :] * stride_hk,
-                     mask=row_ok[:, None] & (kk[None, :] < H), other=0.0)
-        wb = tl.load(w_ptr + cols[:, None] * stride_wv + kk[None, :] * stride_wk,
-                     mask=col_ok[:, None] & (kk[None, :] < H), other=0.0)
-        if UPCAST:
-            hb = hb.to(tl.float32)
-            wb = wb.to(tl.float32)
-        acc = _dot(hb, tl.trans(wb), acc, PRECISION)
+    acc = tile_logits(h_ptr, w_ptr, rows, cols, row_ok, col_ok, H, stride_ht, stride_hk, stride_wv, stride_wk,
+                      UPCAST, PRECISION, BLOCK_T, BLOCK_V, BLOCK_K)
     z = tl.where(col_ok[None, :], acc, neg_inf)
 
     ycol = tl.load(ycol_ptr + rows, mask=row_ok, other=-2)
@@ -132,16 +117,16 @@ def linear_grad_kernel(
                          mask=col_ok[:, None] & k_ok[None, :], other=0.0)
             if UPCAST:
                 wb = wb.to(tl.float32)
-            part = _dot(g_hi, wb, tl.zeros((BLOCK_T, BLOCK_K), tl.float32), PRECISION)
+            part = dot(g_hi, wb, tl.zeros((BLOCK_T, BLOCK_K), tl.float32), PRECISION)
             if SPLIT_G:
-                part = _dot(g_lo, wb, part, PRECISION)
+                part = dot(g_lo, wb, part, PRECISION)
             tl.atomic_add(dh_ptr + rows[:, None] * H + kk[None, :], part, mask=row_ok[:, None] & k_ok[None, :])
         if NEED_DW:
             hb = tl.load(h_ptr + rows[:, None] * stride_ht + kk[None, :] * stride_hk,
                          mask=row_ok[:, None] & k_ok[None, :], other=0.0)
             if UPCAST:
                 hb = hb.to(tl.float32)
-            part = _dot(tl.trans(g_hi), hb, tl.zeros((BLOCK_V, BLOCK_K), tl.float32), PRECISION)
+            part = dot(tl.trans(g_hi), hb, tl.zeros((BLOCK_V, BLOCK_K), tl.float32), PRECISION)
             if SPLIT_G:
-                part = _dot(tl.trans(g_lo), hb, part, PRECISION)
+                part = dot(tl.trans(g_lo), hb, part, PRECISION)
             tl.atomic_add(dw_ptr + cols[:, None] * H + kk[None, :], part, mask=col_ok[:, None] & k_ok[None, :])

@@ -26,6 +26,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from .linear_tile import tile_logits
+
 __all__ = ["linear_stats_kernel"]
 
 
@@ -64,7 +66,6 @@ def linear_stats_kernel(
     rows = pid_t * BLOCK_T + tl.arange(0, BLOCK_T).to(tl.int64)  # 64-bit offsets: T * V may pass 2^31
     row_ok = rows < T
     ycol = tl.load(ycol_ptr + rows, mask=row_ok, other=-1)
-    ks = tl.arange(0, BLOCK_K)
 
     neg_inf = float("-inf")
     m = tl.full((BLOCK_T,), neg_inf, tl.float32)
@@ -79,20 +80,8 @@ def linear_stats_kernel(
         j0 = (pid_s * blocks_per_split + b) * BLOCK_V
         cols = j0 + tl.arange(0, BLOCK_V).to(tl.int64)
         col_ok = cols < V
-        acc = tl.zeros((BLOCK_T, BLOCK_V), tl.float32)
-        for k0 in range(0, H, BLOCK_K):
-            kk = k0 + ks
-            hb = tl.load(h_ptr + rows[:, None] * stride_ht + kk[None, :] * stride_hk,
-                         mask=row_ok[:, None] & (kk[None, :] < H), other=0.0)
-            wb = tl.load(w_ptr + cols[:, None] * stride_wv + kk[None, :] * stride_wk,
-                         mask=col_ok[:, None] & (kk[None, :] < H), other=0.0)
-            if UPCAST:
-                hb = hb.to(tl.float32)
-                wb = wb.to(tl.float32)
-            if PRECISION == "default":  # 16-bit operands: tensor cores, float32 accumulation
-                acc = tl.dot(hb, tl.trans(wb), acc)
-            else:  # float32 operands: "ieee" or "tf32"
-                acc = tl.dot(hb, tl.trans(wb), acc, input_precision=PRECISION)
+        acc = tile_logits(h_ptr, w_ptr, rows, cols, row_ok, col_ok, H, stride_ht, stride_hk, stride_wv, stride_wk,
+                          UPCAST, PRECISION, BLOCK_T, BLOCK_V, BLOCK_K)
         z = tl.where(col_ok[None, :], acc, neg_inf)  # padded columns: no mass
         is_y = cols[None, :] == ycol[:, None]
 

@@ -20,6 +20,15 @@ from dualvp.testing import cases
 JNP_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16, "float64": jnp.float64}
 
 
+def row_stats(z, keep):
+    """A stand-in for the op's statistics (chunk-map tests): float32 work on every element, row reductions."""
+    zf = z.astype(jnp.float32)
+    m = jnp.max(zf, axis=-1)
+    s = jnp.sum(jnp.exp(zf - m[:, None]), axis=-1)
+    mk = jnp.max(jnp.where(keep, zf, -jnp.inf), axis=-1)
+    return jnp.stack([m, s, mk], axis=-1)
+
+
 @functools.lru_cache(maxsize=None)
 def mesh_1d(world: int, kind: str = "explicit"):
     """A 1-D ("tp",) mesh: from ``jax.make_mesh`` (explicit axes) or ``Mesh`` (auto axes)."""

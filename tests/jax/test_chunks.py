@@ -20,7 +20,7 @@ import dualvp_jax.function as fn_mod  # noqa: E402
 from dualvp.testing import cases  # noqa: E402
 from dualvp_jax import chunks  # noqa: E402
 from dualvp_jax._tuning import DEFAULT, Tuning  # noqa: E402
-from ._helpers import check_close, inputs, reference_of, sharded_runner, x64_for  # noqa: E402
+from ._helpers import check_close, inputs, reference_of, row_stats, sharded_runner, x64_for  # noqa: E402
 
 #: The chunked forward with 4 rows per chunk (``chunk_rows``' minimum), whatever the width.
 FOUR_ROWS = Tuning(path="chunked", chunk_bytes=1)
@@ -38,15 +38,6 @@ def _op(z, y, tuning, **kw):
 # --- dualvp_jax.chunks by itself ------------------------------------------------
 
 
-def _row_stats(z, keep):
-    # A stand-in for the op's statistics: float32 work on every element, row reductions.
-    zf = z.astype(jnp.float32)
-    m = jnp.max(zf, axis=-1)
-    s = jnp.sum(jnp.exp(zf - m[:, None]), axis=-1)
-    mk = jnp.max(jnp.where(keep, zf, -jnp.inf), axis=-1)
-    return jnp.stack([m, s, mk], axis=-1)
-
-
 @pytest.mark.parametrize("n,rows", [pytest.param(n, r, marks=() if (n, r) in ((7, 3), (5, 8)) else pytest.mark.slow)
                                     for n, r in [(1, 1), (7, 1), (7, 3), (8, 4), (9, 4), (10, 9), (5, 5), (5, 8)]])
 def test_chunks_rows_in_order(n, rows):
@@ -57,7 +48,7 @@ def test_chunks_rows_in_order(n, rows):
     ids = jnp.arange(n, dtype=jnp.int32)
 
     def f(z, k, ids):
-        return _row_stats(z, k), ids * 2
+        return row_stats(z, k), ids * 2
 
     (st, got_ids) = jax.jit(lambda *a: chunks.map_row_chunks(f, a, rows))(z, k, ids)
     np.testing.assert_array_equal(np.asarray(got_ids), 2 * np.arange(n))

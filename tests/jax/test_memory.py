@@ -31,7 +31,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
 
 import dualvp_jax  # noqa: E402
 from dualvp_jax import chunks  # noqa: E402
-from ._helpers import mesh_1d  # noqa: E402
+from ._helpers import mesh_1d, row_stats  # noqa: E402
 
 T, V = 2048, 32000  # rows, columns per shard (the bench size)
 V_WIDE = 152064  # the bench's wide shard: more columns than chunks.COLUMN_BLOCK
@@ -245,15 +245,6 @@ def test_backward_alone_is_one_pass_without_collective(dtype):
 # --- dualvp_jax.chunks by itself ------------------------------------------------
 
 
-def _row_stats(z, keep):
-    # A stand-in for the op's statistics: float32 work on every element, row reductions.
-    zf = z.astype(jnp.float32)
-    m = jnp.max(zf, axis=-1)
-    s = jnp.sum(jnp.exp(zf - m[:, None]), axis=-1)
-    mk = jnp.max(jnp.where(keep, zf, -jnp.inf), axis=-1)
-    return jnp.stack([m, s, mk], axis=-1)
-
-
 @pytest.mark.parametrize("n", [T, T - 5])  # a multiple of the chunk rows, and one with a remainder
 def test_chunks_bf16_no_whole_upcast(n):
     """bfloat16 rows: no hoisted float32 copy of the array, no padded remainder."""
@@ -261,7 +252,7 @@ def test_chunks_bf16_no_whole_upcast(n):
     k = jax.ShapeDtypeStruct((n, V), jnp.bool_)
     rows = chunks.chunk_rows(n, V)
     assert 1 < rows < n and (n % rows == 0) == (n == T), rows
-    f = jax.jit(lambda z, k: chunks.map_row_chunks(_row_stats, (z, k), rows)).lower(z, k).compile()
+    f = jax.jit(lambda z, k: chunks.map_row_chunks(row_stats, (z, k), rows)).lower(z, k).compile()
     B = n * V * 2
     assert f.memory_analysis().temp_size_in_bytes <= SCRATCH_FWD * B, f.memory_analysis().temp_size_in_bytes / B
 
@@ -273,7 +264,7 @@ def test_chunks_under_shard_map():
     k = jax.ShapeDtypeStruct((T, 2 * V), jnp.bool_, sharding=NamedSharding(mesh, P(None, "tp")))
 
     def body(z, k):
-        st = chunks.map_row_chunks(_row_stats, (z, k), chunks.chunk_rows(T, V))
+        st = chunks.map_row_chunks(row_stats, (z, k), chunks.chunk_rows(T, V))
         return lax.all_gather(st, "tp", axis=0, to="invarying").sum(0)
 
     sm = jax.shard_map(body, mesh=mesh, in_specs=(P(None, "tp"), P(None, "tp")), out_specs=P())

@@ -1,0 +1,45 @@
+"""The fused LM-head op's tile product, shared by its forward and backward kernels.
+
+:func:`tile_logits` forms the logits tile ``z = h_i W_j^T`` (``[BLOCK_T,
+BLOCK_V]``, float32 accumulation) over the hidden size in blocks of
+``BLOCK_K``; the backward recomputes exactly the forward's tile this way.
+:func:`dot` is ``tl.dot`` at the op's input precision: 16-bit operands on
+tensor cores (``"default"``), float32 operands in IEEE float32 or TF32.
+``UPCAST`` converts loaded operands to float32 (exact): Triton's CPU
+interpreter mis-computes ``tl.dot`` on bfloat16 operands.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+__all__ = ["dot", "tile_logits"]
+
+
+@triton.jit
+def dot(a, b, acc, PRECISION: tl.constexpr):
+    """``acc + a @ b`` with float32 accumulation; ``PRECISION``: "default", "ieee" or "tf32"."""
+    if PRECISION == "default":
+        return tl.dot(a, b, acc)
+    return tl.dot(a, b, acc, input_precision=PRECISION)
+
+
+@triton.jit
+def tile_logits(h_ptr, w_ptr, rows, cols, row_ok, col_ok, H, stride_ht, stride_hk, stride_wv, stride_wk,
+                UPCAST: tl.constexpr, PRECISION: tl.constexpr,
+                BLOCK_T: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr):
+    """``h[rows] @ w[cols]^T`` as a float32 ``[BLOCK_T, BLOCK_V]`` tile (0 outside ``row_ok``/``col_ok``)."""
+    ks = tl.arange(0, BLOCK_K)
+    acc = tl.zeros((BLOCK_T, BLOCK_V), tl.float32)
+    for k0 in range(0, H, BLOCK_K):
+        kk = k0 + ks
+        hb = tl.load(h_ptr + rows[:, None] * stride_ht + kk[None, :] * stride_hk,
+                     mask=row_ok[:, None] & (kk[None, :] < H), other=0.0)
+        wb = tl.load(w_ptr + cols[:, None] * stride_wv + kk[None, :] * stride_wk,
+                     mask=col_ok[:, None] & (kk[None, :] < H), other=0.0)
+        if UPCAST:
+            hb = hb.to(tl.float32)
+            wb = wb.to(tl.float32)
+        acc = dot(hb, tl.trans(wb), acc, PRECISION)
+    return acc
