@@ -31,16 +31,22 @@ from torch.autograd.function import once_differentiable
 
 from dualvp import spec, validation
 
-from . import collectives, kernels
+from . import collectives, kernels, tuning
 from . import dtensor as _dtensor
 from . import triton_kernels as _triton
 
 __all__ = ["logprob_entropy"]
 
 #: What ``impl`` may name: the shard-local stages of :mod:`dualvp_torch.kernels`, or ``"triton"``, the
-#: hand-written kernels of :mod:`dualvp_torch.triton_kernels` (the default on CUDA tensors when the
-#: ``triton`` package is installed).
+#: hand-written kernels of :mod:`dualvp_torch.triton_kernels` (``impl=None`` takes them on the device
+#: types of ``tuning.Tuning.triton_default_devices`` when the ``triton`` package is installed).
 IMPLEMENTATIONS = kernels.IMPLEMENTATIONS + ("triton",)
+
+
+def _triton_by_default(logits) -> bool:
+    """Whether ``impl=None`` takes the Triton kernels for these logits (``Tuning.triton_default_devices``)."""
+    return (isinstance(logits, torch.Tensor) and logits.device.type in tuning.current().triton_default_devices
+            and _triton.available())
 
 
 def _dtype_name(dtype) -> str:
@@ -365,7 +371,8 @@ def logprob_entropy(
         with torch's "modified by an inplace operation" error instead of
         using overwritten values; modifying the logits between forward and
         backward fails the same way.
-      impl: ``None`` (the default: ``"triton"`` for CUDA tensors when the
+      impl: ``None`` (the default: ``"triton"`` on the device types of
+        ``tuning.Tuning.triton_default_devices`` (none by default) when the
         ``triton`` package is installed, else ``DUALVP_COMPILE`` selects),
         or one of :data:`IMPLEMENTATIONS`: ``"compiled"``, ``"eager"`` (how
         the shard-local stages of :mod:`dualvp_torch.kernels` run) or
@@ -409,8 +416,7 @@ def _logprob_entropy(
     none waits in a collective.
     """
     if caller_error is None and not label_smoothing and (
-        impl == "triton"
-        or impl is None and isinstance(logits, torch.Tensor) and logits.device.type == "cuda" and _triton.available()
+        impl == "triton" or impl is None and _triton_by_default(logits)
     ):
         from .triton_kernels.logits_op import logprob_entropy as _triton_logprob_entropy
 

@@ -21,8 +21,8 @@ copies (the outputs of a custom op may not alias one another). Anything
 else (DTensor, ``inplace_grad=True``, arguments of other types, which the
 eager checks then reject with their usual errors) keeps the graph break.
 
-On the Triton path (``impl="triton"``, the default for CUDA tensors with
-``triton`` installed) the call becomes ``dualvp::logprob_entropy_triton_fwd``
+On the Triton path (``impl="triton"``, or ``None`` on the device types of
+``tuning.Tuning.triton_default_devices``) the call becomes ``dualvp::logprob_entropy_triton_fwd``
 (-> logprob, entropy, the merge kernel's residuals ``[5, T]``) and its
 backward ``dualvp::logprob_entropy_triton_bwd`` (one launch) instead: the
 same cached checks and kernels as the eager call; with ``validate=False``
@@ -41,7 +41,6 @@ from torch import Tensor
 from dualvp import validation
 
 from . import collectives, kernels
-from . import triton_kernels as _triton
 from . import function as _function
 
 __all__ = ["eligible", "logprob_entropy"]
@@ -117,15 +116,13 @@ def _backward(ctx, grads):
 _fwd.register_autograd(_backward, setup_context=_setup_context)
 
 
-# --- the Triton path (impl="triton", the default for CUDA tensors with triton installed) --------
+# --- the Triton path (impl="triton"; impl=None on Tuning.triton_default_devices) ----------------
 #
 # dualvp::logprob_entropy_triton_fwd -> logprob, entropy, res [5, T] (the merge kernel's residuals)
 # dualvp::logprob_entropy_triton_bwd -> the gradient of the logits (one launch)
 # Each runs triton_kernels.logits_op: the cached checks and plan, the kernels, with a group its
 # collectives. With validate=False neither synchronises nor allocates by data: a caller's CUDA graph
 # can capture them.
-
-_TRITON = _triton.available()
 
 
 def _triton_plan(logits, target, keep_mask, group, temperature, with_entropy, entropy_grad, ignore_index, validate):
@@ -208,7 +205,7 @@ def eligible(logits, target, *, group=None, keep_mask=None, temperature=1.0, wit
 def logprob_entropy(logits, target, *, group=None, keep_mask=None, temperature=1.0, with_entropy=True,
                     entropy_grad=True, ignore_index=-100, validate=True, inplace_grad=False, impl=None):
     """:func:`dualvp_torch.logprob_entropy` through the custom ops (an :func:`eligible` call)."""
-    if impl == "triton" or impl is None and _TRITON and logits.is_cuda:
+    if impl == "triton" or impl is None and _function._triton_by_default(logits):
         out = _tfwd(logits, target, keep_mask, "" if group is None else group.group_name, float(temperature),
                     with_entropy, entropy_grad, ignore_index, validate)
     else:

@@ -67,6 +67,11 @@ class Tuning:
         the float32 gradient block ``G`` as a high and a low 16-bit part (two
         products each) rather than rounded once
         (docs/decisions.md, "Fused LM-head: G split into hi + lo").
+      triton_default_devices: device types ("cuda") on which ``impl=None``
+        selects the logits op's Triton kernels (``impl="triton"``) when
+        ``triton`` is installed. Empty until a GPU run has checked them
+        against the oracle and the bench (docs/decisions.md, "Triton kernels
+        opt-in until a GPU run"); the compiled stages stay the default.
       triton_linear_blocks: ``(BLOCK_T, BLOCK_V, BLOCK_K, num_warps)`` of the
         fused op's Triton kernels on CUDA (``num_warps`` may be ``None``), or
         ``None`` for the built-in tiles.
@@ -79,10 +84,11 @@ class Tuning:
     cpu_chunk_scratch_bytes: int = 16 << 20
     glibc_heap: bool = False
     split_gradient: bool = True
+    triton_default_devices: frozenset = frozenset()
     triton_linear_blocks: Optional[tuple] = None
 
     def __post_init__(self):
-        for name in ("float64_sums_devices", "static_vocab_devices"):
+        for name in ("float64_sums_devices", "static_vocab_devices", "triton_default_devices"):
             object.__setattr__(self, name, _frozenset_field(name, getattr(self, name), str))
         object.__setattr__(
             self, "full_stats_cpu_dtypes", _frozenset_field("full_stats_cpu_dtypes", self.full_stats_cpu_dtypes,

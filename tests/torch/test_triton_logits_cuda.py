@@ -1,10 +1,11 @@
 """The logits op on its Triton kernels on a CUDA device (skipped without one).
 
 What the CPU cannot check: the kernels compiled for the GPU on the whole
-conformance table (``impl="triton"`` and the default ``impl=None``, fresh and
-in place), a caller's ``torch.compile(fullgraph=True)`` holding the op with no
-graph break, CUDA-graph capture and replay equal to eager, and W = 2 ranks
-sharing one GPU over gloo with CUDA tensors (NCCL where two GPUs exist).
+conformance table (``impl="triton"``, and ``impl=None`` with the Triton
+kernels as the CUDA default, fresh and in place), a caller's
+``torch.compile(fullgraph=True)`` holding the op with no graph break,
+CUDA-graph capture and replay equal to eager, and W = 2 ranks sharing one GPU
+over gloo with CUDA tensors (NCCL where two GPUs exist).
 Run by ``scripts/gpu-check.sh`` or
 ``python -m pytest -q -m cuda tests/torch/test_triton_logits_cuda.py``.
 """
@@ -23,7 +24,7 @@ if os.environ.get("TRITON_INTERPRET") == "1":
 
 from dualvp import reference  # noqa: E402
 from dualvp.testing import backends, cases, metrics, oracle  # noqa: E402
-from dualvp_torch import logprob_entropy  # noqa: E402
+from dualvp_torch import logprob_entropy, tuning  # noqa: E402
 from dualvp_torch.testing import run_ranks  # noqa: E402
 
 pytestmark = pytest.mark.cuda
@@ -59,15 +60,18 @@ def _failures(p, out) -> list:
 @pytest.mark.parametrize("inplace", [False, True])
 @pytest.mark.parametrize("case", [c for c in cases.CASES if 1 in c.worlds], ids=lambda c: c.name)
 def test_case(case, impl, inplace):
-    assert not _failures(cases.make(case), _run(cases.make(case), impl=impl, inplace=inplace))
+    with tuning.using(tuning.Tuning(triton_default_devices={"cuda"})):  # impl=None: the Triton kernels
+        assert not _failures(cases.make(case), _run(cases.make(case), impl=impl, inplace=inplace))
 
 
-def test_default_impl_is_triton_on_cuda():
+@pytest.mark.parametrize("on", [False, True])
+def test_default_impl_on_cuda_follows_the_tuning(on):
     from dualvp_torch.triton_kernels import logits_op
 
     z = torch.randn(4, 32, device="cuda", requires_grad=True)
-    lp, _ = logprob_entropy(z, torch.tensor([0, 1, 2, 3], device="cuda"))
-    assert type(lp.grad_fn).__name__ == logits_op.TritonLogProbEntropy.__name__ + "Backward"
+    with tuning.using(tuning.Tuning(triton_default_devices={"cuda"} if on else ())):
+        lp, _ = logprob_entropy(z, torch.tensor([0, 1, 2, 3], device="cuda"))
+    assert (type(lp.grad_fn).__name__ == logits_op.TritonLogProbEntropy.__name__ + "Backward") == on
 
 
 @pytest.mark.parametrize("bad", [b for b in cases.BAD_INPUTS if "torch" in b.backends], ids=lambda b: b.name)
@@ -100,7 +104,7 @@ def test_precision_goals():
 
 
 def _loss(z, y, keep, gl, ge):
-    lp, h = logprob_entropy(z, y, keep_mask=keep, temperature=0.8, validate=False)
+    lp, h = logprob_entropy(z, y, keep_mask=keep, temperature=0.8, validate=False, impl="triton")
     return (lp * gl).sum() + (h * ge).sum()
 
 
