@@ -86,9 +86,9 @@ fi
 xdist=(); python -c "import xdist" 2>/dev/null && xdist=(-n 4)
 step tests 130 python -m pytest -q -p no:cacheprovider ${xdist[@]+"${xdist[@]}"} -m cuda tests
 step verify 40 python -m dualvp verify --device cuda
-# dualvp first, then the baselines the goals compare with, then the variants
+# the Triton kernels first, the default (compiled) path, the baselines the goals compare with, variants
 step bench 160 python -m dualvp bench --device cuda ${slime[@]+"${slime[@]}"} --worlds 2 --results "$results" \
-  --impls dualvp-torch,dualvp-torch-triton,slime,torch-eager,liger,dualvp-jax,dualvp-torch-inplace,dualvp-torch-compiled
+  --impls dualvp-torch-triton,dualvp-torch,slime,torch-eager,liger,dualvp-jax,dualvp-torch-inplace
 step linear 80 python -m dualvp bench --device cuda --op linear --results "$results"
 step profile 40 bash -c "python benchmarks/gpu_profile.py --device cuda --T 16384 --V 19008 --host --top 6 \
   && python benchmarks/gpu_profile.py --device cuda --T 4096 --V 32000 --dtype bfloat16 --top 6"
