@@ -42,8 +42,10 @@ are summed, so a sum of up to ``2**32`` terms fits in int64 without overflow.
   passed before their all-reduce, another replica's activations); a
   difference confined to unsampled rows is not seen.
 
-Costs: O(T) int64 elementwise work and a ``[T]`` int64 temporary per call, no
-synchronisation of its own. ``validate=False`` computes none of this.
+Costs: O(T) int64 elementwise work (a few small kernels) and ``[T]`` int64
+temporaries per call, no synchronisation of its own where the collective runs
+on the inputs' device (NCCL, or gloo on CPU tensors). ``validate=False``
+computes none of this.
 """
 
 from __future__ import annotations
@@ -130,7 +132,9 @@ def fingerprint(target: Optional[torch.Tensor], hidden: Optional[torch.Tensor] =
         prints.append(_hidden_print(hidden) if isinstance(hidden, torch.Tensor)
                       else torch.zeros((), dtype=torch.int64, device=target.device))
     out = torch.stack(prints)
-    return out if device is None else out.to(device, non_blocking=True)
+    # blocking: a non_blocking device-to-host copy could be read (torch.cat) before it lands; on NCCL the
+    # prints stay on the device (no copy), and gloo with CUDA tensors already syncs for the record
+    return out if device is None else out.to(device)
 
 
 def _groups(values: Sequence[tuple]) -> str:

@@ -28,7 +28,7 @@ torch = pytest.importorskip("torch")
 
 from dualvp_torch.testing import free_port  # noqa: E402
 
-pytestmark = pytest.mark.slow  # torchrun agents and 4 worker processes per launch
+slow = pytest.mark.slow  # torchrun agents and 4 worker processes per launch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 WORKER = os.path.join(ROOT, "tests", "torch", "_torchrun_worker.py")
@@ -132,6 +132,7 @@ OK_CASES = ["tp4_world", "tp4_new_group", "tp2_within_dp2_across", "tp2_across_d
             "fused_w4", "fused_w2", "fused_w2_sequence_parallel", "after_mistakes"]
 
 
+@slow
 def test_launch_layout(launch):
     ranks = launch["ranks"]
     assert sorted(int(r["RANK"]) for r in ranks) == [0, 1, 2, 3]
@@ -140,12 +141,14 @@ def test_launch_layout(launch):
         assert int(r["RANK"]) == 2 * int(r["GROUP_RANK"]) + int(r["LOCAL_RANK"]), r
 
 
+@slow
 @pytest.mark.parametrize("name", OK_CASES)
 def test_case_matches_the_oracle(launch, name):
     for r in launch["ranks"]:
         assert r["cases"][name] == ["ok", []], (r["RANK"], r["cases"][name])
 
 
+@slow
 @pytest.mark.parametrize("name,kind,start", [
     ("target_differs", "ValueError", "target: differs across the process group's ranks"),
     ("target_differs_fused", "ValueError", "target: differs across the process group's ranks"),
@@ -161,6 +164,7 @@ def test_mistake_raises_the_same_error_on_every_rank(launch, name, kind, start):
     assert len({s[1] for s in seen}) <= (2 if name.startswith("dp_group") else 1), seen
 
 
+@slow
 def test_killed_worker_survivors_raise_and_everything_exits(launch):
     survivors = [r for r in range(4) if r != launch["victim"]]
     print(f"kill -9 of rank {launch['victim']}: survivors raised after "
@@ -176,6 +180,7 @@ def test_killed_worker_survivors_raise_and_everything_exits(launch):
     assert launch["gone_after"] is not None and launch["gone_after"] < KILL_BOUND, launch["gone_after"]
 
 
+@slow
 def test_verify_under_torchrun_passes_on_every_rank():
     agents = _start_agents(free_port(), "-m", "dualvp", "verify", "--tokens", "32", "--vocab", "256")
     res = _finish(agents, LAUNCH_TIMEOUT)
@@ -183,3 +188,46 @@ def test_verify_under_torchrun_passes_on_every_rank():
     assert all(rc == 0 for rc, _ in res), out[-4000:]
     for r in range(4):
         assert f"dualvp verify [rank {r}/4]: PASS" in out, out[-4000:]
+
+
+# --- fast: the launcher detection and the verdict of `dualvp verify` under a launcher -------------
+
+
+def test_launched_needs_every_launcher_variable():
+    from dualvp.tools import verify
+
+    env = {"RANK": "0", "WORLD_SIZE": "4", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500"}
+    assert verify.launched(env)
+    for k in env:
+        assert not verify.launched({n: v for n, v in env.items() if n != k})
+
+
+def _verdicts(table, capsys):
+    """Each rank's (exit status, last line) of the verdict from the same gathered ``table``."""
+    import argparse
+
+    from dualvp.testing import cases
+    from dualvp.tools import verify
+
+    prob = cases.make(cases.Case(name="v", lead=(4,), vocab=8, worlds=(2,), dtype="float32"))
+    args = argparse.Namespace(mask="none", seed=0)
+    seen = []
+    for rank in range(len(table)):
+        rc = verify._launched_verdict(table, rank, len(table), 2, args, prob)
+        seen.append((rc, capsys.readouterr().out.strip().splitlines()[-1]))
+    return seen
+
+
+def test_launched_verdict_is_the_same_on_every_rank(capsys):
+    good = [("logprob", 1e-6, 1e-7, True), ("entropy", 1e-7, 1e-6, True), ("grad", 1e-7, 1e-5, True)]
+    bad = good[:2] + [("grad", 0.3, 0.9, False)]
+    seen = _verdicts([(good, None)] * 4, capsys)
+    assert [rc for rc, _ in seen] == [0] * 4
+    assert [line for _, line in seen] == [f"dualvp verify [rank {r}/4]: PASS: 3 quantities within tolerance on all "
+                                          "4 ranks (TP 2 x DP 2)" for r in range(4)]
+    seen = _verdicts([(good, None), (good, None), (bad, None), (good, None)], capsys)
+    assert [rc for rc, _ in seen] == [1] * 4
+    assert len({line.split(": ", 1)[1] for _, line in seen}) == 1 and "FAIL: grad" in seen[0][1], seen
+    seen = _verdicts([(good, None), (None, "ValueError: target: ..."), (good, None), (good, None)], capsys)
+    assert [rc for rc, _ in seen] == [1] * 4
+    assert all(line.endswith("FAIL: rank 1: ValueError: target: ...") for _, line in seen), seen
