@@ -467,7 +467,8 @@ def run_launched(args) -> int:
     problem of seed ``--seed + d``. Every rank builds its replica's problem
     and float64 oracle, computes its shard over its group and compares it
     with the oracle; then one ``all_gather_object`` of every rank's errors
-    gives every rank the same table and verdict (printed by each, ``[rank
+    (and a digest of the log-prob, entropy and ``dh``, which every rank of a
+    group must hold bit for bit) gives every rank the same table and verdict (printed by each, ``[rank
     r/W]``; the table by rank 0). A rank whose setup fails (bad ``--input``
     on one node) reports it in a first ``all_gather_object``, so that no rank
     enters the op while another cannot.
@@ -523,16 +524,16 @@ def run_launched(args) -> int:
         dist.all_gather_object(setups, setup_error)
         failed = [(r, e) for r, e in enumerate(setups) if e]
         if failed:
-            rows, run_error = None, "setup failed on " + "; ".join(f"rank {r}: {e}" for r, e in failed)
+            rows, run_error, digest = None, "setup failed on " + "; ".join(f"rank {r}: {e}" for r, e in failed), ""
         else:
             try:
                 impl = None if args.compile else "eager"
                 outs = _launched_outputs(prob, group, shard, tp, impl, dev)
-                rows, run_error = _shard_rows(prob, oracle, outs, shard, tp), None
+                rows, run_error, digest = _shard_rows(prob, oracle, outs, shard, tp), None, _replicated_digest(outs)
             except Exception as exc:  # noqa: BLE001 - every rank gathers every rank's outcome
-                rows, run_error = None, f"{type(exc).__name__}: {exc}"
+                rows, run_error, digest = None, f"{type(exc).__name__}: {exc}", ""
         table = [None] * world
-        dist.all_gather_object(table, (rows, run_error))
+        dist.all_gather_object(table, (rows, run_error, digest))
     finally:
         dist.destroy_process_group()
     return _launched_verdict(table, rank, world, tp, args, prob if not failed else None)
@@ -546,18 +547,35 @@ def _with_seed(args, seed: int):
     return a
 
 
+def _replicated_digest(outs) -> str:
+    """A digest of what every rank of a tensor-parallel group must hold bit for bit: log-prob, entropy (, dh)."""
+    import hashlib
+
+    parts = [outs.logprob, outs.entropy] + ([outs.dh] if hasattr(outs, "dh") else [])
+    return hashlib.sha256(b"".join(np.ascontiguousarray(a).tobytes() for a in parts)).hexdigest()
+
+
 def _launched_verdict(table: list, rank: int, world: int, tp: int, args, prob) -> int:
-    """Print the verdict (the same on every rank: it is computed from the gathered ``table``)."""
+    """Print the verdict (the same on every rank: it is computed from the gathered ``table``).
+
+    ``table``: per rank ``(rows of _shard_rows or None, error or None, digest
+    of _replicated_digest)``.
+    """
     tag = f"dualvp verify [rank {rank}/{world}]"
-    errors = [(r, e) for r, (rows, e) in enumerate(table) if e]
+    errors = [(r, e) for r, (rows, e, _) in enumerate(table) if e]
     if errors:
         shown = errors[0][1] if errors[0][1].startswith("setup failed") else \
             "; ".join(f"rank {r}: {e}" for r, e in errors)
         print(f"{tag}: FAIL: {shown}"[:4000], flush=True)
         return 1
+    split = [d for d in range(world // tp) if len({table[r][2] for r in range(d * tp, (d + 1) * tp)}) > 1]
+    if split:
+        print(f"{tag}: FAIL: the ranks of TP group(s) {split} hold different log-prob / entropy / dh (every rank "
+              "of a group must hold the same merged values, bit for bit)", flush=True)
+        return 1
     quantities = [q for q, *_ in table[0][0]]
-    worst = {q: (max(rows[i][1] for rows, _ in table), max(rows[i][2] for rows, _ in table),
-                 all(rows[i][3] for rows, _ in table)) for i, q in enumerate(quantities)}
+    worst = {q: (max(rows[i][1] for rows, _, _ in table), max(rows[i][2] for rows, _, _ in table),
+                 all(rows[i][3] for rows, _, _ in table)) for i, q in enumerate(quantities)}
     if rank == 0:
         c = prob.case
         print(f"dualvp verify under a launcher: {world} ranks = TP {tp} x DP {world // tp}, T={c.lead[0]} "

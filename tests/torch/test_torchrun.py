@@ -221,13 +221,18 @@ def _verdicts(table, capsys):
 def test_launched_verdict_is_the_same_on_every_rank(capsys):
     good = [("logprob", 1e-6, 1e-7, True), ("entropy", 1e-7, 1e-6, True), ("grad", 1e-7, 1e-5, True)]
     bad = good[:2] + [("grad", 0.3, 0.9, False)]
-    seen = _verdicts([(good, None)] * 4, capsys)
+    seen = _verdicts([(good, None, "a")] * 4, capsys)
     assert [rc for rc, _ in seen] == [0] * 4
     assert [line for _, line in seen] == [f"dualvp verify [rank {r}/4]: PASS: 3 quantities within tolerance on all "
                                           "4 ranks (TP 2 x DP 2)" for r in range(4)]
-    seen = _verdicts([(good, None), (good, None), (bad, None), (good, None)], capsys)
+    seen = _verdicts([(good, None, "a"), (good, None, "a"), (bad, None, "b"), (bad, None, "b")], capsys)
     assert [rc for rc, _ in seen] == [1] * 4
     assert len({line.split(": ", 1)[1] for _, line in seen}) == 1 and "FAIL: grad" in seen[0][1], seen
-    seen = _verdicts([(good, None), (None, "ValueError: target: ..."), (good, None), (good, None)], capsys)
+    seen = _verdicts([(good, None, "a"), (None, "ValueError: target: ...", ""), (good, None, "b"),
+                      (good, None, "b")], capsys)
     assert [rc for rc, _ in seen] == [1] * 4
     assert all(line.endswith("FAIL: rank 1: ValueError: target: ...") for _, line in seen), seen
+    # TP groups are ranks {0, 1} and {2, 3}: rank 3 holds other merged values than rank 2
+    seen = _verdicts([(good, None, "a"), (good, None, "a"), (good, None, "b"), (good, None, "c")], capsys)
+    assert [rc for rc, _ in seen] == [1] * 4
+    assert all("FAIL: the ranks of TP group(s) [1] hold different" in line for _, line in seen), seen
