@@ -32,6 +32,7 @@ from torch.autograd.function import once_differentiable
 from dualvp import spec, validation
 
 from . import collectives, kernels, tuning
+from . import agreement as _agreement
 from . import dtensor as _dtensor
 from . import triton_kernels as _triton
 
@@ -470,9 +471,8 @@ def _validated(
             record = validation.agreement_record(error=error)
             bad = None
             device = collectives.comm_device(group, logits if isinstance(logits, torch.Tensor) else None)
-        table = collectives.gather_records(record, bad, group, device)
-        validation.check_agreement(table, rank=rank, local_error=error,
-                                   vocab_size=None if error else world * logits.shape[-1])
+        _agreement.gather_checked(record, bad, group, device, target=target, rank=rank, local_error=error,
+                                  vocab_size=None if error else world * logits.shape[-1])  # + target fingerprint
     else:
         if error is not None:
             raise error

@@ -12,7 +12,7 @@ import torch
 
 from dualvp import validation
 
-from . import collectives, linear_triton
+from . import agreement, collectives, linear_triton
 from .function import _check_call, _check_target_keep, _count_bad_targets, _dtype_name
 
 __all__ = ["IMPLS", "checked_options"]
@@ -92,9 +92,10 @@ def checked_options(hidden, weight, target, keep_mask, *, group, validate, impl,
             record = validation.agreement_record(error=error, fused=True)
             bad = None
             device = collectives.comm_device(group, hidden if isinstance(hidden, torch.Tensor) else None)
-        table = collectives.gather_records(record, bad, group, device)
-        validation.check_agreement(
-            table, rank=rank, local_error=error, vocab_size=None if error else world * weight.shape[0], fields=fields
+        agreement.gather_checked(  # + fingerprints of target and replicated hidden
+            record, bad, group, device, target=target, fused=True, rank=rank, local_error=error, fields=fields,
+            hidden=None if error or opt.sequence_parallel else hidden,
+            vocab_size=None if error else world * weight.shape[0],
         )
     else:
         if error is not None:

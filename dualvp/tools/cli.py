@@ -20,7 +20,9 @@ def _parser() -> argparse.ArgumentParser:
                    help="logits: logprob_entropy on vocab-sharded logits (default); linear: the fused LM head "
                    "linear_logprob_entropy on hidden states [T, H] and the vocab-parallel weight [V, H]")
     v.add_argument("--hidden", type=int, default=64, help="--op linear: hidden size H")
-    v.add_argument("--tp", type=int, default=2, help="tensor-parallel size W (vocab shards)")
+    v.add_argument("--tp", type=int, default=None,
+                   help="tensor-parallel size W (vocab shards); default 2, or under a launcher (torchrun: RANK, "
+                   "WORLD_SIZE, MASTER_ADDR, MASTER_PORT set) the job's WORLD_SIZE, in groups of consecutive ranks")
     v.add_argument("--input", metavar="FILE", default=None,
                    help="check your own data instead of a random problem: a torch.save'd dict (read with "
                    "weights_only=True) or an .npz with 'logits' [T, V] (full vocabulary), 'target' [T] and "
@@ -35,13 +37,14 @@ def _parser() -> argparse.ArgumentParser:
     v.add_argument("--mask", default="none", choices=["none", "nucleus", "drop_target", "random"],
                    help="keep mask to build (with --input: only when the file has no keep_mask)")
     v.add_argument("--seed", type=int, default=0)
-    v.add_argument("--backends", default="torch,jax", help="comma-separated subset of torch,jax")
+    v.add_argument("--backends", default="torch,jax",
+                   help="comma-separated subset of torch,jax (under a launcher: torch only, on the job's ranks)")
     v.add_argument("--device", default="cpu", choices=["cpu", "cuda"],
                    help="where the torch backend runs: cpu (gloo ranks) or cuda (W=1 in this process, W>1 on "
                    "W NCCL ranks, one GPU each; fails at once without enough GPUs); JAX stays on CPU host devices")
     v.add_argument("--no-compile", dest="compile", action="store_false",
                    help="torch: use the eager row-chunked path instead of torch.compile")
-    v.add_argument("--timeout", type=float, default=300.0, help="seconds before a backend run is killed")
+    v.add_argument("--timeout", type=float, default=300.0, help="seconds before a backend run is killed (under a launcher: the process-group timeout)")
     b = sub.add_parser("bench", help="speed, memory and precision of every implementation against baselines")
     from .bench import add_arguments
 

@@ -25,6 +25,13 @@ rows are log-prob, entropy, ``dh`` and ``dW``, the gradients judged with
 absolute part scaled by the oracle's largest entry). There is no ``spec`` row
 (the specification has no fused form) and no ``--input``.
 
+Started by a launcher (``torchrun ... -m dualvp verify``: ``RANK``,
+``WORLD_SIZE``, ``MASTER_ADDR`` and ``MASTER_PORT`` set), it checks that job
+instead: every worker joins the launcher's group, computes its shard of the
+problem over its tensor-parallel group (``--tp`` consecutive ranks, default
+all), compares it with the float64 oracle, and every rank prints the same
+verdict (:func:`run_launched`; torch only).
+
 ``--device cuda`` runs the torch backend on the GPU: in this process for
 ``W = 1``, else on ``W`` NCCL ranks, one GPU each (``dualvp.testing.run``
 with ``device="cuda"``); the spec and JAX stay on the host (JAX on its CPU
@@ -53,7 +60,7 @@ import numpy as np
 
 from dualvp import testing
 from dualvp.testing import cases
-from dualvp.testing.metrics import Row, compare, pair_tolerance, tolerance
+from dualvp.testing.metrics import Row, compare, max_errors, pair_tolerance, tolerance, within_tolerance
 
 from ._proc import child_env, cuda_problem, start_python
 
@@ -297,7 +304,16 @@ def _print_table(rows: list, args, prob: Union[cases.Problem, cases.LinearProble
 
 
 def run(args) -> int:
-    """Entry point of ``dualvp verify``; returns the exit status."""
+    """Entry point of ``dualvp verify``; returns the exit status.
+
+    Started by a launcher (:func:`launched`: ``torchrun`` sets ``RANK``,
+    ``WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``), it checks that job's
+    ranks instead (:func:`run_launched`: torch only).
+    """
+    if launched():
+        return run_launched(args)
+    if args.tp is None:
+        args.tp = 2
     backends = [b for b in args.backends.split(",") if b]
     linear = getattr(args, "op", "logits") == "linear"
     total = 3 + len(backends)
@@ -376,4 +392,202 @@ def run(args) -> int:
         print(f"FAIL: {what}")
         return 1
     print(f"PASS: {len(rows)} checks within tolerance")
+    return 0
+
+
+# --- under a launcher (torchrun, SLURM + env://) ------------------------------------------------
+
+#: The environment a launcher sets for every worker (torchrun, or SLURM scripts that export them):
+#: with all four present, ``dualvp verify`` joins that job instead of starting its own ranks.
+LAUNCHER_VARS = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+__all__ += ["LAUNCHER_VARS", "launched", "run_launched"]
+
+
+def launched(environ: Optional[Mapping[str, str]] = None) -> bool:
+    """Whether this process is a worker of a launcher (every name of :data:`LAUNCHER_VARS` is set)."""
+    env = os.environ if environ is None else environ
+    return all(env.get(k) for k in LAUNCHER_VARS)
+
+
+def _launched_outputs(prob, group, shard: int, width: int, impl, dev):
+    """This rank's outputs of ``prob`` over ``group`` (its shard ``shard`` of ``width``), float64 NumPy."""
+    import torch
+
+    from dualvp.testing import backends
+    from dualvp.testing.oracle import Outputs
+
+    def put(a, dtype=None):
+        return torch.from_numpy(np.ascontiguousarray(a)).to(device=dev, dtype=dtype)
+
+    if isinstance(prob, cases.LinearProblem):
+        return backends._torch_linear(prob, shard, width, group, impl, put)
+    from dualvp_torch import logprob_entropy
+
+    c = prob.case
+    zs, ks = prob.shard(shard, width)
+    z = put(zs, getattr(torch, c.dtype)).requires_grad_(True)
+    lp, h = logprob_entropy(z, put(prob.target), group=group, keep_mask=None if ks is None else put(ks),
+                            temperature=c.temperature, ignore_index=c.ignore_index, impl=impl)
+    torch.autograd.backward([lp, h], [put(prob.grad_logprob, lp.dtype), put(prob.grad_entropy, h.dtype)])
+    return Outputs(*(x.detach().double().cpu().numpy() for x in (lp, h, z.grad)))
+
+
+def _shard_rows(prob, oracle, outs, shard: int, width: int) -> list:
+    """``(quantity, abs err, rel err, ok)`` of this rank's outputs against its part of the oracle.
+
+    The sharded quantities (``grad`` columns, ``dW`` rows) are compared on
+    this rank's part; tolerances scale with the whole oracle (as in
+    :func:`dualvp.testing.metrics.compare`), so every rank judges alike.
+    """
+    rows = []
+    for q in oracle._fields:
+        ref_full = getattr(oracle, q)
+        ref = ref_full
+        if q == "grad":
+            v = ref_full.shape[-1] // width
+            ref = ref_full[..., shard * v:(shard + 1) * v]
+        elif q == "dW":
+            v = ref_full.shape[0] // width
+            ref = ref_full[shard * v:(shard + 1) * v]
+        x = getattr(outs, q)
+        a, e = max_errors(x, ref)
+        rows.append((q, a, e, within_tolerance(x, ref, tolerance(prob.case.dtype, q, ref_full))))
+    return rows
+
+
+def run_launched(args) -> int:
+    """``dualvp verify`` as one worker of a launcher's job (see :func:`launched`); the exit status.
+
+    Joins the launcher's group (env://; NCCL with ``--device cuda``, one GPU
+    per worker at ``LOCAL_RANK``, else gloo), with ``--timeout`` as the
+    process-group timeout. ``--tp`` (default: the whole job) ranks of
+    consecutive global rank form a tensor-parallel group, and the job is
+    ``WORLD_SIZE / tp`` data-parallel replicas; replica ``d`` checks the
+    problem of seed ``--seed + d``. Every rank builds its replica's problem
+    and float64 oracle, computes its shard over its group and compares it
+    with the oracle; then one ``all_gather_object`` of every rank's errors
+    (and a digest of the log-prob, entropy and ``dh``, which every rank of a
+    group must hold bit for bit) gives every rank the same table and verdict (printed by each, ``[rank
+    r/W]``; the table by rank 0). A rank whose setup fails (bad ``--input``
+    on one node) reports it in a first ``all_gather_object``, so that no rank
+    enters the op while another cannot.
+    """
+    import datetime
+
+    import torch
+    import torch.distributed as dist
+
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    device = getattr(args, "device", "cpu")
+    tp = world if args.tp is None else args.tp
+    linear = getattr(args, "op", "logits") == "linear"
+    # every rank sees the same arguments and WORLD_SIZE: these checks agree without a collective
+    why = None
+    if tp < 1 or world % tp:
+        why = f"--tp {tp} must divide the launcher's WORLD_SIZE {world}"
+    elif linear and getattr(args, "input", None):
+        why = "--input holds logits; it cannot be used with --op linear"
+    elif getattr(args, "input", None) is None and args.vocab % tp:
+        why = f"--vocab {args.vocab} is not divisible by --tp {tp}"
+    elif device == "cuda" and (not torch.cuda.is_available() or local_rank >= torch.cuda.device_count()):
+        why = f"--device cuda: LOCAL_RANK {local_rank} has no GPU (torch sees {torch.cuda.device_count()})"
+    if why:
+        print(f"dualvp verify [rank {rank}/{world}]: {why}", file=sys.stderr)
+        return 2
+    if device == "cuda":
+        torch.cuda.set_device(local_rank)
+        dev = torch.device("cuda", local_rank)
+    else:
+        dev = torch.device("cpu")
+    dist.init_process_group("nccl" if device == "cuda" else "gloo",
+                            timeout=datetime.timedelta(seconds=args.timeout))
+    try:
+        dp = world // tp
+        groups = [dist.new_group(list(range(d * tp, (d + 1) * tp))) for d in range(dp)] if dp > 1 else None
+        replica, shard = rank // tp, rank % tp
+        group = dist.group.WORLD if groups is None else groups[replica]
+        args.tp = tp
+        setup_error = None
+        try:
+            if getattr(args, "input", None):
+                prob = input_problem(args)
+            else:
+                args.tokens = 256 if args.tokens is None else args.tokens
+                args.dtype = args.dtype or "float32"
+                prob = problem_for(_with_seed(args, args.seed + replica))
+            oracle = testing.oracle(prob)
+        except Exception as exc:  # noqa: BLE001 - reported by every rank below
+            setup_error = f"{type(exc).__name__}: {exc}"
+        setups = [None] * world
+        dist.all_gather_object(setups, setup_error)
+        failed = [(r, e) for r, e in enumerate(setups) if e]
+        if failed:
+            rows, run_error, digest = None, "setup failed on " + "; ".join(f"rank {r}: {e}" for r, e in failed), ""
+        else:
+            try:
+                impl = None if args.compile else "eager"
+                outs = _launched_outputs(prob, group, shard, tp, impl, dev)
+                rows, run_error, digest = _shard_rows(prob, oracle, outs, shard, tp), None, _replicated_digest(outs)
+            except Exception as exc:  # noqa: BLE001 - every rank gathers every rank's outcome
+                rows, run_error, digest = None, f"{type(exc).__name__}: {exc}", ""
+        table = [None] * world
+        dist.all_gather_object(table, (rows, run_error, digest))
+    finally:
+        dist.destroy_process_group()
+    return _launched_verdict(table, rank, world, tp, args, prob if not failed else None)
+
+
+def _with_seed(args, seed: int):
+    import copy
+
+    a = copy.copy(args)
+    a.seed = seed
+    return a
+
+
+def _replicated_digest(outs) -> str:
+    """A digest of what every rank of a tensor-parallel group must hold bit for bit: log-prob, entropy (, dh)."""
+    import hashlib
+
+    parts = [outs.logprob, outs.entropy] + ([outs.dh] if hasattr(outs, "dh") else [])
+    return hashlib.sha256(b"".join(np.ascontiguousarray(a).tobytes() for a in parts)).hexdigest()
+
+
+def _launched_verdict(table: list, rank: int, world: int, tp: int, args, prob) -> int:
+    """Print the verdict (the same on every rank: it is computed from the gathered ``table``).
+
+    ``table``: per rank ``(rows of _shard_rows or None, error or None, digest
+    of _replicated_digest)``.
+    """
+    tag = f"dualvp verify [rank {rank}/{world}]"
+    errors = [(r, e) for r, (rows, e, _) in enumerate(table) if e]
+    if errors:
+        shown = errors[0][1] if errors[0][1].startswith("setup failed") else \
+            "; ".join(f"rank {r}: {e}" for r, e in errors)
+        print(f"{tag}: FAIL: {shown}"[:4000], flush=True)
+        return 1
+    split = [d for d in range(world // tp) if len({table[r][2] for r in range(d * tp, (d + 1) * tp)}) > 1]
+    if split:
+        print(f"{tag}: FAIL: the ranks of TP group(s) {split} hold different log-prob / entropy / dh (every rank "
+              "of a group must hold the same merged values, bit for bit)", flush=True)
+        return 1
+    quantities = [q for q, *_ in table[0][0]]
+    worst = {q: (max(rows[i][1] for rows, _, _ in table), max(rows[i][2] for rows, _, _ in table),
+                 all(rows[i][3] for rows, _, _ in table)) for i, q in enumerate(quantities)}
+    if rank == 0:
+        c = prob.case
+        print(f"dualvp verify under a launcher: {world} ranks = TP {tp} x DP {world // tp}, T={c.lead[0]} "
+              f"V={c.vocab} dtype={c.dtype} temperature={c.temperature} mask={args.mask} seed={args.seed} "
+              f"(+ replica index)")
+        print(f"{'quantity':<9} {'max abs err':>12} {'max rel err':>12}  result (worst rank)")
+        for q, (a, e, ok) in worst.items():
+            print(f"{q:<9} {a:>12.3e} {e:>12.3e}  {'PASS' if ok else 'FAIL'}")
+    bad = [q for q, (_, _, ok) in worst.items() if not ok]
+    if bad:
+        print(f"{tag}: FAIL: {', '.join(bad)} outside tolerance on some rank", flush=True)
+        return 1
+    print(f"{tag}: PASS: {len(quantities)} quantities within tolerance on all {world} ranks "
+          f"(TP {tp} x DP {world // tp})", flush=True)
     return 0

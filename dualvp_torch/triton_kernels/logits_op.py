@@ -28,7 +28,7 @@ from torch.autograd.function import once_differentiable
 
 from dualvp import validation
 
-from .. import collectives
+from .. import agreement, collectives
 from ..function import _check_call, _checked_options, _dtype_name, _meta, _validated
 from . import available, interpreting
 from .logits_grad import logits_grad_kernel
@@ -161,8 +161,8 @@ def forward(logits, target, keep_mask, plan: Plan, group) -> tuple:
     keep = None if keep_mask is None else _rows(keep_mask, plan.V).view(torch.uint8)
     st, bad = stats(z, y, keep, plan)
     if plan.validate and group is not None:  # every rank enters it, whatever T
-        table = collectives.gather_records(plan.record, bad, group, collectives.comm_device(group, z))
-        validation.check_agreement(table, rank=plan.rank, vocab_size=plan.vocab)
+        agreement.gather_checked(plan.record, bad, group, collectives.comm_device(group, z), target=y,
+                                 rank=plan.rank, vocab_size=plan.vocab)  # + target fingerprint
     elif plan.validate and plan.T:
         n_bad = int(bad.item())  # the one synchronisation of validate=True
         if n_bad:

@@ -59,7 +59,8 @@ def _run(p, rank, world, group, **kw):
 
 def _base(rank):
     g = torch.Generator().manual_seed(rank)
-    return dict(hidden=torch.randn(8, 4, generator=g), weight=torch.randn(5, 4, generator=g),
+    hidden = torch.randn(8, 4, generator=torch.Generator().manual_seed(0))  # replicated: the same on every rank
+    return dict(hidden=hidden, weight=torch.randn(5, 4, generator=g),
                 target=torch.tensor([0, 3, 9, -100, 4, 1, 2, 7]), keep_mask=None, kw={})
 
 
