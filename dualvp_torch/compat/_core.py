@@ -231,7 +231,11 @@ def logprobs_k(
 
     Gradient: the op's gradient of ``log p_0`` plus the scatter of the
     ``z_k - z_0`` terms, exact; it needs a second ``[T, V_local]`` buffer
-    while autograd sums the two (the core op's pass will not).
+    while autograd sums the two (the core op's pass will not). The two
+    cancel at the id ``y_0`` (``G (1 - p_0) - G + g_0``), which 16-bit
+    arithmetic would ruin: for 16-bit logits that need a gradient and
+    ``K > 1`` the op runs on a float32 copy of the logits (a ``[T, V_local]``
+    float32 buffer), and the summed gradient is rounded once.
     """
     names = names or {}
     if is_dtensor(logits) or is_dtensor(index):
@@ -259,6 +263,8 @@ def logprobs_k(
                 f"{names.get('target', 'target')}: {bad} id(s) outside [0, {world * v_local}) "
                 f"(and not the ignore id {ignore_index}) in columns 1..{k - 1} of the ids"
             )
+    if k > 1 and logits.dtype in (torch.float16, torch.bfloat16) and torch.is_grad_enabled() and logits.requires_grad:
+        logits = logits.float()  # see the docstring: the gradients cancel at y_0
     with argument_names(**names):
         lp0, _ = _logprob_entropy(
             logits, index[..., 0], group=group, keep_mask=None, temperature=temperature, with_entropy=False,
