@@ -164,3 +164,28 @@ def test_install_as_context_manager_and_float32_output(fake_trl):
         with dtrl.install():  # re-installing is allowed and stays reversible
             assert grpo.selective_log_softmax is dtrl.selective_log_softmax
     assert grpo.selective_log_softmax is _original_sls
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_newer_trl_arguments_temperature_row_mask_and_the_one_pass_function(dtype):
+    """TRL >= 1.11: ``temperature``, ``row_mask`` and ``selective_log_softmax_and_entropy``."""
+    z = logits((3, 4, 23), dtype, seed=9)
+    y = np.random.default_rng(10).integers(0, 23, size=(3, 4))
+    mask = np.ones((3, 4), dtype=bool)
+    mask[2, 1:] = False
+    y_masked = np.where(mask, y, 99)  # ids of masked positions are never read
+    g = np.random.default_rng(11).normal(size=(3, 4)).astype(np.float32)
+    tau = 0.6
+    lp_ref, h_ref = reference.logprob_entropy(z, y, temperature=tau)
+    x = t(z, dtype, grad=True)
+    lp, h = dtrl.selective_log_softmax_and_entropy(x, torch.tensor(y_masked), True, tau, torch.tensor(mask))
+    assert lp.dtype == h.dtype == x.dtype
+    check(lp, np.where(mask, lp_ref, 0.0), dtype, "logprob", out_dtype=dtype)
+    check(h, np.where(mask, h_ref, 0.0), dtype, "entropy", out_dtype=dtype)
+    (lp.float() * torch.tensor(g)).sum().backward()
+    gm = np.where(mask, n(torch.tensor(g).to(lp.dtype)), 0.0)
+    check(x.grad, reference.logprob_entropy_grad(z, y, gm, temperature=tau), dtype, "grad")
+    lp2 = dtrl.selective_log_softmax(x.detach(), torch.tensor(y_masked), tau, torch.tensor(mask), float32_output=True)
+    check(lp2, np.where(mask, lp_ref, 0.0), dtype, "logprob")
+    _, h3 = dtrl.selective_log_softmax_and_entropy(x, torch.tensor(y), entropy_requires_grad=False)
+    assert not h3.requires_grad
