@@ -72,7 +72,8 @@ def _extract(src: str, names: list, path: str = "?") -> str:
 
 def _env(extra_path: str, **kv) -> dict:
     env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join([str(REPO), extra_path] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
+    rest = [env["PYTHONPATH"]] if env.get("PYTHONPATH") else []
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO), extra_path] + rest)
     env.update(kv)
     return env
 
