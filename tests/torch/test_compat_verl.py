@@ -112,3 +112,144 @@ def test_tensor_parallel_two_ranks(reduction):
     # d_hidden is each rank's partial sum (verl's callers all-reduce it), not the whole gradient
     _close(sum(out["dh"] for out in res), dh, "float32", "dh")
     assert not np.allclose(res[0]["dh"], dh, atol=1e-3)
+
+
+# ------------------------------------------------- the unfused and tensor-parallel functions (verl's engines)
+
+from dualvp import reference as _ref  # noqa: E402
+from dualvp_torch.compat import verl as dverl  # noqa: E402
+
+from . import _compat_stacks as cs  # noqa: E402
+
+
+@pytest.fixture
+def _eager(monkeypatch):
+    monkeypatch.setenv("DUALVP_COMPILE", "0")
+
+
+@pytest.mark.usefixtures("_eager")
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_logprobs_from_logits_float32_out_ignore_and_grad(dtype):
+    z = cs.logits((4, 6, 33), dtype, seed=11)
+    y = np.random.default_rng(12).integers(0, 33, size=(4, 6))
+    y[1, 2] = -100  # flash-attn's cross-entropy: 0 and no gradient
+    g = np.random.default_rng(13).normal(size=(4, 6)).astype(np.float32)
+    for inplace in (True, False):
+        leaf = cs.t(z, dtype, grad=True)
+        x = leaf * 1  # a non-leaf, as the model's logits are: inplace_backward may write into it
+        lp = dverl.logprobs_from_logits(x, torch.tensor(y), inplace_backward=inplace)
+        assert lp.dtype == torch.float32 and lp.shape == (4, 6)
+        ref_lp, _ = _ref.logprob_entropy(z, y)
+        cs.check(lp, ref_lp, dtype, "logprob")
+        assert lp[1, 2].item() == 0.0
+        lp.backward(torch.tensor(g))
+        cs.check(leaf.grad, _ref.logprob_entropy_grad(z, y, g), dtype, "grad")
+    leaf = cs.t(z, dtype, grad=True)  # a leaf: never overwritten, whatever inplace_backward says
+    dverl.logprobs_from_logits(leaf, torch.tensor(y)).sum().backward()
+    assert np.array_equal(cs.n(leaf.detach()), z)
+    with pytest.raises(ValueError, match="labels"):
+        dverl.logprobs_from_logits(leaf, torch.full((4, 6), 33))
+
+
+@pytest.mark.usefixtures("_eager")
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_entropy_and_sum_pi_squared_in_the_logits_dtype(dtype):
+    z = cs.logits((5, 7, 31), dtype, seed=14)
+    g = np.random.default_rng(15).normal(size=(5, 7))
+    zero = np.zeros((5, 7), dtype=np.int64)
+    _, ent = _ref.logprob_entropy(z, zero)
+    s_ref, _ = cs.sum_pi_squared(z)
+    for fn in (dverl.entropy_from_logits, dverl.vocab_parallel_entropy):
+        x = cs.t(z, dtype, grad=True)
+        h = fn(x)
+        assert h.dtype == x.dtype
+        cs.check(h, ent, dtype, "entropy", out_dtype=dtype)
+        h.backward(torch.tensor(g).to(h.dtype))
+        g_used = cs.n(torch.tensor(g).to(h.dtype))
+        cs.check(x.grad, _ref.logprob_entropy_grad(z, zero, np.zeros((5, 7)), g_used), dtype, "grad")
+        cs.check(fn(x.detach(), float32_output=True), ent, dtype, "entropy")
+    for fn in (dverl.entropy_from_logits_with_chunking, dverl.vocab_parallel_entropy_with_chunking):
+        h = fn(cs.t(z, dtype), 2)
+        assert h.dtype == torch.float32  # verl's chunked functions return float32
+        cs.check(h, ent, dtype, "entropy")
+    for fn in (dverl.calculate_sum_pi_squared_from_logits, dverl.vocab_parallel_sum_pi_squared):
+        x = cs.t(z, dtype, grad=True)
+        s = fn(x)
+        assert s.dtype == x.dtype
+        cs.check(s, s_ref, dtype, "entropy", out_dtype=dtype)
+        s.backward(torch.tensor(g).to(s.dtype))
+        cs.check(x.grad, cs.sum_pi_squared_grad(z, cs.n(torch.tensor(g).to(s.dtype))), dtype, "grad")
+        assert fn(x.detach(), float32_output=True).dtype == torch.float32
+
+
+@pytest.mark.usefixtures("_eager")
+def test_one_call_logprobs_and_entropy_and_float64():
+    z = cs.logits((9, 40), "float64", seed=16)
+    y = np.random.default_rng(17).integers(0, 40, size=9)
+    lp, h = dverl.vocab_parallel_log_probs_and_entropy(cs.t(z, "float64"), torch.tensor(y))
+    ref_lp, ref_h = _ref.logprob_entropy(z, y)
+    cs.check(lp, ref_lp, "float64", "logprob")
+    cs.check(h, ref_h, "float64", "entropy")
+    s, _ = cs.sum_pi_squared(z)
+    cs.check(dverl.calculate_sum_pi_squared_from_logits(cs.t(z, "float64")), s, "float64", "entropy")
+
+
+def _verl_problem(world):
+    z = cs.logits((3, 4, 8 * world), "float32", seed=18)
+    rng = np.random.default_rng(19)
+    y = rng.integers(0, 8 * world, size=(3, 4))
+    y[0, 0] = -100
+    ups = {"logprob": rng.normal(size=(3, 4)).astype(np.float32), "entropy": rng.normal(size=(3, 4)).astype(np.float32)}
+    return z, y, ups
+
+
+def test_tensor_parallel_functions_at_w2_against_the_oracle():
+    world = 2
+    z, y, ups = _verl_problem(world)
+    ranks = run_ranks(cs.verl_ranks, world, z, y, ups, timeout=300, env={"DUALVP_COMPILE": "0"})
+    ref_lp, ref_h = _ref.logprob_entropy(z, y)
+    zero = np.zeros(y.shape, dtype=np.int64)
+    g_lp = _ref.logprob_entropy_grad(z, y, ups["logprob"])
+    g_h = _ref.logprob_entropy_grad(z, zero, np.zeros(y.shape), ups["entropy"])
+    s_ref, _ = cs.sum_pi_squared(z)
+    g_s = cs.sum_pi_squared_grad(z, ups["entropy"])
+    v = z.shape[-1] // world
+    for r, out in enumerate(ranks):
+        cols = slice(r * v, (r + 1) * v)
+        h, dt, gh = out["entropy"]
+        assert dt == "torch.float32"
+        cs.check(h, ref_h, "float32", "entropy")
+        cs.check(gh, g_h[..., cols], "float32", "grad")
+        lp, dt, gl = out["logprob"]
+        cs.check(lp, ref_lp, "float32", "logprob")
+        cs.check(gl, g_lp[..., cols], "float32", "grad")
+        lp2, h2, g2 = out["both"]
+        cs.check(lp2, ref_lp, "float32", "logprob")
+        cs.check(h2, ref_h, "float32", "entropy")
+        cs.check(g2, g_lp[..., cols] + g_h[..., cols], "float32", "grad")
+        s, dt, gs = out["sum_pi_squared"]
+        cs.check(s, s_ref, "float32", "entropy")
+        cs.check(gs, g_s[..., cols], "float32", "grad")
+        assert out["entropy_bf16"][1] == "torch.bfloat16"
+        cs.check(out["chunked"], ref_h, "float32", "entropy")
+        assert out["bare"] and "tp_group" in out["bare"]
+
+
+def test_dtensor_logits_are_taken_as_they_are_at_w2():
+    world = 2
+    z, y, ups = _verl_problem(world)
+    y[0, 0] = 3
+    ranks = run_ranks(cs.verl_dtensor_ranks, world, z, y, ups, timeout=300, env={"DUALVP_COMPILE": "0"})
+    ref_lp, ref_h = _ref.logprob_entropy(z, y)
+    s_ref, _ = cs.sum_pi_squared(z)
+    zero = np.zeros(y.shape, dtype=np.int64)
+    g = (_ref.logprob_entropy_grad(z, y, ups["logprob"])
+         + _ref.logprob_entropy_grad(z, zero, np.zeros(y.shape), ups["entropy"])
+         + cs.sum_pi_squared_grad(z, ups["logprob"]))
+    v = z.shape[-1] // world
+    for r, out in enumerate(ranks):
+        assert out["types"] == ["Tensor"] * 3  # plain tensors back, as after verl's .full_tensor()
+        cs.check(out["logprob"], ref_lp, "float32", "logprob")
+        cs.check(out["entropy"], ref_h, "float32", "entropy")
+        cs.check(out["sum_pi_squared"], s_ref, "float32", "entropy")
+        cs.check(out["grad"], g[..., r * v : (r + 1) * v], "float32", "grad")

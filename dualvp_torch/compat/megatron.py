@@ -1,99 +1,42 @@
-"""Drop-in replacements for the call sites of existing training code.
+"""Drop-in for megatron-core's ``vocab_parallel_cross_entropy``.
 
-* :func:`vocab_parallel_cross_entropy`: megatron-core's
-  ``megatron.core.tensor_parallel.vocab_parallel_cross_entropy(
-  vocab_parallel_logits, target, label_smoothing=0.0, tp_group=None)``, same
-  positional order, same per-token loss (label smoothing included).
-* :func:`calculate_log_probs_and_entropy`: slime's
-  ``slime.utils.ppo_utils.calculate_log_probs_and_entropy``, same signature
-  and the same return shapes in every case (``T = 0`` included).
+``megatron.core.tensor_parallel.vocab_parallel_cross_entropy(vocab_parallel_logits, target,
+label_smoothing=0.0, tp_group=None)``: same positional order, same per-token loss (label smoothing
+included).
 
-The two originals resolve a missing group differently, and so do these:
+``tp_group=None`` resolves as megatron-core does where it can: megatron-core's tensor-parallel group when
+its parallel state is initialised (``megatron.core.parallel_state``; looked up only if that module is
+already imported, so megatron-core stays optional); otherwise a ``ValueError`` when ``torch.distributed``
+has more than one rank (the world group is never assumed: with pipeline or data parallelism it is the
+wrong group and the loss would be silently wrong); otherwise (no ``torch.distributed``, or a 1-rank
+world) unsharded.
 
-* Megatron (``tp_group=None``): megatron-core's tensor-parallel group when
-  its parallel state is initialised (``megatron.core.parallel_state``; looked
-  up only if that module is already imported, so megatron-core stays
-  optional); otherwise a ``ValueError`` when ``torch.distributed`` has more
-  than one rank (the world group is never assumed: with pipeline or data
-  parallelism it is the wrong group and the loss would be silently wrong);
-  otherwise (no ``torch.distributed``, or a 1-rank world) unsharded.
-* slime (``tp_group=None``): the world group when ``torch.distributed`` is
-  initialised, else unsharded, exactly as slime's own collectives resolve
-  ``group=None``.
+Output dtype: float32, megatron-core's (float64 for float64 logits: computed and kept in float64, a
+deliberate difference; there is no 16-bit output to switch off).
 
-Known, deliberate differences from the originals: the input logits are never
-modified (Megatron's function overwrites float32 logits in place); float64
-logits give float64 results (both originals compute in float32); a target
-equal to ``-100`` gives log-prob 0, loss 0 and no gradient (both originals
-treat it like any id outside the shard: loss ``logsumexp``), and every other
-id outside ``[0, V)`` raises ``ValueError`` on every rank instead of giving
-a meaningless number.
+Known, deliberate differences from the original: the input logits are never modified (Megatron's
+function overwrites float32 logits in place); a target equal to ``-100`` gives loss 0 and no gradient
+(megatron-core treats it like any id outside the shard: loss ``logsumexp``), and every other id outside
+``[0, V)`` raises ``ValueError`` on every rank instead of giving a meaningless number.
 """
 
 from __future__ import annotations
 
-import contextlib
 import math
 import numbers
-import sys
 
 import torch
 import torch.distributed as dist
 from torch.autograd.function import once_differentiable
 
-from . import collectives, kernels
-from . import dtensor as _dtensor
-from .compat_verl import linear_cross_entropy
-from .function import _forward, _grad, _kind, _logprob_entropy, _one_graph_break, _validated, logprob_entropy
+from .. import collectives, kernels
+from .. import dtensor as _dtensor
+from ._core import _forward, _grad, _kind, _logprob_entropy, _one_graph_break, _validated, logprob_entropy
+from ._core import IGNORE_INDEX as _IGNORE_INDEX
+from ._core import argument_names as _argument_names
+from ._core import resolve_megatron_group as _resolve_megatron_group
 
-__all__ = ["calculate_log_probs_and_entropy", "linear_cross_entropy", "vocab_parallel_cross_entropy"]
-
-_IGNORE_INDEX = -100
-
-
-def _check_tp_group(tp_group) -> None:
-    if tp_group is not None and not collectives.is_process_group(tp_group):
-        raise TypeError(f"tp_group: expected a torch.distributed.ProcessGroup or None, got {_kind(tp_group)}")
-
-
-def _megatron_tp_group():
-    """megatron-core's tensor-parallel group, or ``None`` if its parallel state is not initialised.
-
-    Only an already imported ``megatron.core.parallel_state`` can hold an
-    initialised state, so megatron-core is never imported here.
-    """
-    ps = sys.modules.get("megatron.core.parallel_state")
-    if ps is None:
-        return None
-    try:
-        return ps.get_tensor_model_parallel_group(check_initialized=False)
-    except TypeError:  # an old megatron-core without check_initialized
-        return getattr(ps, "_TENSOR_MODEL_PARALLEL_GROUP", None)
-
-
-def _resolve_megatron_group(tp_group):
-    _check_tp_group(tp_group)
-    if tp_group is not None:
-        return tp_group
-    group = _megatron_tp_group()
-    if group is not None:
-        return group
-    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-        raise ValueError(
-            f"tp_group: expected the tensor-parallel process group; got None while torch.distributed has "
-            f"{dist.get_world_size()} ranks and megatron-core's parallel state is not initialised. The world group "
-            "is not assumed (with pipeline or data parallelism it is the wrong group and the loss would be "
-            "silently wrong): pass tp_group=<the group that shards the vocabulary>, or call "
-            "megatron.core.parallel_state.initialize_model_parallel(...) first"
-        )
-    return None
-
-
-def _resolve_slime_group(tp_group):
-    _check_tp_group(tp_group)
-    if tp_group is None and dist.is_available() and dist.is_initialized():
-        return dist.group.WORLD
-    return tp_group
+__all__ = ["vocab_parallel_cross_entropy"]
 
 
 def _check_label_smoothing(label_smoothing) -> float:
@@ -106,74 +49,6 @@ def _check_label_smoothing(label_smoothing) -> float:
     if not (0.0 <= value < 1.0):  # also rejects NaN
         raise ValueError(f"label_smoothing: expected a float in [0, 1), got {value!r}")
     return value
-
-
-@contextlib.contextmanager
-def _argument_names(**names: str):
-    """Re-word errors of :func:`logprob_entropy` with the caller's argument names (``inner=outer``).
-
-    The errors are raised alike on every rank (agreement step), so the
-    re-worded ones are too.
-    """
-    try:
-        yield
-    except (TypeError, ValueError) as exc:
-        msg = str(exc)
-        for inner, outer in names.items():
-            if msg.startswith(inner + ":"):
-                raise type(exc)(outer + msg[len(inner) :]) from exc
-        raise
-
-
-@_one_graph_break
-def calculate_log_probs_and_entropy(
-    logits: torch.Tensor,
-    tokens: torch.Tensor,
-    tp_group,
-    with_entropy: bool = False,
-    chunk_size: int = -1,
-    log_prob_keep_mask: torch.Tensor | None = None,
-    with_entropy_grad: bool = True,
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """slime's ``calculate_log_probs_and_entropy`` on :func:`logprob_entropy`.
-
-    Args:
-      logits: ``[T, V_local]`` this rank's vocab shard (temperature already
-        applied by the caller, as in slime).
-      tokens: ``[T]`` global token ids.
-      tp_group: the tensor-parallel group; ``None`` means the world group when
-        ``torch.distributed`` is initialised, else unsharded (as in slime).
-      with_entropy: also return the entropy.
-      chunk_size: accepted for compatibility. Rows are independent and the op
-        already needs no ``[T, V_local]`` scratch, so the rows are not split;
-        the results are identical for every ``chunk_size``. Must be an int.
-      log_prob_keep_mask: ``[T, V_local]`` bool keep mask (top-p / top-k
-        replay) for the log-prob, or ``None``.
-      with_entropy_grad: ``False`` returns an entropy without gradient.
-
-    Returns:
-      As slime: ``(log_prob [T, 1], entropy [T] or None)`` for ``T > 0``, and
-      ``(log_prob [0], entropy [0] or None)`` for ``T = 0``. float32 (float64
-      for float64 logits), also for ``T = 0`` (where slime returns the
-      logits' dtype); the ``T = 0`` results stay connected to ``logits``.
-    """
-    if isinstance(chunk_size, bool) or not isinstance(chunk_size, int):
-        raise TypeError(f"chunk_size: expected an int, got {type(chunk_size).__name__} {chunk_size!r}")
-    with _argument_names(
-        target="tokens", keep_mask="log_prob_keep_mask", entropy_grad="with_entropy_grad"
-    ):
-        log_prob, entropy = logprob_entropy(
-            logits,
-            tokens,
-            group=_resolve_slime_group(tp_group),
-            keep_mask=log_prob_keep_mask,
-            with_entropy=with_entropy,
-            entropy_grad=with_entropy_grad,
-            ignore_index=_IGNORE_INDEX,
-        )
-    if logits.shape[0] == 0:  # slime's own empty-batch branch: flat (0,) results
-        return log_prob.reshape(0), None if entropy is None else entropy.reshape(0)
-    return log_prob.unsqueeze(-1), entropy
 
 
 @_one_graph_break
