@@ -7,6 +7,8 @@
 * :func:`make_kl`: a case's float64 arrays (already rounded to the case's
   dtype, so the oracle judges the computation, not the input rounding).
 * :func:`kl_oracle`: the float64 answer (:mod:`dualvp.kl_reference`).
+* :func:`run_spec`: the spec run with NumPy over ``W`` shards and combined in
+  one round, as the backends run it;
 * :func:`kl_failures`: a backend's ``(kl, d_logits, d_ref)`` against the
   oracle within :data:`~dualvp.testing.metrics.TOLERANCES` (``"kl"`` for the
   values, ``"grad"`` for both gradients), as text lines.
@@ -18,12 +20,12 @@ from typing import NamedTuple, Optional
 
 import numpy as np
 
-from dualvp import kl_reference
+from dualvp import kl_reference, kl_spec
 
 from .cases import round_to_dtype
 from .metrics import max_errors, tolerance, within_tolerance
 
-__all__ = ["KLCase", "KLProblem", "KL_CASES", "make_kl", "kl_oracle", "kl_failures", "kl_errors"]
+__all__ = ["KLCase", "KLProblem", "KL_CASES", "make_kl", "kl_oracle", "kl_failures", "kl_errors", "run_spec"]
 
 
 class KLCase(NamedTuple):
@@ -136,3 +138,26 @@ def kl_failures(problem: KLProblem, result: tuple, label: str = "") -> list:
     """The failing quantities of :func:`kl_errors`, as text."""
     return [f"{label}{problem.case.name}/{problem.case.dtype} {q}: abs {a:.3e} rel {r:.3e}"
             for q, (a, r, ok) in kl_errors(problem, result).items() if not ok]
+
+
+def run_spec(problem: KLProblem, world: int, dtype=np.float64) -> tuple:
+    """``(kl, d_logits, d_ref)`` of :mod:`dualvp.kl_spec` over ``world`` shards, NumPy, compute dtype ``dtype``.
+
+    Each shard's statistics, one stacked table, the combine, each shard's
+    gradient block: the backends' data flow, with the collective replaced by
+    ``np.stack``.
+    """
+    c = problem.case
+    a_full, b_full = kl_spec.operands(c.direction, problem.logits.astype(dtype), problem.ref_logits.astype(dtype))
+    tau = dtype(c.temperature)
+    pairs = list(zip(np.split(a_full, world, axis=-1), np.split(b_full, world, axis=-1)))
+    with np.errstate(all="ignore"):
+        table = np.stack([kl_spec.block_stats(np, a, b, tau) for a, b in pairs])
+        comb = kl_spec.combine_stats(np, table, tau)
+        kl = kl_spec.outputs(np, comb, problem.row_mask)
+        grads = [kl_spec.block_grad(np, a, b, comb, problem.grad.astype(dtype), tau, row_mask=problem.row_mask)
+                 for a, b in pairs]
+    ga = np.concatenate([g[0] for g in grads], axis=-1)
+    gb = np.concatenate([g[1] for g in grads], axis=-1)
+    dz, dr = (ga, gb) if c.direction == "forward" else (gb, ga)
+    return kl, dz, dr

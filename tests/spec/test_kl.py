@@ -11,25 +11,11 @@ import pytest
 
 from dualvp import kl_reference, kl_spec
 from dualvp.testing import TOLERANCES
-from dualvp.testing.kl import KL_CASES, kl_failures, make_kl
+from dualvp.testing.kl import KL_CASES, kl_failures, make_kl, run_spec
 
 
 def spec_kl(problem, world: int, dtype=np.float64):
-    """(kl, d_logits, d_ref) from the spec over ``world`` shards (NumPy, compute dtype ``dtype``)."""
-    c = problem.case
-    a_full, b_full = kl_spec.operands(c.direction, problem.logits.astype(dtype), problem.ref_logits.astype(dtype))
-    tau = dtype(c.temperature)
-    shards = lambda x: np.split(x, world, axis=-1)  # noqa: E731
-    with np.errstate(all="ignore"):
-        table = np.stack([kl_spec.block_stats(np, a, b, tau) for a, b in zip(shards(a_full), shards(b_full))])
-        comb = kl_spec.combine_stats(np, table, tau)
-        kl = kl_spec.outputs(np, comb, problem.row_mask)
-        grads = [kl_spec.block_grad(np, a, b, comb, problem.grad.astype(dtype), tau, row_mask=problem.row_mask)
-                 for a, b in zip(shards(a_full), shards(b_full))]
-    ga = np.concatenate([g[0] for g in grads], axis=-1)
-    gb = np.concatenate([g[1] for g in grads], axis=-1)
-    dz, dr = (ga, gb) if c.direction == "forward" else (gb, ga)
-    return kl, dz, dr
+    return run_spec(problem, world, dtype)
 
 
 @pytest.mark.parametrize("world", [1, 2, 4, 8])
