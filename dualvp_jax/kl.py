@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import math
 from functools import partial
-from typing import NamedTuple, Optional
+from typing import NamedTuple
 
 import numpy as np
 
