@@ -15,6 +15,7 @@ from . import compat
 from .function import check_target_range, logprob_entropy
 from .sharded import sharded_logprob_entropy
 from .linear import linear_logprob_entropy, sharded_linear_logprob_entropy
+from .kl import kl_divergence, sharded_kl_divergence
 
 __all__ = ["logprob_entropy", "sharded_logprob_entropy", "linear_logprob_entropy", "sharded_linear_logprob_entropy",
-           "check_target_range", "compat"]
+           "check_target_range", "compat", "kl_divergence", "sharded_kl_divergence"]

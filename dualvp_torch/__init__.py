@@ -18,5 +18,6 @@ W gloo ranks.
 from . import compat, library  # noqa: F401 - library: the op as custom ops for callers' fullgraph torch.compile
 from .function import logprob_entropy
 from .linear import linear_logprob_entropy
+from .kl import kl_divergence
 
-__all__ = ["logprob_entropy", "linear_logprob_entropy", "compat"]
+__all__ = ["logprob_entropy", "linear_logprob_entropy", "kl_divergence", "compat"]

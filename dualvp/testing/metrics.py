@@ -88,6 +88,18 @@ TOLERANCES: dict[str, dict[str, Tolerance]] = {
     },
 }
 
+# The KL divergence op (dualvp.kl_spec): "kl" is the value; its two gradients
+# use the "grad" row. KL = T/Sa - log Sa + log Sb is a sum of three terms of
+# size O(log V + |dA - dB|) in shifted logits, like the entropy's log S - c,
+# with one more float32 reduction (Sb): the entropy's bound holds, and the
+# gradients p (log p - log q - KL) / tau and (q - p) / tau have the entropy
+# gradient's form, so the "grad" row (float32 relative error, one rounding to
+# the input dtype) applies to both.
+for _dt, _kl in (("float64", Tolerance(1e-9, 1e-10)), ("float32", Tolerance(2e-5, 2e-5)),
+                 ("bfloat16", Tolerance(2e-5, 2e-5)), ("float16", Tolerance(2e-5, 2e-5))):
+    TOLERANCES[_dt]["kl"] = _kl
+del _dt, _kl
+
 
 def tolerance(dtype: str, quantity: str, ref=None) -> Tolerance:
     """Tolerance for ``quantity`` in ``("logprob", "entropy", "grad")``, or ``"dh"`` / ``"dW"`` given ``ref``.

@@ -16,9 +16,12 @@ def _parser() -> argparse.ArgumentParser:
     )
     sub = p.add_subparsers(dest="command", required=True)
     v = sub.add_parser("verify", help="check every backend against the float64 oracle and each other")
-    v.add_argument("--op", default="logits", choices=["logits", "linear"],
+    v.add_argument("--op", default="logits", choices=["logits", "linear", "kl"],
                    help="logits: logprob_entropy on vocab-sharded logits (default); linear: the fused LM head "
-                   "linear_logprob_entropy on hidden states [T, H] and the vocab-parallel weight [V, H]")
+                   "linear_logprob_entropy on hidden states [T, H] and the vocab-parallel weight [V, H]; "
+                   "kl: kl_divergence of two vocab-sharded logits (values and both gradients)")
+    v.add_argument("--direction", default="forward", choices=["forward", "reverse"],
+                   help="--op kl: KL(p || q) (forward, p from the logits) or KL(q || p)")
     v.add_argument("--hidden", type=int, default=64, help="--op linear: hidden size H")
     v.add_argument("--tp", type=int, default=None,
                    help="tensor-parallel size W (vocab shards); default 2, or under a launcher (torchrun: RANK, "

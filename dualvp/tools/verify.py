@@ -310,6 +310,10 @@ def run(args) -> int:
     ``WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``), it checks that job's
     ranks instead (:func:`run_launched`: torch only).
     """
+    if getattr(args, "op", "logits") == "kl" and not launched():
+        from .verify_kl import run_kl
+
+        return run_kl(args)
     if launched():
         return run_launched(args)
     if args.tp is None:

@@ -1,0 +1,333 @@
+"""Exact full-vocabulary KL divergence of two vocab-sharded logits (:func:`kl_divergence`).
+
+Per row (token position), ``KL(softmax(logits / tau) || softmax(ref_logits / tau))``
+over the *whole* vocabulary (``direction="reverse"``: ``KL(q || p)``), from this
+rank's shards ``[..., V_local]`` of the policy's and the reference's logits
+(same sharding), with gradients to ``logits`` and, when it requires one, to
+``ref_logits``. The math is :mod:`dualvp.kl_spec`; this module runs it:
+
+Forward: :func:`dualvp.kl_spec.block_stats` of bounded row chunks of the
+shard (``[n, 5]`` statistics, O(T)), one all-gather of them over ``group``
+(``[W, n, 5]``), :func:`~dualvp.kl_spec.combine_stats` on every rank (so every
+rank holds bit-identical results). That all-gather is the forward's only
+collective; ``validate=True`` with a group adds the agreement all-gather
+before it (the options, shapes, dtypes and a fingerprint of ``row_mask``, one
+host sync), as :func:`dualvp_torch.logprob_entropy` does. The backward has no
+collective.
+
+Backward: :func:`~dualvp.kl_spec.block_grad` over the same row chunks, written
+into one gradient buffer per input that needs a gradient (in that input's
+dtype). Between forward and backward the op holds references to its inputs
+and ``[5, n]`` statistics. Chunks are ``max(1, CHUNK_ELEMENTS // V_local)``
+rows, chosen from ``V_local`` alone: a row's results never depend on the other
+rows or ``T``. Extra memory: the gradient buffers (1 B per input that needs a
+gradient, B = that input's shard bytes) plus a few float32 chunk temporaries
+(``CHUNK_ELEMENTS * 4`` bytes each) and O(T).
+
+The op is a pair of ``torch.library`` custom ops (``dualvp::kl_divergence_fwd``
+and ``dualvp::kl_divergence_bwd``) with ``register_autograd``: the same code
+eagerly and as one opaque node under ``torch.compile(fullgraph=True)``.
+"""
+
+from __future__ import annotations
+
+import numbers
+import struct
+from typing import Optional
+
+import array_api_compat.torch as xp
+import torch
+from torch import Tensor
+
+from dualvp import kl_spec
+from dualvp.validation import check_temperature
+
+from . import agreement, collectives
+
+__all__ = ["kl_divergence", "CHUNK_ELEMENTS", "RECORD_FIELDS"]
+
+#: Elements of one row chunk (rows = ``max(1, CHUNK_ELEMENTS // V_local)``): a float32 temporary of
+#: the chunk is 1 MiB, small next to any shard worth sharding, large enough that the Python loop is
+#: a few hundred iterations at T = 4096, V_local = 32000.
+CHUNK_ELEMENTS = 1 << 18
+
+_FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+#: Argument names; a local failure is recorded as 1 + its index in the agreement record.
+ARGUMENTS = ("logits", "ref_logits", "row_mask", "temperature", "direction", "group", "validate")
+#: Fields of the ``validate=True`` agreement record (then the two fingerprint fields of ``row_mask``).
+RECORD_FIELDS = ("error", "rows", "V_local", "logits dtype", "ref_logits dtype", "row_mask present", "direction",
+                 "temperature")
+
+
+# --- checks ------------------------------------------------------------------------------
+
+
+def _check_local(logits, ref_logits, row_mask, temperature, direction, group, validate) -> None:
+    """Every check that needs no other rank; raises ``TypeError`` / ``ValueError`` naming the argument."""
+    if not isinstance(logits, Tensor):
+        raise TypeError(f"logits: expected a torch.Tensor [..., V_local], got {type(logits).__name__}")
+    if logits.dtype not in _FLOAT_DTYPES:
+        raise TypeError(f"logits: expected float32, bfloat16, float16 or float64, got {logits.dtype}")
+    if logits.dim() < 1 or logits.shape[-1] < 1:
+        raise ValueError(f"logits: expected shape [..., V_local] with V_local >= 1, got {tuple(logits.shape)}")
+    if not isinstance(ref_logits, Tensor):
+        raise TypeError(f"ref_logits: expected a torch.Tensor shaped like logits, got {type(ref_logits).__name__}")
+    if ref_logits.dtype not in _FLOAT_DTYPES:
+        raise TypeError(f"ref_logits: expected float32, bfloat16, float16 or float64, got {ref_logits.dtype}")
+    if ref_logits.shape != logits.shape:
+        raise ValueError(f"ref_logits: expected the shape of logits {tuple(logits.shape)}, "
+                         f"got {tuple(ref_logits.shape)} (both are this rank's shard, same sharding)")
+    if ref_logits.device != logits.device:
+        raise ValueError(f"ref_logits: expected the device of logits ({logits.device}), got {ref_logits.device}")
+    if row_mask is not None:
+        if not isinstance(row_mask, Tensor) or row_mask.dtype != torch.bool:
+            kind = type(row_mask).__name__ if not isinstance(row_mask, Tensor) else f"a {row_mask.dtype} tensor"
+            raise TypeError(f"row_mask: expected None or a bool torch.Tensor [...], got {kind}")
+        if row_mask.shape != logits.shape[:-1]:
+            raise ValueError(f"row_mask: expected the leading shape of logits {tuple(logits.shape[:-1])}, "
+                             f"got {tuple(row_mask.shape)}")
+        if row_mask.device != logits.device:
+            raise ValueError(f"row_mask: expected the device of logits ({logits.device}), got {row_mask.device}")
+    if isinstance(temperature, (bool, Tensor)) or not isinstance(temperature, numbers.Real):
+        raise TypeError(f"temperature: expected a finite float > 0 (a Python number), "
+                        f"got {type(temperature).__name__} {temperature!r}"[:300])
+    check_temperature(temperature)
+    if not isinstance(direction, str) or direction not in kl_spec.DIRECTIONS:
+        raise ValueError(f"direction: expected one of {kl_spec.DIRECTIONS}, got {direction!r}")
+    if group is not None and not collectives.is_process_group(group):
+        raise TypeError(f"group: expected None or a torch.distributed.ProcessGroup, got {type(group).__name__}")
+    if not isinstance(validate, bool):
+        raise TypeError(f"validate: expected a bool, got {type(validate).__name__}")
+
+
+def _error_code(exc: Optional[BaseException]) -> int:
+    if exc is None:
+        return 0
+    for i, name in enumerate(ARGUMENTS):
+        if str(exc).startswith(name + ":"):
+            return i + 1
+    return len(ARGUMENTS) + 1
+
+
+def _record(logits, ref_logits, row_mask, temperature, direction, error) -> list:
+    if error is not None:
+        return [_error_code(error)] + [-1] * (len(RECORD_FIELDS) - 1)
+    return [0, logits.numel() // logits.shape[-1], logits.shape[-1], _FLOAT_DTYPES.index(logits.dtype),
+            _FLOAT_DTYPES.index(ref_logits.dtype), int(row_mask is not None), kl_spec.DIRECTIONS.index(direction),
+            struct.unpack("<q", struct.pack("<d", float(temperature)))[0]]
+
+
+def _agree(logits, ref_logits, row_mask, temperature, direction, group, error) -> None:
+    """The agreement step: one all-gather of record + ``row_mask`` fingerprint, one host sync; same raise everywhere."""
+    hint = logits if isinstance(logits, Tensor) else None
+    device = collectives.comm_device(group, hint)
+    rec = torch.tensor(_record(logits, ref_logits, row_mask, temperature, direction, error), dtype=torch.int64)
+    mask = row_mask if error is None and row_mask is not None else None
+    prints = agreement.fingerprint(mask, device=device)
+    table = collectives.all_gather_rows(torch.cat([rec.to(device), prints]), group).tolist()  # the one host sync
+    n = len(RECORD_FIELDS)
+    codes = [r[0] for r in table]
+    if any(codes):
+        if error is not None and len(set(codes)) == 1:
+            raise error
+        failed = ", ".join(f"rank {i} ({ARGUMENTS[c - 1] if c <= len(ARGUMENTS) else '?'})"
+                           for i, c in enumerate(codes) if c)
+        raise RuntimeError(f"dualvp.kl_divergence: argument validation failed on {failed} while other ranks passed "
+                           "or failed differently; every rank of the group raises this error") from error
+    for j, field in enumerate(RECORD_FIELDS[1:], start=1):
+        values = [r[j] for r in table]
+        if len(set(values)) > 1:
+            raise RuntimeError(f"dualvp.kl_divergence: ranks of the group disagree on {field} "
+                               f"({', '.join(f'rank {i}: {v}' for i, v in enumerate(values))}); every rank raises")
+    if len({tuple(r[n:]) for r in table}) > 1:
+        raise ValueError("row_mask: differs across the process group's ranks; it selects the same rows on every "
+                         "vocab shard (is `group` the tensor-parallel group?). Every rank of the group raises this "
+                         "error.")
+
+
+def _validated(logits, ref_logits, row_mask, temperature, direction, group, validate) -> None:
+    """Local checks, then (``validate=True`` with a group of W > 1) the agreement step; raises alike on every rank."""
+    error = None
+    try:
+        _check_local(logits, ref_logits, row_mask, temperature, direction, group, validate)
+    except (TypeError, ValueError) as exc:
+        error = exc
+    if group is not None and collectives.is_process_group(group) and validate is not False \
+            and collectives.group_rank_world(group)[1] > 1:
+        _agree(logits, ref_logits, row_mask, temperature, direction, group, error)
+    if error is not None:
+        raise error
+
+
+# --- the stages ------------------------------------------------------------------------------
+
+
+def _compute_dtype(*dtypes) -> torch.dtype:
+    return torch.float64 if torch.float64 in dtypes else torch.float32
+
+
+def _rows_per_chunk(v_local: int) -> int:
+    return max(1, CHUNK_ELEMENTS // v_local)
+
+
+def _group(name: str):
+    return torch.distributed.distributed_c10d._resolve_process_group(name) if name else None
+
+
+def _forward(logits, ref_logits, row_mask, tau, direction, group):
+    """``(kl [...], res [5, n])``: the KL and the residuals ``(ma, log_sa, mb, log_sb, kl)`` per row."""
+    v = logits.shape[-1]
+    cdt = _compute_dtype(logits.dtype, ref_logits.dtype)
+    a, b = kl_spec.operands(direction, logits.reshape(-1, v), ref_logits.reshape(-1, v))
+    n = a.shape[0]
+    stats = torch.empty((n, kl_spec.N_KL_STATS), dtype=cdt, device=logits.device)
+    step = _rows_per_chunk(v)
+    for i in range(0, n, step):
+        stats[i:i + step] = kl_spec.block_stats(xp, a[i:i + step], b[i:i + step], tau, dtype=cdt)
+    if group is not None and collectives.group_rank_world(group)[1] > 1:
+        device = collectives.comm_device(group, stats)
+        table = collectives.all_gather_rows(stats.to(device), group).to(stats.device)  # the forward's collective
+    else:
+        table = stats[None]
+    comb = kl_spec.combine_stats(xp, table, tau)
+    mask = None if row_mask is None else row_mask.reshape(-1)
+    kl = kl_spec.outputs(xp, comb, mask)
+    return kl.reshape(logits.shape[:-1]), torch.stack([comb.ma, comb.log_sa, comb.mb, comb.log_sb, comb.kl])
+
+
+def _grad(logits, ref_logits, row_mask, res, grad, tau, direction, need_logits, need_ref):
+    """``(d_logits or None, d_ref or None)``, each in its input's dtype, written chunk by chunk."""
+    v = logits.shape[-1]
+    cdt = _compute_dtype(logits.dtype, ref_logits.dtype)
+    a, b = kl_spec.operands(direction, logits.reshape(-1, v), ref_logits.reshape(-1, v))
+    want_a, want_b = (need_logits, need_ref) if direction == "forward" else (need_ref, need_logits)
+    ga = torch.empty_like(a, memory_format=torch.contiguous_format) if want_a else None
+    gb = torch.empty_like(b, memory_format=torch.contiguous_format) if want_b else None
+    g = grad.reshape(-1)
+    mask = None if row_mask is None else row_mask.reshape(-1)
+    step = _rows_per_chunk(v)
+    for i in range(0, a.shape[0], step):
+        sl = slice(i, i + step)
+        comb = kl_spec.KLCombined(*(res[k, sl] for k in range(5)))
+        da, db = kl_spec.block_grad(xp, a[sl], b[sl], comb, g[sl], tau, row_mask=None if mask is None else mask[sl],
+                                    dtype=cdt, want_a=want_a, want_b=want_b)
+        if want_a:
+            ga[sl] = da
+        if want_b:
+            gb[sl] = db
+    d_logits, d_ref = (ga, gb) if direction == "forward" else (gb, ga)
+    return (None if d_logits is None else d_logits.view(logits.shape),
+            None if d_ref is None else d_ref.view(ref_logits.shape))
+
+
+# --- the custom ops ---------------------------------------------------------------------------
+
+
+@torch.library.custom_op("dualvp::kl_divergence_fwd", mutates_args=())
+def _fwd(logits: Tensor, ref_logits: Tensor, row_mask: Optional[Tensor], group_name: str, temperature: float,
+         direction: str, validate: bool) -> list[Tensor]:
+    group = _group(group_name)
+    _validated(logits, ref_logits, row_mask, temperature, direction, group, validate)
+    kl, res = _forward(logits, ref_logits, row_mask, temperature, direction, group)
+    return [kl, res]
+
+
+@_fwd.register_fake
+def _fwd_fake(logits, ref_logits, row_mask, group_name, temperature, direction, validate):
+    cdt = _compute_dtype(logits.dtype, ref_logits.dtype)
+    n = logits.numel() // logits.shape[-1] if logits.dim() and logits.shape[-1] else 0
+    return [logits.new_empty(logits.shape[:-1], dtype=cdt), logits.new_empty((5, n), dtype=cdt)]
+
+
+@torch.library.custom_op("dualvp::kl_divergence_bwd", mutates_args=())
+def _bwd(logits: Tensor, ref_logits: Tensor, row_mask: Optional[Tensor], res: Tensor, grad: Tensor,
+         temperature: float, direction: str, need_logits: bool, need_ref: bool) -> list[Tensor]:
+    d_logits, d_ref = _grad(logits, ref_logits, row_mask, res, grad, temperature, direction, need_logits, need_ref)
+    # a custom op returns tensors: an empty one stands for "not needed"
+    empty = logits.new_empty((0,))
+    return [empty if d_logits is None else d_logits, empty if d_ref is None else d_ref]
+
+
+@_bwd.register_fake
+def _bwd_fake(logits, ref_logits, row_mask, res, grad, temperature, direction, need_logits, need_ref):
+    return [torch.empty_like(logits, memory_format=torch.contiguous_format) if need_logits else logits.new_empty((0,)),
+            torch.empty_like(ref_logits, memory_format=torch.contiguous_format) if need_ref
+            else ref_logits.new_empty((0,))]
+
+
+def _setup_context(ctx, inputs, output):
+    logits, ref_logits, row_mask, _, temperature, direction, _ = inputs
+    ctx.save_for_backward(logits, ref_logits, row_mask, output[1])
+    ctx.options = (temperature, direction)
+
+
+def _backward(ctx, grads):
+    g = grads[0]
+    logits, ref_logits, row_mask, res = ctx.saved_tensors
+    need_logits, need_ref = bool(ctx.needs_input_grad[0]), bool(ctx.needs_input_grad[1])
+    if g is None or not (need_logits or need_ref):
+        return (None,) * 7
+    d_logits, d_ref = _bwd(logits, ref_logits, row_mask, res, g, *ctx.options, need_logits, need_ref)
+    return (d_logits if need_logits else None, d_ref if need_ref else None) + (None,) * 5
+
+
+_fwd.register_autograd(_backward, setup_context=_setup_context)
+
+
+def _eligible(logits, ref_logits, row_mask, temperature, direction, group, validate) -> bool:
+    # the types a custom op can take; anything else fails _check_local (and raises through _validated)
+    return (isinstance(logits, Tensor) and isinstance(ref_logits, Tensor)
+            and (row_mask is None or isinstance(row_mask, Tensor))
+            and isinstance(temperature, numbers.Real) and not isinstance(temperature, (bool, Tensor))
+            and isinstance(direction, str) and isinstance(validate, bool)
+            and (group is None or collectives.is_process_group(group)))
+
+
+def kl_divergence(logits: Tensor, ref_logits: Tensor, *, group=None, row_mask: Optional[Tensor] = None,
+                  temperature: float = 1.0, direction: str = "forward", validate: bool = True) -> Tensor:
+    """Per-row KL divergence over the full vocabulary, from this rank's vocab shards of two logits.
+
+    ``direction="forward"``: ``KL(p || q) = sum_v p_v (log p_v - log q_v)`` with
+    ``p = softmax(logits / tau)``, ``q = softmax(ref_logits / tau)`` over all
+    ``W * V_local`` columns (the KL penalty to a reference policy, or
+    distillation from a teacher in ``ref_logits``); ``"reverse"``: ``KL(q || p)``.
+
+    Args:
+      logits: ``[..., V_local]`` float32 / bfloat16 / float16 / float64, this
+        rank's shard (rank ``r`` of ``group`` holds columns ``[r*V_local,
+        (r+1)*V_local)``). Gets a gradient when it requires one.
+      ref_logits: the same shape and sharding, any of those dtypes; gets a
+        gradient when it requires one (a detached reference costs none).
+      group: the tensor-parallel ``ProcessGroup`` splitting the vocabulary,
+        or ``None`` (unsharded).
+      row_mask: ``None`` (every row counts) or ``[...]`` bool, the same on
+        every rank: rows where it is ``False`` (padding, prompt tokens: the
+        ``ignore_index`` rows of a loss) get KL 0 and zero gradients, whatever
+        their logits hold (NaN included).
+      temperature: ``tau > 0``, a Python number: both distributions are
+        ``softmax(. / tau)``.
+      direction: ``"forward"`` or ``"reverse"`` (above).
+      validate: with a group of ``W > 1``, one extra all-gather (and one host
+        sync) checks that the ranks agree on the shapes, dtypes, options and
+        ``row_mask``, raising the same error on every rank. ``False``: no
+        agreement step; the local checks still run.
+
+    Returns:
+      ``[...]`` float32 (float64 if either input is float64), identical on
+      every rank of the group.
+
+    Banned tokens: ``-inf`` logits are legal. A column with ``p_v = 0``
+    contributes nothing; a column with ``p_v > 0`` and ``q_v = 0`` makes the
+    row's KL ``+inf`` (and its gradient to the ``p``-side logits non-finite).
+    A row whose logits or ref_logits are all ``-inf`` or hold NaN / ``+inf``
+    gives NaN unless masked.
+
+    Raises:
+      ``TypeError`` / ``ValueError`` naming the argument; with ``validate=True``
+      and a group, on every rank (``RuntimeError`` naming the ranks when they
+      fail differently or disagree).
+    """
+    if not _eligible(logits, ref_logits, row_mask, temperature, direction, group, validate):
+        _validated(logits, ref_logits, row_mask, temperature, direction, group, validate)
+    name = "" if group is None else group.group_name
+    return _fwd(logits, ref_logits, row_mask, name, float(temperature), direction, validate)[0]

@@ -1,0 +1,193 @@
+"""dualvp_torch.kl_divergence against the float64 oracle (dualvp.kl_reference).
+
+Values and both gradients on the shared KL cases (banned ``-inf`` columns,
+infinite rows, masked rows holding NaN, both directions, temperatures), in
+float32 and bfloat16, at W = 1 (in process) and W = 2, 4, 8 (one gloo spawn
+each, all cases in it); collectives counted per forward and backward; bad
+inputs; torch.compile(fullgraph=True); the memory of the forward and backward.
+"""
+
+import numpy as np
+import pytest
+import torch
+
+from dualvp.testing.kl import KL_CASES, kl_failures, make_kl
+from dualvp_torch import kl_divergence
+from dualvp_torch import kl as kl_mod
+from dualvp_torch.testing import run_ranks
+
+from . import _kl_ranks
+from ._alloc import allocations, peak
+
+DTYPES = ("float32", "bfloat16")
+
+
+def _run(p, *, need=(True, True), compiled=False):
+    dt = getattr(torch, p.case.dtype)
+    z = torch.tensor(p.logits, dtype=dt, requires_grad=need[0])
+    r = torch.tensor(p.ref_logits, dtype=dt, requires_grad=need[1])
+    m = None if p.row_mask is None else torch.tensor(p.row_mask)
+    c = p.case
+
+    def f(z, r, m):
+        return kl_divergence(z, r, row_mask=m, temperature=c.temperature, direction=c.direction)
+
+    fn = torch.compile(f, fullgraph=True, backend="aot_eager") if compiled else f
+    kl = fn(z, r, m)
+    if any(need):
+        (kl * torch.tensor(p.grad, dtype=kl.dtype)).sum().backward()
+    grad = lambda x: None if x.grad is None else x.grad.double().numpy()  # noqa: E731
+    return kl.detach().double().numpy(), grad(z), grad(r)
+
+
+@pytest.mark.parametrize("dtype", DTYPES + ("float64",))
+def test_matches_oracle_w1(dtype):
+    fails = []
+    for case in KL_CASES:
+        if dtype == "float64" and case.dtype != "float32":
+            continue  # the bfloat16 cases' inputs, in float64, repeat float32 ones
+        p = make_kl(case, dtype)
+        fails += kl_failures(p, _run(p))
+    assert not fails, "\n".join(fails)
+
+
+def test_batch_invariant_rows():
+    # a row's KL and gradient row are bitwise the same alone and inside calls of T = 7, 64, 1000 rows (chunks
+    # are chosen from V_local: 512 rows of 512 columns, so T = 1000 spans two chunks and a partial one)
+    g = torch.Generator().manual_seed(0)
+    V = 512
+    for T in (7, 64, 1000):
+        z = torch.randn(T, V, generator=g, requires_grad=True)
+        r = torch.randn(T, V, generator=g)
+        kl = kl_divergence(z, r, temperature=0.8)
+        kl.sum().backward()
+        for i in (0, T // 2, T - 1):
+            zi = z[i:i + 1].detach().clone().requires_grad_()
+            ki = kl_divergence(zi, r[i:i + 1], temperature=0.8)
+            ki.sum().backward()
+            assert torch.equal(ki[0], kl[i]) and torch.equal(zi.grad[0], z.grad[i]), (T, i)
+
+
+def test_gradient_only_where_required():
+    p = make_kl(KL_CASES[1])
+    kl, dz, dr = _run(p, need=(True, False))
+    assert dr is None and dz is not None
+    assert not kl_failures(p, (kl, dz, None))
+    kl, dz, dr = _run(p, need=(False, True))
+    assert dz is None and dr is not None
+    assert not kl_failures(p, (kl, None, dr))
+    p = make_kl(KL_CASES[4])  # reverse: the gradients swap roles inside
+    assert not kl_failures(p, _run(p, need=(False, True)))
+
+
+@pytest.mark.parametrize("world", [2, 4, pytest.param(8, marks=pytest.mark.slow)])
+def test_matches_oracle_and_one_collective_per_forward(world):
+    per_rank = run_ranks(_kl_ranks.run_cases, world, DTYPES, timeout=300)
+    fails = []
+    for i, (name, dtype, kl, *_rest) in enumerate(per_rank[0]):
+        p = make_kl(next(c for c in KL_CASES if c.name == name), dtype)
+        for rank in range(world):
+            # every rank holds the same KL, bit for bit
+            np.testing.assert_array_equal(per_rank[rank][i][2], kl)
+            assert per_rank[rank][i][5] == {"forward validate=False": 1, "forward validate=True": 2, "backward": 0}
+        dz = np.concatenate([per_rank[r][i][3] for r in range(world)], axis=-1)
+        dr = np.concatenate([per_rank[r][i][4] for r in range(world)], axis=-1)
+        fails += kl_failures(p, (kl, dz, dr), f"W={world} ")
+    assert not fails, "\n".join(fails)
+
+
+def test_w8_fast_tier_smoke():
+    # W = 8 on the fast tier: one case in float32 (the full table at W = 8 is the slow test above)
+    p = make_kl(KL_CASES[3])  # a whole shard banned at W = 8
+    assert not kl_failures(p, _w(p, 8))
+
+
+def _w(p, world):
+    per_rank = run_ranks(_kl_w_case, world, p, timeout=120)
+    return per_rank[0][0], np.concatenate([x[1] for x in per_rank], -1), np.concatenate([x[2] for x in per_rank], -1)
+
+
+def _kl_w_case(rank, world, p):
+    z = torch.tensor(_kl_ranks._shard(p.logits, rank, world), dtype=torch.float32, requires_grad=True)
+    r = torch.tensor(_kl_ranks._shard(p.ref_logits, rank, world), dtype=torch.float32, requires_grad=True)
+    m = None if p.row_mask is None else torch.tensor(p.row_mask)
+    kl = kl_divergence(z, r, group=torch.distributed.group.WORLD, row_mask=m, temperature=p.case.temperature,
+                       direction=p.case.direction)
+    (kl * torch.tensor(p.grad, dtype=kl.dtype)).sum().backward()
+    return kl.detach().double().numpy(), z.grad.double().numpy(), r.grad.double().numpy()
+
+
+def test_disagreeing_ranks_all_raise():
+    seen = run_ranks(_kl_ranks.run_disagreements, 2, timeout=120)
+    expect = {"row_mask differs": "row_mask", "direction differs": "direction",
+              "temperature differs": "temperature", "bad ref on one rank": "ref_logits", "rows differ": "rows"}
+    for name, word in expect.items():
+        for rank in range(2):
+            kind, msg = seen[rank][name]
+            assert kind != "ok" and word in msg, (name, rank, kind, msg)
+
+
+def test_compiled_fullgraph_equals_eager():
+    p = make_kl(KL_CASES[5])  # batch dims, row mask, banned columns
+    eager = _run(p)
+    compiled = _run(p, compiled=True)
+    for e, c in zip(eager, compiled):
+        np.testing.assert_array_equal(c, e)
+
+
+def _bad(**change):
+    kw = dict(logits=torch.randn(3, 8), ref_logits=torch.randn(3, 8), row_mask=None, temperature=1.0,
+              direction="forward", validate=True, group=None)
+    kw.update(change)
+    return kw
+
+
+@pytest.mark.parametrize("change, name", [
+    (dict(logits=np.zeros((3, 8))), "logits"),
+    (dict(logits=torch.zeros(3, 8, dtype=torch.int32)), "logits"),
+    (dict(logits=torch.zeros(())), "logits"),
+    (dict(ref_logits=torch.zeros(3, 7)), "ref_logits"),
+    (dict(ref_logits=[1.0]), "ref_logits"),
+    (dict(ref_logits=torch.zeros(3, 8, dtype=torch.int64)), "ref_logits"),
+    (dict(row_mask=torch.ones(3)), "row_mask"),
+    (dict(row_mask=torch.ones(4, dtype=torch.bool)), "row_mask"),
+    (dict(temperature=0.0), "temperature"),
+    (dict(temperature=float("nan")), "temperature"),
+    (dict(temperature=torch.tensor(1.0)), "temperature"),
+    (dict(temperature=True), "temperature"),
+    (dict(direction="both"), "direction"),
+    (dict(direction=None), "direction"),
+    (dict(group="tp"), "group"),
+    (dict(validate=1), "validate"),
+])
+def test_bad_inputs_name_the_argument(change, name):
+    kw = _bad(**change)
+    with pytest.raises((TypeError, ValueError), match=f"^{name}:"):
+        kl_divergence(kw.pop("logits"), kw.pop("ref_logits"), **kw)
+
+
+@pytest.mark.parametrize("ref_grad", [False, True])
+def test_memory_is_the_gradients_plus_bounded_scratch(ref_grad, monkeypatch):
+    # B = one shard's bytes; extra peak of forward + backward <= B per input needing a gradient + chunk scratch,
+    # and the forward alone allocates no [T, V_local] buffer (its peak is the chunk scratch, not B).
+    # Small chunks keep the scratch far below B at a size the profiler traces quickly.
+    monkeypatch.setattr(kl_mod, "CHUNK_ELEMENTS", 1 << 14)
+    T, V = 128, 8192
+    z = torch.randn(T, V, requires_grad=True)
+    r = torch.randn(T, V, requires_grad=ref_grad)
+    B = z.numel() * 4
+    scratch = 12 * (1 << 14) * 4 + 64 * T  # a dozen float32 chunk temporaries, O(T) statistics
+
+    def fwd():
+        with torch.no_grad():
+            kl_divergence(z, r)
+
+    def step():
+        z.grad = r.grad = None
+        kl_divergence(z, r).sum().backward()
+
+    fwd(), step()  # warm up
+    fwd_peak = peak(allocations(fwd))
+    step_peak = peak(allocations(step))
+    assert fwd_peak <= scratch < B / 4, (fwd_peak, scratch, B)
+    assert step_peak <= (2 if ref_grad else 1) * B + scratch, (step_peak, B)
