@@ -131,7 +131,9 @@ def test_bench_without_slime_skips_it_in_one_line(tmp_path):
     stdout, rows = _bench(tmp_path, "--impls", "slime", "--slime-path", str(tmp_path / "nowhere"))
     lines = [ln for ln in stdout.splitlines() if "slime" in ln.replace(str(tmp_path), "")]
     assert len(lines) == 1 and lines[0].startswith("skipping slime: --slime-path: no slime/utils/ppo_utils.py")
-    assert rows == []
+    # named but unable to run: one row says why, with no figures
+    assert [(r["impl"], r["wall_ms"]) for r in rows] == [("slime", "")]
+    assert rows[0]["note"].startswith("skipped: --slime-path: no slime/utils/ppo_utils.py")
 
 
 def test_liger_forward_is_the_log_prob(monkeypatch):
@@ -144,7 +146,7 @@ def test_liger_forward_is_the_log_prob(monkeypatch):
     fn.liger_cross_entropy = lambda z, y, reduction: torch.nn.functional.cross_entropy(z, y, reduction=reduction)
     monkeypatch.setitem(sys.modules, fn.__name__, fn)
     impl = impls.IMPLS["liger"]
-    assert impl.modes == ("lp",) and impl.nonleaf_logits and impl.devices == ("cuda",)
+    assert impl.modes == ("lp",) and impl.nonleaf_logits and impl.default_devices == ("cuda",)
     forward = impl.build(impls.Context(torch))
     rng = np.random.default_rng(0)
     z, y = rng.normal(size=(5, 16)) * 3, rng.integers(0, 16, size=5)

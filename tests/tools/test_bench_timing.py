@@ -2,12 +2,14 @@
 
 import argparse
 import csv
+import os
 import types
 
 import numpy as np
 import pytest
 
 from dualvp import reference
+from dualvp.tools.bench import implementations as impls_mod
 from dualvp.tools.bench import options, results, timing
 
 
@@ -88,7 +90,33 @@ def test_results_file_gets_one_header_and_appended_rows(tmp_path):
     got = results.read(str(path))
     assert [r["impl"] for r in got] == ["a", "b"] and got[0]["wall_ms"] == "1.235" and got[0]["err_entropy"] == ""
     assert "| a |" in results.markdown(got)
-    assert results.default_path("cuda").endswith("benchmarks/results/cuda.csv")
+
+
+
+def test_default_results_path_is_not_tracked():
+    # a plain `dualvp bench` writes no tracked file: its default is an ignored folder; the tracked
+    # results files are written only when --results names them
+    import subprocess
+
+    path = results.default_path("cuda")
+    assert path == os.path.join("bench-results", "cuda.csv")
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    p = subprocess.run(["git", "check-ignore", "-q", path], cwd=root, capture_output=True)
+    if p.returncode == 128:
+        pytest.skip("not a git checkout")
+    assert p.returncode == 0, f"{path} is not ignored by git"
+
+
+def test_an_old_results_file_gets_the_note_column(tmp_path):
+    # a results file written before `note` existed: its header is widened, its rows kept as they are
+    path = tmp_path / "old.csv"
+    old = list(results.COLUMNS[:-1])
+    path.write_text(",".join(old) + "\r\n" + ",".join("x" if c == "impl" else "" for c in old) + "\r\n")
+    results.append(str(path), [dict(impl="new", note="error: E")])
+    rows = results.read(str(path))
+    assert [r["impl"] for r in rows] == ["x", "new"] and rows[1]["note"] == "error: E"
+    assert rows[0].get("note") in (None, "")
+    assert path.read_text().splitlines()[0] == ",".join(results.COLUMNS)
 
 
 def test_results_columns_cover_the_issues_fields():
@@ -107,14 +135,26 @@ def test_plan_defaults_per_device(monkeypatch):
     monkeypatch.setattr(options, "_jax_gpu_problem", lambda: None)
     cpu = options.plan(_args(quick=True))
     assert cpu.sizes == [(64, 2048)] and cpu.dtypes == ["float32"] and cpu.worlds == [2]
-    assert "dualvp-torch-triton" in cpu.skipped and "liger" in cpu.skipped  # CUDA only
+    # Triton's: on a CPU only when named (and then only under TRITON_INTERPRET=1)
+    assert not {"dualvp-torch-triton", "liger"} & set(cpu.impls)
     assert "dualvp-torch-compiled" not in cpu.impls  # CPU: the same as dualvp-torch; run when named
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    named = options.plan(_args(quick=True, impls="dualvp-torch-triton,liger,torch-eager"))
+    assert set(named.skipped) == {"dualvp-torch-triton", "liger"} and named.impls == ["torch-eager"]
+    assert named.explicit and all("TRITON_INTERPRET=1" in why for why in named.skipped.values())
     assert cpu.gloo_impls[:1] == ["dualvp-torch-eager"]
     gpu = options.plan(_args(device="cuda"))
     assert gpu.sizes == [(16384, 19008), (4096, 75968), (4096, 32000)]
     assert gpu.modes == ["lp", "lp+ent+grad", "lp+ent+grad.keep"] and gpu.worlds == [] and gpu.reps == 5
     assert "dualvp-torch-compiled" in gpu.impls and "dualvp-torch-triton" not in gpu.skipped
     assert gpu.modes_of("liger") == ["lp"]
+    # without --impls the paths that compile with inductor come last (the baselines' rows come first)
+    n = len([i for i in gpu.impls if not impls_mod.IMPLS[i].inductor])
+    assert all(impls_mod.IMPLS[i].inductor for i in gpu.impls[n:]) and "dualvp-torch" in gpu.impls[n:]
+    assert gpu.per_impl_workers and not cpu.per_impl_workers
+    order = options.plan(_args(device="cuda", impls="dualvp-torch,torch-eager"))
+    assert order.impls == ["dualvp-torch", "torch-eager"]  # named: the order given
+    assert options.plan(_args(device="cuda", sizes="none", worlds="2")).sizes == []
     w2 = options.plan(_args(device="cuda", worlds="2"))
     assert w2.worlds == [2] and "dualvp-torch" in w2.gloo_impls and "dualvp-torch-eager" not in w2.gloo_impls
     with pytest.raises(ValueError, match="unknown impl"):
