@@ -51,7 +51,7 @@ if [ "$rehearsal" = 1 ]; then
   rm -f "$results"
   # tiny sizes with the shapes of the real ones (two sizes, both dtypes, every mode)
   goal=40x300,8x1000 bench_sizes=16x256,8x512 other_size=8x384 lin_shapes=16x8x64 gloo=(--gloo-size 8x128)
-  verify=(--tokens 16 --vocab 256) per_impl=(--per-impl-workers)
+  verify=(--tokens 16 --vocab 256) per_impl=(--per-impl-workers --reps 1 --warmup 0 --loop 1)
 else
   export TRITON_INTERPRET=0
   dev=cuda scale=1 results=benchmarks/results/cuda.csv
@@ -126,14 +126,16 @@ step check 45 $py scripts/triton_check.py --device "$dev" --sizes "$goal" --resu
 step profile 60 $py benchmarks/gpu_profile.py --device "$dev" --impl triton --sizes "$goal" \
   --dtypes float32,bfloat16 --calls 5 --top 4 --host --results "$results"
 # 3. the Triton kernels and the baselines at W=1, before anything compiles with inductor
+modes=(--modes lp,lp+ent+grad,lp+ent+grad.keep)
 step bench 105 $py -m dualvp bench --device "$dev" --sizes "$bench_sizes" --worlds none ${slime[@]+"${slime[@]}"} \
-  ${per_impl[@]+"${per_impl[@]}"} --results "$results" --impls dualvp-torch-triton,torch-eager,liger,slime,dualvp-jax
+  "${modes[@]}" ${per_impl[@]+"${per_impl[@]}"} --results "$results" \
+  --impls dualvp-torch-triton,torch-eager,liger,slime,dualvp-jax
 # 4. the fused op in bfloat16: its Triton kernels first, then the baselines, then the paths that compile
 step linear 90 $py -m dualvp bench --device "$dev" --op linear --dtypes bfloat16 --shapes "$lin_shapes" \
   --results "$results" --impls dualvp-fused-triton,cce,liger-flce,dualvp-unfused,dualvp-fused
 # 5. the compiled path (inductor), Megatron, and the third size
 step compiled 60 $py -m dualvp bench --device "$dev" --sizes "$bench_sizes,$other_size" --worlds none \
-  ${per_impl[@]+"${per_impl[@]}"} --results "$results" --impls dualvp-torch,megatron
+  "${modes[@]}" ${per_impl[@]+"${per_impl[@]}"} --results "$results" --impls dualvp-torch,megatron
 # 6. the CUDA tests: per-test timeout, a session timeout that leaves verify and W=2 their time,
 #    and the failure summary (-rfE) even when cut
 xdist=(); $py -c "import xdist" 2>/dev/null && xdist=(-n 4)
@@ -144,7 +146,7 @@ cut=(); $py -c "import sys, pytest_timeout as t; sys.exit(not hasattr(t, 'SESSIO
 step tests $((session / scale + 15)) $py -m pytest -q -p no:cacheprovider ${xdist[@]+"${xdist[@]}"} -m cuda \
   --timeout $((120 * scale)) ${cut[@]+"${cut[@]}"} -rfE tests
 step verify 40 $py -m dualvp verify --device "$dev" ${verify[@]+"${verify[@]}"}
-step w2 60 $py -m dualvp bench --device "$dev" --sizes none --worlds 2 ${gloo[@]+"${gloo[@]}"} \
+step w2 60 $py -m dualvp bench --device "$dev" --sizes none --worlds 2 ${gloo[@]+"${gloo[@]}"} "${modes[@]}" \
   ${slime[@]+"${slime[@]}"} --results "$results" --impls dualvp-torch-triton,dualvp-torch,slime,megatron
 if [ -f "$results" ]; then
   cp "$results" "$out/$(basename "$results")" 2> /dev/null

@@ -41,5 +41,6 @@ if [ ! -f "$root/whl/slime/slime/utils/ppo_utils.py" ] && [ -f .whl/slime/slime/
   mkdir -p "$root/whl/slime/slime/utils" && cp .whl/slime/slime/utils/ppo_utils.py "$root/whl/slime/slime/utils/"
 fi
 rm -rf "$root/out"
-PATH=$PWD/$venv/bin:$PATH GPU_CHECK_REHEARSAL=1 GPU_CHECK_WHEELS=$root/whl OUT_DIR=$root/out \
+# SLIME_PATH was for gpu-wheels.sh (a git directory will do there); the check reads slime from the wheels
+PATH=$PWD/$venv/bin:$PATH GPU_CHECK_REHEARSAL=1 GPU_CHECK_WHEELS=$root/whl OUT_DIR=$root/out SLIME_PATH='' \
   bash scripts/gpu-check.sh

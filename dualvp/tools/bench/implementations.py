@@ -118,16 +118,17 @@ def _dualvp_torch(ctx: Context, **fixed) -> Forward:
 
 
 def _check_impl(torch, logprob_entropy, impl: str, device: str) -> None:
-    """Raise if dualvp_torch cannot run ``impl``: its own selection check where it has one (no
-    compile), else a call on a 2 x 4 problem."""
-    try:
-        from dualvp_torch.kernels import select
-    except ImportError:
-        select = None
+    """Raise if dualvp_torch cannot run ``impl``: the op's own list of ``impl`` names where it has one
+    (no compile), else a call on a 2 x 4 problem."""
     if impl == "triton" and device == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
         raise ValueError("impl='triton' runs on a CPU only under TRITON_INTERPRET=1")
-    if select is not None:
-        select(impl)
+    try:  # the names logprob_entropy takes (dualvp_torch.kernels.select knows only its own stages)
+        from dualvp_torch.function import IMPLEMENTATIONS as names
+    except ImportError:
+        names = None
+    if names is not None and isinstance(names, (tuple, list, frozenset, set)):
+        if impl not in names:
+            raise ValueError(f"impl: expected None or one of {tuple(names)}, got {impl!r}")
         return
     z = torch.zeros(2, 4, device=device, requires_grad=True)
     logprob_entropy(z, torch.zeros(2, dtype=torch.long, device=device), impl=impl)[0].sum().backward()
