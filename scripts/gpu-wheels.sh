@@ -18,6 +18,9 @@
 # usage: [SLIME_PATH=DIR] [GPU_WHEELS_PYTHON=3.12] [GPU_WHEELS_DIR=.whl] bash scripts/gpu-wheels.sh
 set -euo pipefail
 cd "$(dirname "$0")/.."
+# what the check relies on the image for (tests/tools/test_gpu_scripts.py holds dualvp's extras to it)
+image_has="torch triton jax jaxlib numpy packaging pytest pytest-xdist pytest-timeout hypothesis matplotlib"
+wants="array-api-compat==1.16.0 liger-kernel==0.8.5 cut-cross-entropy==25.1.1 megatron-core==0.16.1"
 dir=${GPU_WHEELS_DIR:-.whl}
 pyver=${GPU_WHEELS_PYTHON:-3.12}
 mkdir -p "$dir"
@@ -25,9 +28,8 @@ plats=()
 for p in manylinux_2_28_x86_64 manylinux_2_27_x86_64 manylinux_2_24_x86_64 manylinux_2_17_x86_64 \
          manylinux2014_x86_64; do plats+=(--platform "$p"); done
 python3 -m pip download -q --no-deps --only-binary=:all: --python-version "$pyver" --implementation cp \
-  "${plats[@]}" -d "$dir" \
-  array-api-compat==1.16.0 liger-kernel==0.8.5 cut-cross-entropy==25.1.1 megatron-core==0.16.1 \
-  2> >(grep -v "^WARNING: Location" >&2)
+  "${plats[@]}" -d "$dir" $wants 2> >(grep -v "^WARNING: Location" >&2)
+echo "gpu-wheels: the image has $image_has"
 dest=$dir/slime/slime/utils
 mkdir -p "$dest"
 file=slime/utils/ppo_utils.py
