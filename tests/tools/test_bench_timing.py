@@ -174,3 +174,22 @@ def test_linear_oracle_matches_the_reference():
     rdh, rdw = reference.linear_logprob_entropy_grad(hn, wn, y.numpy(), gl.double().numpy(), ge.double().numpy())
     for x, r in ((lp, rlp), (en, ren), (dh, rdh), (dw, rdw)):
         np.testing.assert_allclose(x.numpy(), r, rtol=1e-10, atol=1e-12)
+
+
+def test_round_logits_matches_the_spec_rounding():
+    # the bench's fast bfloat16 rounding (uint32 bit arithmetic) equals dualvp.testing's, ties and
+    # the largest finite values, infinities and NaN included
+    from dualvp.testing import cases
+    from dualvp.tools.bench.inputs import round_logits
+
+    rng = np.random.default_rng(0)
+    z = (rng.normal(10, 3, size=(300, 77)) * rng.choice([1e-30, 1e-3, 1, 1e3, 1e30], size=(300, 77)))
+    z = z.astype(np.float32)
+    ties = np.array([0x3F808000, 0x3F818000, 0x7F7FFFFF, 0xFF7FFFFF, 0x00008000, 0x80018000], dtype=np.uint32)
+    z[0, : len(ties)] = ties.view(np.float32)
+    z[1, :3] = [np.inf, -np.inf, np.nan]
+    got = round_logits(z, "bfloat16", chunk=64)
+    want = cases.round_to_dtype(z, "bfloat16").astype(np.float32)
+    np.testing.assert_array_equal(got.view(np.uint32)[np.isfinite(z)], want.view(np.uint32)[np.isfinite(z)])
+    assert np.isposinf(got[1, 0]) and np.isneginf(got[1, 1]) and np.isnan(got[1, 2])
+    assert round_logits(z, "float32") is z
