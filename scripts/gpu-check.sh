@@ -58,6 +58,7 @@ else
   goal=16384x19008,4096x75968 bench_sizes=$goal other_size=4096x32000 lin_shapes=4096x2048x32000,16384x4096x75968
   gloo=() verify=() per_impl=()
 fi
+t_start=$SECONDS
 deadline=$((SECONDS + ${GPU_CHECK_BUDGET:-450} * scale))
 grace=10
 rc=0
@@ -76,7 +77,8 @@ step() {  # step NAME SECONDS CMD...: run with a timeout cut to the deadline; a 
   local r=$?
   grep -v '^USDT:' "$log" >> "$out/steps.log"
   say "   rc=$r in $((SECONDS - t0)) s$([ "$r" -eq 124 ] && echo ', timed out')"
-  grep -v '^USDT:' "$log" | grep -v -i 'warning' | tail -n 8 | sed 's/^/   /' | tee -a "$out/summary.txt"
+  local n=8; [ "$name" = env ] && n=25
+  grep -v '^USDT:' "$log" | grep -v -i 'warning' | tail -n "$n" | sed 's/^/   /' | tee -a "$out/summary.txt"
   rm -f "$log"
   [ "$r" -eq 0 ] || rc=1
   return "$r"
@@ -127,7 +129,10 @@ step profile 60 $py benchmarks/gpu_profile.py --device "$dev" --impl triton --si
   --dtypes float32,bfloat16 --calls 5 --top 4 --host --results "$results"
 # 3. the Triton kernels and the baselines at W=1, before anything compiles with inductor
 modes=(--modes lp,lp+ent+grad,lp+ent+grad.keep)
-step bench 105 $py -m dualvp bench --device "$dev" --sizes "$bench_sizes" --worlds none ${slime[@]+"${slime[@]}"} \
+# whatever the first three left of their 135 s: the first four end by 240 s (x scale) after the start
+bench_s=$(( (240 * scale - (SECONDS - t_start)) / scale ))
+[ "$bench_s" -lt 105 ] && bench_s=105
+step bench "$bench_s" $py -m dualvp bench --device "$dev" --sizes "$bench_sizes" --worlds none ${slime[@]+"${slime[@]}"} \
   "${modes[@]}" ${per_impl[@]+"${per_impl[@]}"} --results "$results" \
   --impls dualvp-torch-triton,torch-eager,liger,slime,dualvp-jax
 # 4. the fused op in bfloat16: its Triton kernels first, then the baselines, then the paths that compile
@@ -138,7 +143,7 @@ step compiled 60 $py -m dualvp bench --device "$dev" --sizes "$bench_sizes,$othe
   "${modes[@]}" ${per_impl[@]+"${per_impl[@]}"} --results "$results" --impls dualvp-torch,megatron
 # 6. the CUDA tests: per-test timeout, a session timeout that leaves verify and W=2 their time,
 #    and the failure summary (-rfE) even when cut
-xdist=(); $py -c "import xdist" 2>/dev/null && xdist=(-n 4)
+xdist=(); $py -c "import xdist" 2>/dev/null && xdist=(-n $((4 / scale > 1 ? 4 / scale : 2)))
 session=$(( (deadline - SECONDS - grace - 100 * scale) ))
 [ "$session" -lt 30 ] && session=30
 cut=(); $py -c "import sys, pytest_timeout as t; sys.exit(not hasattr(t, 'SESSION_TIMEOUT_KEY'))" 2>/dev/null \

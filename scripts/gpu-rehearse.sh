@@ -42,5 +42,8 @@ if [ ! -f "$root/whl/slime/slime/utils/ppo_utils.py" ] && [ -f .whl/slime/slime/
 fi
 rm -rf "$root/out"
 # SLIME_PATH was for gpu-wheels.sh (a git directory will do there); the check reads slime from the wheels
+# a copy runs (bash reads a script as it goes: an edit during the long run would break it); from
+# .rehearsal/ it finds the repository root as scripts/ does
+cp scripts/gpu-check.sh "$root/gpu-check.sh"
 PATH=$PWD/$venv/bin:$PATH GPU_CHECK_REHEARSAL=1 GPU_CHECK_WHEELS=$root/whl OUT_DIR=$root/out SLIME_PATH='' \
-  bash scripts/gpu-check.sh
+  bash "$root/gpu-check.sh"
