@@ -83,7 +83,7 @@ def _profile_case(a, dev, T: int, V: int, dtype: str, bw: float, env: dict) -> i
             z.grad = None
 
         try:
-            rec, _ = timing.measure((fwd, bwd), clear, B, reps=5, warmup=2, loop=a.calls, sync=sync,
+            rec, _ = timing.measure((fwd, bwd), clear, B, reps=a.reps, warmup=a.warmup, loop=a.calls, sync=sync,
                                     peak=(lambda: timing.CudaPeak(torch)) if cuda else timing.NoPeak,
                                     fast_step=(lambda: fwd(False), bwd), torch=torch if cuda else None,
                                     profiled=a.calls if cuda else 0)
@@ -142,6 +142,8 @@ def main() -> int:
     ap.add_argument("--modes", default="lp,lp+ent+grad,lp+ent+grad.keep")
     ap.add_argument("--impl", default=None, help="the op's impl= (default: its own selection)")
     ap.add_argument("--calls", type=int, default=10, help="calls of the queued loop and of each profile")
+    ap.add_argument("--reps", type=int, default=5, help="timed (synchronised) calls per mode")
+    ap.add_argument("--warmup", type=int, default=2, help="untimed calls after the first one")
     ap.add_argument("--top", type=int, default=8, help="kernels (CPU: aten ops) listed per mode; 0: no profile")
     ap.add_argument("--host", action="store_true", help="also the host side under cProfile")
     ap.add_argument("--results", default=None, metavar="CSV", help="append a row per (size, dtype, mode) here")

@@ -50,13 +50,14 @@ if [ "$rehearsal" = 1 ]; then
   dev=cpu scale=4 results=$out/rehearsal.csv
   rm -f "$results"
   # tiny sizes with the shapes of the real ones (two sizes, both dtypes, every mode)
-  goal=40x300,8x1000 bench_sizes=16x256,8x512 other_size=8x384 lin_shapes=16x8x64 gloo=(--gloo-size 8x128)
-  verify=(--tokens 16 --vocab 256) per_impl=(--per-impl-workers --reps 1 --warmup 0 --loop 1)
+  goal=40x300,8x1000 prof_sizes=8x64,4x128 bench_sizes=16x256,8x512 other_size=8x384 lin_shapes=16x8x64
+  gloo=(--gloo-size 8x128) verify=(--tokens 16 --vocab 256) prof=(--reps 1 --warmup 0 --calls 1)
+  per_impl=(--per-impl-workers --reps 1 --warmup 0 --loop 1)
 else
   export TRITON_INTERPRET=0
   dev=cuda scale=1 results=benchmarks/results/cuda.csv
-  goal=16384x19008,4096x75968 bench_sizes=$goal other_size=4096x32000 lin_shapes=4096x2048x32000,16384x4096x75968
-  gloo=() verify=() per_impl=()
+  goal=16384x19008,4096x75968 prof_sizes=$goal bench_sizes=$goal other_size=4096x32000
+  lin_shapes=4096x2048x32000,16384x4096x75968 gloo=() verify=() prof=(--calls 5) per_impl=()
 fi
 t_start=$SECONDS
 deadline=$((SECONDS + ${GPU_CHECK_BUDGET:-450} * scale))
@@ -125,8 +126,8 @@ fi
 # 1. correctness of exactly what is timed next (and Triton's disk cache warmed)
 step check 45 $py scripts/triton_check.py --device "$dev" --sizes "$goal" --results "$results"
 # 2. the goal figures: kernel time against the floor, launches, host time
-step profile 60 $py benchmarks/gpu_profile.py --device "$dev" --impl triton --sizes "$goal" \
-  --dtypes float32,bfloat16 --calls 5 --top 4 --host --results "$results"
+step profile 60 $py benchmarks/gpu_profile.py --device "$dev" --impl triton --sizes "$prof_sizes" \
+  --dtypes float32,bfloat16 "${prof[@]}" --top 4 --host --results "$results"
 # 3. the Triton kernels and the baselines at W=1, before anything compiles with inductor
 modes=(--modes lp,lp+ent+grad,lp+ent+grad.keep)
 # whatever the first three left of their 135 s: the first four end by 240 s (x scale) after the start
