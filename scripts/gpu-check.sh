@@ -50,13 +50,13 @@ if [ "$rehearsal" = 1 ]; then
   dev=cpu scale=4 results=$out/rehearsal.csv
   rm -f "$results"
   # tiny sizes with the shapes of the real ones (two sizes, both dtypes, every mode)
-  goal=40x300,8x1000 prof_sizes=8x64,4x128 bench_sizes=16x256,8x512 other_size=8x384 lin_shapes=16x8x64
+  goal=40x300,8x1000 prof_sizes=8x64,4x128 bench_sizes=16x256,8x512 compiled_sizes=16x256 lin_shapes=16x8x64
   gloo=(--gloo-size 8x128) verify=(--tokens 16 --vocab 256) prof=(--reps 1 --warmup 0 --calls 1)
   per_impl=(--per-impl-workers --reps 1 --warmup 0 --loop 1)
 else
   export TRITON_INTERPRET=0
   dev=cuda scale=1 results=benchmarks/results/cuda.csv
-  goal=16384x19008,4096x75968 prof_sizes=$goal bench_sizes=$goal other_size=4096x32000
+  goal=16384x19008,4096x75968 prof_sizes=$goal bench_sizes=$goal compiled_sizes=$goal,4096x32000
   lin_shapes=4096x2048x32000,16384x4096x75968 gloo=() verify=() prof=(--calls 5) per_impl=()
 fi
 t_start=$SECONDS
@@ -140,7 +140,7 @@ step bench "$bench_s" $py -m dualvp bench --device "$dev" --sizes "$bench_sizes"
 step linear 90 $py -m dualvp bench --device "$dev" --op linear --dtypes bfloat16 --shapes "$lin_shapes" \
   --results "$results" --impls dualvp-fused-triton,cce,liger-flce,dualvp-unfused,dualvp-fused
 # 5. the compiled path (inductor), Megatron, and the third size
-step compiled 60 $py -m dualvp bench --device "$dev" --sizes "$bench_sizes,$other_size" --worlds none \
+step compiled 60 $py -m dualvp bench --device "$dev" --sizes "$compiled_sizes" --worlds none \
   "${modes[@]}" ${per_impl[@]+"${per_impl[@]}"} --results "$results" --impls dualvp-torch,megatron
 # 6. the CUDA tests: per-test timeout, a session timeout that leaves verify and W=2 their time,
 #    and the failure summary (-rfE) even when cut
