@@ -31,7 +31,7 @@
 # on this CPU, the CUDA device replaced by cpu, the Triton kernels under TRITON_INTERPRET=1, tiny
 # sizes, wheels from GPU_CHECK_WHEELS (default .whl), rows in $OUT_DIR/rehearsal.csv (never the
 # tracked file); every step's imports, arguments, implementation names, error rows and CSV
-# writing are exercised. Budget and step timeouts x4.
+# writing are exercised. Budget and step timeouts x5 (a loaded 2-core CPU).
 #
 # usage: [OUT_DIR=DIR] [GPU_CHECK_BUDGET=S] [GPU_CHECK_STEPS=...] [SLIME_PATH=DIR] bash scripts/gpu-check.sh
 set -uo pipefail
@@ -47,7 +47,7 @@ rehearsal=${GPU_CHECK_REHEARSAL:-0}
 wheels=${GPU_CHECK_WHEELS:-.whl}
 if [ "$rehearsal" = 1 ]; then
   export TRITON_INTERPRET=1
-  dev=cpu scale=4 results=$out/rehearsal.csv
+  dev=cpu scale=5 results=$out/rehearsal.csv
   rm -f "$results"
   # tiny sizes with the shapes of the real ones (two sizes, both dtypes, every mode)
   goal=40x300,8x1000 prof_sizes=8x64,4x128 bench_sizes=16x256,8x512 compiled_sizes=16x256 lin_shapes=16x8x64
