@@ -118,7 +118,8 @@ def main() -> int:
                     torch.cuda.empty_cache()
                 if a.results:
                     results.append(a.results, [row])
-    print(f"triton_check: {bad} case(s) failed or over tolerance" if bad else "triton_check: all cases within tolerance")
+    print(f"triton_check: {bad} case(s) failed or over tolerance" if bad else
+          "triton_check: all cases within tolerance")
     return 1 if bad else 0
 
 

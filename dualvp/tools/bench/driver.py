@@ -12,7 +12,8 @@ background processes make the cases' inputs in order, each worker waiting
 for a case's ``READY`` marker. The driver compares each record's outputs
 with the oracle as the record arrives, prints a line, and appends its row to
 the results file (:mod:`.results`) at once; an implementation that fails or
-cannot run becomes a row with the error (``note``) and the run goes on. Then the implementations marked ``gloo`` run on W ranks
+cannot run becomes a row with the error (``note``) and the run goes on.
+Then the implementations marked ``gloo`` run on W ranks
 of a gloo group (``--worlds``; on a GPU the W ranks share it) with their
 collectives counted. The copy bandwidth that sets each row's ``floor_ms`` is
 measured once, at the start (:func:`.timing.copy_bandwidth`).

@@ -157,7 +157,8 @@ def _note_row(env: dict, name: str, T: int, H: int, V: int, dtype: str, note: st
 
 
 def run_shape(T: int, H: int, V: int, dtype: torch.dtype, impls: list, device: str, env: dict, bandwidth: float,
-              reps: int, warmup: int, loop: int, profiled: int, on_row: Optional[Callable[[dict], None]] = None) -> list:
+              reps: int, warmup: int, loop: int, profiled: int,
+              on_row: Optional[Callable[[dict], None]] = None) -> list:
     """One (shape, dtype): a results row per implementation, printed and passed to ``on_row`` as it comes.
 
     An implementation that is skipped at this dtype (:data:`_SKIP`) or raises (any exception: a
