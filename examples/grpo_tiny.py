@@ -29,7 +29,8 @@ What it shows, end to end, the way an RL framework uses the op:
 
 Run::
 
-    python examples/grpo_tiny.py                       # 2 gloo ranks, 40 steps, docs/example.png
+    python examples/grpo_tiny.py                       # 2 gloo ranks, 40 steps, bench-results/grpo_tiny.png
+    python examples/grpo_tiny.py --plot docs/example.png   # the README's chart (a tracked file: when asked)
     python examples/grpo_tiny.py --steps 20 --plot /tmp/x.png --json /tmp/x.json
 
 It spawns its own ``--tp`` CPU ranks (``dualvp_torch.testing.run_ranks``).
@@ -358,7 +359,9 @@ def parse_args(argv=None):
     p.add_argument("--entropy-coef", type=float, default=0.01)
     p.add_argument("--audit-every", type=int, default=10)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--plot", default="docs/example.png", help="where to write the chart ('' for none)")
+    p.add_argument("--plot", default=os.path.join("bench-results", "grpo_tiny.png"),
+                   help="where to write the chart (default bench-results/grpo_tiny.png, ignored by git; the "
+                   "README's chart: --plot docs/example.png; '' for none)")
     p.add_argument("--json", default="", help="also write the per-step history here")
     return p.parse_args(argv)
 

@@ -59,3 +59,17 @@ def test_grpo_tiny_learns_and_audits(tmp_path):
 
     assert out_png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "audit vs dualvp_jax" in proc.stdout and "reward" in proc.stdout
+
+
+@pytest.mark.slow  # the example's imports (torch, jax): seconds
+def test_grpo_tiny_writes_no_tracked_file_by_default():
+    # the chart goes to an ignored folder unless --plot names the README's docs/example.png
+    proc = subprocess.run([sys.executable, str(_ROOT / "examples" / "grpo_tiny.py"), "--help"], cwd=str(_ROOT),
+                          capture_output=True, text=True, timeout=120, env=dict(os.environ, COLUMNS="300"))
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    help_text = " ".join(proc.stdout.split())
+    assert "default bench-results/grpo_tiny.png" in help_text, help_text
+    p = subprocess.run(["git", "check-ignore", "-q", "bench-results/grpo_tiny.png"], cwd=str(_ROOT))
+    if p.returncode == 128:
+        pytest.skip("not a git checkout")
+    assert p.returncode == 0

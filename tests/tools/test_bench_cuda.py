@@ -20,12 +20,12 @@ HAVE_CUDA = torch.cuda.is_available()
 
 
 
-def _bench(tmp_path, *args, timeout=300):
+def _bench(tmp_path, *args, timeout=300, rc=(0,)):
     csv = tmp_path / "cuda.csv"
     env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
     proc = subprocess.run([sys.executable, "-m", "dualvp", "bench", "--device", "cuda", *args, "--results", str(csv)],
                           capture_output=True, text=True, timeout=timeout, env=env, cwd=str(tmp_path))
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert proc.returncode in rc, proc.stdout[-3000:] + proc.stderr[-3000:]
     return proc.stdout, results.read(str(csv))
 
 
@@ -34,7 +34,10 @@ def _bench(tmp_path, *args, timeout=300):
 def test_bench_quick_on_cuda_fills_the_cuda_columns(tmp_path):
     impls = ["dualvp-torch", "dualvp-torch-inplace", "torch-eager", "liger"]
     stdout, rows = _bench(tmp_path, "--quick", "--sizes", "1024x8192", "--impls", ",".join(impls),
-                          "--modes", "lp,lp+ent+grad.keep")
+                          "--modes", "lp,lp+ent+grad.keep", rc=(0, 1))
+    # Liger (a baseline) may be missing or fail: its row says why; the others must have figures
+    assert not [r for r in rows if r["note"] and r["impl"] != "liger"], stdout
+    rows = [r for r in rows if not r["note"]]
     ran = {r["impl"] for r in rows}
     assert {"dualvp-torch", "dualvp-torch-inplace", "torch-eager"} <= ran, stdout
     assert all(r["device"] == torch.cuda.get_device_name(0) for r in rows)
@@ -67,10 +70,15 @@ def test_two_ranks_share_one_gpu_over_gloo(tmp_path):
 @pytest.mark.cuda
 @pytest.mark.skipif(not HAVE_CUDA, reason="no CUDA device")
 def test_bench_linear_quick_on_cuda(tmp_path):
-    stdout, rows = _bench(tmp_path, "--op", "linear", "--quick", "--dtypes", "float32,bfloat16")
-    got = {(r["impl"], r["dtype"]): r for r in rows}
+    # exit 1 when an implementation failed: a baseline's failure is only reported (its row says why);
+    # dualvp's own must have figures
+    stdout, rows = _bench(tmp_path, "--op", "linear", "--quick", "--dtypes", "float32,bfloat16", rc=(0, 1))
+    notes = {(r["impl"], r["dtype"]): r["note"] for r in rows if r["note"]}
+    assert not {k: v for k, v in notes.items() if k[0].startswith("dualvp")}, notes
+    assert notes.get(("cce", "float32"), "skipped").startswith("skipped"), notes  # 16-bit only
+    got = {(r["impl"], r["dtype"]): r for r in rows if not r["note"]}
     assert ("dualvp-fused", "float32") in got and ("dualvp-unfused", "bfloat16") in got, stdout
-    for r in rows:
+    for r in got.values():
         assert float(r["kernel_ms"]) > 0 and float(r["launches"]) > 0 and float(r["tflops"]) > 0, r
         assert float(r["err_logprob"]) < 0.1, r  # baselines in bfloat16 are only reported
     assert float(got["dualvp-fused", "float32"]["err_logprob"]) < 1e-4

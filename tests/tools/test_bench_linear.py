@@ -14,9 +14,10 @@ from dualvp.tools.bench import results  # noqa: E402
 
 
 @pytest.mark.slow
-def test_bench_linear_quick_appends_rows(tmp_path, capsys):
+def test_bench_linear_quick_appends_rows(tmp_path, capsys, monkeypatch):
     csv = tmp_path / "cpu.csv"
     impls = ["dualvp-fused", "dualvp-unfused", "torch-linear-ce", "cce", "liger-flce", "dualvp-fused-triton"]
+    monkeypatch.setenv("TRITON_INTERPRET", "0")  # the Triton ones run on a CPU only when interpreted
     rc = cli.main(["bench", "--op", "linear", "--quick", "--dtypes", "float32", "--impls", ",".join(impls),
                    "--results", str(csv)])
     out = capsys.readouterr().out
@@ -39,6 +40,45 @@ def test_bench_linear_quick_appends_rows(tmp_path, capsys):
 def test_bench_linear_rejects_unknown_impl(tmp_path, capsys):
     rc = cli.main(["bench", "--op", "linear", "--quick", "--impls", "dualvp-fused,nope", "--results", "none"])
     assert rc == 2 and "nope" in capsys.readouterr().out
+
+
+def test_linear_bench_failures_are_rows_and_the_loop_goes_on(monkeypatch):
+    # The first contact with a GPU lost every bfloat16 row: Cut Cross-Entropy's float32 backward
+    # asserted and the bench stopped. Now an implementation that raises anything is a row with its
+    # error, cce in float32 a row saying why it is skipped, and the next implementation still runs.
+    import torch
+
+    from dualvp.tools.bench import linear
+    from dualvp.tools.bench import results as res
+
+    class Boom(Exception):  # not one of the types the old bench caught (like triton's CompilationError)
+        pass
+
+    def broken(h, w, y, reduction="none", **_):
+        raise Boom("does not compile")
+
+    _fake_module(monkeypatch, "liger_kernel")
+    _fake_module(monkeypatch, "liger_kernel.transformers")
+    _fake_module(monkeypatch, "liger_kernel.transformers.functional", liger_fused_linear_cross_entropy=broken)
+    got = []
+    rows = linear.run_shape(8, 4, 32, torch.float32, ["cce", "liger-flce", "dualvp-unfused"], "cpu",
+                            res.environment("cpu"), 1e10, reps=1, warmup=0, loop=1, profiled=0, on_row=got.append)
+    assert got == rows and [r["impl"] for r in rows] == ["cce", "liger-flce", "dualvp-unfused"]
+    assert rows[0]["note"].startswith("skipped: ") and "16-bit" in rows[0]["note"]
+    assert rows[1]["note"] == "error: Boom: does not compile" and rows[1].get("wall_ms") is None
+    assert rows[2].get("note") is None and rows[2]["err_logprob"] < 1e-5
+
+
+def test_linear_bench_runs_bfloat16_first(monkeypatch, tmp_path):
+    from dualvp.tools.bench import linear
+
+    seen = []
+    monkeypatch.setattr(linear, "run_shape", lambda T, H, V, dtype, *a, **k: seen.append((str(dtype), T)) or [])
+    monkeypatch.setattr(linear.timing, "copy_bandwidth", lambda device: 1e10)
+    rc = cli.main(["bench", "--op", "linear", "--dtypes", "float32,bfloat16", "--shapes", "4x2x8,6x2x8",
+                   "--impls", "torch-linear-ce", "--results", "none"])
+    assert rc == 0
+    assert seen == [("torch.bfloat16", 4), ("torch.bfloat16", 6), ("torch.float32", 4), ("torch.float32", 6)]
 
 
 def _fake_module(monkeypatch, name, **attrs):
@@ -84,6 +124,7 @@ def test_baselines_without_entropy_are_judged_on_their_own_loss(monkeypatch):
     _fake_module(monkeypatch, "liger_kernel.transformers")
     _fake_module(monkeypatch, "liger_kernel.transformers.functional",
                  liger_fused_linear_cross_entropy=lambda h, w, y, reduction: OneScale.apply(h, w, y))
+    monkeypatch.setattr(linear, "_SKIP", {})  # the stand-in for CCE takes float32
     env = res.environment("cpu")
     rows = {r["impl"]: r for r in linear.run_shape(16, 8, 40, torch.float32, ["cce", "liger-flce", "dualvp-unfused"],
                                                    "cpu", env, 1e10, reps=1, warmup=0, loop=1, profiled=0)}

@@ -22,7 +22,7 @@ def _have(mod):
         return False
 
 
-def _quick_bench(tmp_path, impls, modes, *extra):
+def _quick_bench(tmp_path, impls, modes, *extra, expect_rc=0):
     """``dualvp bench --quick`` at 16 x 256; its stdout and the rows of its results file."""
     csv = tmp_path / "cpu.csv"
     env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
@@ -31,7 +31,7 @@ def _quick_bench(tmp_path, impls, modes, *extra):
          "--modes", ",".join(modes), "--results", str(csv), *extra],
         capture_output=True, text=True, timeout=540, env=env, cwd=str(tmp_path),
     )
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert proc.returncode == expect_rc, proc.stdout[-3000:] + proc.stderr[-3000:]
     return proc.stdout, results.read(str(csv))
 
 
@@ -142,3 +142,30 @@ def test_one_worker_runs_several_cases(tmp_path):
         (1, "lp", "bfloat16", 4), (1, "lp+ent+grad", "bfloat16", 4)]
     for i in (0, 1):
         assert sorted(os.listdir(tmp_path / f"out{i}")) == ["out_0_r0.npz", "out_1_r0.npz"]
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not _have("torch"), reason="needs torch")
+def test_per_impl_workers_make_inputs_in_the_background_and_a_failure_is_a_row(tmp_path):
+    # The GPU's worker layout (one worker per implementation over every case, the inputs made by a
+    # background process in order while the workers wait for each case), here on the CPU. A baseline
+    # that raises in every call (a slime file whose op is broken) gives a row per case and mode with
+    # its error, and the implementation after it still runs.
+    slime = tmp_path / "slime_src" / "slime" / "utils"
+    slime.mkdir(parents=True)
+    (slime / "ppo_utils.py").write_text(
+        "def calculate_log_probs_and_entropy(*a, **k):\n    raise RuntimeError('broken on purpose')\n")
+    modes = ["lp", "lp+ent+grad"]
+    stdout, rows = _quick_bench(tmp_path, ["slime", "torch-eager"], modes, "--sizes", "8x64,16x128",
+                                "--dtypes", "float32,bfloat16", "--per-impl-workers", "--worlds", "none",
+                                "--slime-path", str(tmp_path / "slime_src"), expect_rc=1)
+    cases = [(T, V, d) for T, V in (("8", "64"), ("16", "128")) for d in ("float32", "bfloat16")]
+    eager = [(r["T"], r["V_local"], r["dtype"], r["mode"]) for r in rows if r["impl"] == "torch-eager"]
+    assert sorted(eager) == sorted(c + (m,) for c in cases for m in modes), stdout
+    for r in rows:
+        if r["impl"] == "torch-eager":
+            assert r["note"] == "" and float(r["err_logprob"]) < (1e-5 if r["dtype"] == "float32" else 0.1), r
+    broken = [r for r in rows if r["impl"] == "slime"]
+    assert broken and all(r["note"].startswith("error: ") and "broken on purpose" in r["note"] for r in broken)
+    assert all(r["wall_ms"] == "" for r in broken)
+    assert {(r["T"], r["V_local"], r["dtype"]) for r in broken} <= set(cases)

@@ -2,12 +2,14 @@
 
 import argparse
 import csv
+import os
 import types
 
 import numpy as np
 import pytest
 
 from dualvp import reference
+from dualvp.tools.bench import implementations as impls_mod
 from dualvp.tools.bench import options, results, timing
 
 
@@ -88,7 +90,33 @@ def test_results_file_gets_one_header_and_appended_rows(tmp_path):
     got = results.read(str(path))
     assert [r["impl"] for r in got] == ["a", "b"] and got[0]["wall_ms"] == "1.235" and got[0]["err_entropy"] == ""
     assert "| a |" in results.markdown(got)
-    assert results.default_path("cuda").endswith("benchmarks/results/cuda.csv")
+
+
+
+def test_default_results_path_is_not_tracked():
+    # a plain `dualvp bench` writes no tracked file: its default is an ignored folder; the tracked
+    # results files are written only when --results names them
+    import subprocess
+
+    path = results.default_path("cuda")
+    assert path == os.path.join("bench-results", "cuda.csv")
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    p = subprocess.run(["git", "check-ignore", "-q", path], cwd=root, capture_output=True)
+    if p.returncode == 128:
+        pytest.skip("not a git checkout")
+    assert p.returncode == 0, f"{path} is not ignored by git"
+
+
+def test_an_old_results_file_gets_the_note_column(tmp_path):
+    # a results file written before `note` existed: its header is widened, its rows kept as they are
+    path = tmp_path / "old.csv"
+    old = list(results.COLUMNS[:-1])
+    path.write_text(",".join(old) + "\r\n" + ",".join("x" if c == "impl" else "" for c in old) + "\r\n")
+    results.append(str(path), [dict(impl="new", note="error: E")])
+    rows = results.read(str(path))
+    assert [r["impl"] for r in rows] == ["x", "new"] and rows[1]["note"] == "error: E"
+    assert rows[0].get("note") in (None, "")
+    assert path.read_text().splitlines()[0] == ",".join(results.COLUMNS)
 
 
 def test_results_columns_cover_the_issues_fields():
@@ -107,14 +135,26 @@ def test_plan_defaults_per_device(monkeypatch):
     monkeypatch.setattr(options, "_jax_gpu_problem", lambda: None)
     cpu = options.plan(_args(quick=True))
     assert cpu.sizes == [(64, 2048)] and cpu.dtypes == ["float32"] and cpu.worlds == [2]
-    assert "dualvp-torch-triton" in cpu.skipped and "liger" in cpu.skipped  # CUDA only
+    # Triton's: on a CPU only when named (and then only under TRITON_INTERPRET=1)
+    assert not {"dualvp-torch-triton", "liger"} & set(cpu.impls)
     assert "dualvp-torch-compiled" not in cpu.impls  # CPU: the same as dualvp-torch; run when named
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    named = options.plan(_args(quick=True, impls="dualvp-torch-triton,liger,torch-eager"))
+    assert set(named.skipped) == {"dualvp-torch-triton", "liger"} and named.impls == ["torch-eager"]
+    assert named.explicit and all("TRITON_INTERPRET=1" in why for why in named.skipped.values())
     assert cpu.gloo_impls[:1] == ["dualvp-torch-eager"]
     gpu = options.plan(_args(device="cuda"))
     assert gpu.sizes == [(16384, 19008), (4096, 75968), (4096, 32000)]
     assert gpu.modes == ["lp", "lp+ent+grad", "lp+ent+grad.keep"] and gpu.worlds == [] and gpu.reps == 5
     assert "dualvp-torch-compiled" in gpu.impls and "dualvp-torch-triton" not in gpu.skipped
     assert gpu.modes_of("liger") == ["lp"]
+    # without --impls the paths that compile with inductor come last (the baselines' rows come first)
+    n = len([i for i in gpu.impls if not impls_mod.IMPLS[i].inductor])
+    assert all(impls_mod.IMPLS[i].inductor for i in gpu.impls[n:]) and "dualvp-torch" in gpu.impls[n:]
+    assert gpu.per_impl_workers and not cpu.per_impl_workers
+    order = options.plan(_args(device="cuda", impls="dualvp-torch,torch-eager"))
+    assert order.impls == ["dualvp-torch", "torch-eager"]  # named: the order given
+    assert options.plan(_args(device="cuda", sizes="none", worlds="2")).sizes == []
     w2 = options.plan(_args(device="cuda", worlds="2"))
     assert w2.worlds == [2] and "dualvp-torch" in w2.gloo_impls and "dualvp-torch-eager" not in w2.gloo_impls
     with pytest.raises(ValueError, match="unknown impl"):
@@ -134,3 +174,22 @@ def test_linear_oracle_matches_the_reference():
     rdh, rdw = reference.linear_logprob_entropy_grad(hn, wn, y.numpy(), gl.double().numpy(), ge.double().numpy())
     for x, r in ((lp, rlp), (en, ren), (dh, rdh), (dw, rdw)):
         np.testing.assert_allclose(x.numpy(), r, rtol=1e-10, atol=1e-12)
+
+
+def test_round_logits_matches_the_spec_rounding():
+    # the bench's fast bfloat16 rounding (uint32 bit arithmetic) equals dualvp.testing's, ties and
+    # the largest finite values, infinities and NaN included
+    from dualvp.testing import cases
+    from dualvp.tools.bench.inputs import round_logits
+
+    rng = np.random.default_rng(0)
+    z = (rng.normal(10, 3, size=(300, 77)) * rng.choice([1e-30, 1e-3, 1, 1e3, 1e30], size=(300, 77)))
+    z = z.astype(np.float32)
+    ties = np.array([0x3F808000, 0x3F818000, 0x7F7FFFFF, 0xFF7FFFFF, 0x00008000, 0x80018000], dtype=np.uint32)
+    z[0, : len(ties)] = ties.view(np.float32)
+    z[1, :3] = [np.inf, -np.inf, np.nan]
+    got = round_logits(z, "bfloat16", chunk=64)
+    want = cases.round_to_dtype(z, "bfloat16").astype(np.float32)
+    np.testing.assert_array_equal(got.view(np.uint32)[np.isfinite(z)], want.view(np.uint32)[np.isfinite(z)])
+    assert np.isposinf(got[1, 0]) and np.isneginf(got[1, 1]) and np.isnan(got[1, 2])
+    assert round_logits(z, "float32") is z

@@ -72,7 +72,11 @@ class Impl:
         gradient overwrites them); see :func:`dualvp.tools.bench.worker.run_torch`.
       modes: the modes it computes (default all of :data:`MODES`).
       devices: where it runs at all; default_devices: where it runs when
-        ``--impls`` is not given.
+        ``--impls`` is not given (the Triton ones run on a CPU only when named
+        and under ``TRITON_INTERPRET=1``: the GPU check's rehearsal).
+      inductor: runs dualvp's compiled path (inductor compiles on first use);
+        a run without ``--impls`` times these after the others, so that a
+        run cut short has the baselines' rows.
       locate: ``locate(args) -> options dict`` or a string saying why it
         cannot run; the default checks ``needs``.
     """
@@ -88,6 +92,7 @@ class Impl:
     modes: tuple = tuple(MODES)
     devices: tuple = ("cpu", "cuda")
     default_devices: tuple = ("cpu", "cuda")
+    inductor: bool = False
     locate: Optional[Callable[[argparse.Namespace], Union[str, dict]]] = None
 
 
@@ -113,14 +118,17 @@ def _dualvp_torch(ctx: Context, **fixed) -> Forward:
 
 
 def _check_impl(torch, logprob_entropy, impl: str, device: str) -> None:
-    """Raise if dualvp_torch cannot run ``impl``: its own selection check where it has one (no
-    compile), else a call on a 2 x 4 problem."""
-    try:
-        from dualvp_torch.kernels import select
+    """Raise if dualvp_torch cannot run ``impl``: the op's own list of ``impl`` names where it has one
+    (no compile), else a call on a 2 x 4 problem."""
+    if impl == "triton" and device == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+        raise ValueError("impl='triton' runs on a CPU only under TRITON_INTERPRET=1")
+    try:  # the names logprob_entropy takes (dualvp_torch.kernels.select knows only its own stages)
+        from dualvp_torch.function import IMPLEMENTATIONS as names
     except ImportError:
-        select = None
-    if select is not None:
-        select(impl)
+        names = None
+    if names is not None and isinstance(names, (tuple, list, frozenset, set)):
+        if impl not in names:
+            raise ValueError(f"impl: expected None or one of {tuple(names)}, got {impl!r}")
         return
     z = torch.zeros(2, 4, device=device, requires_grad=True)
     logprob_entropy(z, torch.zeros(2, dtype=torch.long, device=device), impl=impl)[0].sum().backward()
@@ -305,6 +313,13 @@ def _slime(ctx: Context) -> Forward:
 # --------------------------------------------------------------------------- liger
 
 
+def _locate_interpreted(args: argparse.Namespace) -> Union[str, dict]:
+    """A Triton implementation on a CPU: only under Triton's interpreter."""
+    if getattr(args, "device", "cpu") == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+        return "runs on a CPU only under TRITON_INTERPRET=1 (Triton's interpreter)"
+    return {}
+
+
 def _liger(ctx: Context) -> Forward:
     """Liger-Kernel's Triton cross-entropy, ``reduction="none"``: the log-prob only.
 
@@ -361,15 +376,17 @@ _LP_ONLY = ("lp",)
 
 IMPLS: dict[str, Impl] = {i.name: i for i in (
     Impl("dualvp-torch", "torch", _DUALVP_TORCH, _dualvp_impl(),
-         "dualvp_torch.logprob_entropy, the default implementation selection", gloo=True),
+         "dualvp_torch.logprob_entropy, the default implementation selection", gloo=True, inductor=True),
     Impl("dualvp-torch-compiled", "torch", _DUALVP_TORCH, _dualvp_impl("compiled"),
-         "the same with impl='compiled' (the compiled spec stages)", default_devices=("cuda",)),
+         "the same with impl='compiled' (the compiled spec stages)", default_devices=("cuda",), inductor=True),
     Impl("dualvp-torch-triton", "torch", _DUALVP_TORCH, _dualvp_impl("triton"),
-         "the same with impl='triton' (hand-written Triton kernels; CUDA only)", gloo=True, devices=("cuda",)),
+         "the same with impl='triton' (hand-written Triton kernels; CUDA, or a CPU under TRITON_INTERPRET=1)",
+         gloo=True, default_devices=("cuda",), locate=_locate_interpreted),
     Impl("dualvp-torch-eager", "torch", _DUALVP_TORCH, _dualvp_impl("eager"),
          "the same with impl='eager' (row-chunked eager kernels)", gloo=True),
     Impl("dualvp-torch-inplace", "torch", _DUALVP_TORCH, _dualvp_impl(inplace_grad=True),
-         "dualvp-torch with inplace_grad=True (the gradient overwrites the logits)", nonleaf_logits=True),
+         "dualvp-torch with inplace_grad=True (the gradient overwrites the logits)", nonleaf_logits=True,
+         inductor=True),
     Impl("dualvp-jax", "jax", ("jax", "dualvp_jax"), _dualvp_jax, "dualvp_jax.logprob_entropy under jax.jit"),
     Impl("torch-eager", "torch", ("torch",), _torch_eager,
          "log_softmax + gather, entropy -(p*log p).sum, autograd, in the input dtype"),
@@ -378,8 +395,8 @@ IMPLS: dict[str, Impl] = {i.name: i for i in (
          "slime's fused calculate_log_probs_and_entropy from the user's checkout (--slime-path)",
          gloo=True, locate=_locate_slime),
     Impl("liger", "torch", ("torch", "triton", "liger_kernel"), _liger,
-         "Liger-Kernel's cross-entropy (reduction='none'): log-prob only, W=1, CUDA only",
-         nonleaf_logits=True, modes=_LP_ONLY, devices=("cuda",)),
+         "Liger-Kernel's cross-entropy (reduction='none'): log-prob only, W=1, CUDA (a CPU: named, interpreted)",
+         nonleaf_logits=True, modes=_LP_ONLY, default_devices=("cuda",), locate=_locate_interpreted),
     Impl("megatron", "torch", ("torch", "megatron.core"), _megatron,
          "Megatron-core fused_vocab_parallel_cross_entropy + an unfused vocab-parallel entropy (saves the softmax)",
          process_group=True, gloo=True),

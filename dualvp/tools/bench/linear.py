@@ -1,15 +1,22 @@
 """``dualvp bench --op linear``: the fused LM-head op against its baselines, in one process.
 
-    python -m dualvp bench --op linear [--device cuda] [--shapes TxHxV,...] [--dtypes float32,bfloat16]
+    python -m dualvp bench --op linear [--device cuda] [--shapes TxHxV,...] [--dtypes bfloat16,float32]
         [--impls dualvp-fused,dualvp-unfused,...] [--reps N] [--results FILE.csv]
+
+bfloat16 runs before float32; the implementations run in the order named
+(default: the baselines, then dualvp's Triton kernels, then the paths that
+compile with inductor). One that raises, or cannot run at a dtype (``cce``
+in float32: its backward takes 16-bit inputs only), is a row saying why
+(``note``) and the run goes on; each row is appended as it comes.
 
 Implementations (``--impls``; default all that can run here), each
 differentiating ``sum(gl * logprob) + sum(ge * entropy)`` with respect to
 the hidden states ``h [T, H]`` and the weight shard ``W [V_local, H]``:
 
 * ``dualvp-fused``: ``dualvp_torch.linear_logprob_entropy`` (default impl);
-* ``dualvp-fused-triton``: the same with ``impl="triton"`` (skipped when
-  this dualvp lacks it);
+* ``dualvp-fused-triton``: the same with ``impl="triton"`` (CUDA, or a CPU
+  when named under ``TRITON_INTERPRET=1``; an error row when this dualvp
+  lacks it);
 * ``dualvp-unfused``: ``h @ W.T`` in the input dtype, then
   ``dualvp_torch.logprob_entropy``;
 * ``cce``: Cut Cross-Entropy's ``linear_cross_entropy(h, W, y,
@@ -35,6 +42,7 @@ formulation from the rounded inputs (:func:`oracle`), on the run's device.
 from __future__ import annotations
 
 import importlib.util
+import os
 from typing import Callable, Optional
 
 import torch
@@ -44,15 +52,20 @@ from . import results, timing
 _DEFAULT_SHAPES = {"cpu": ["2048x1024x32000"], "cuda": ["4096x2048x32000", "16384x4096x75968"]}
 _QUICK_SHAPES = ["64x32x1000"]
 
-# name -> (needs, devices, computes the entropy, per-row upstream gradients)
+# name -> (needs, devices, computes the entropy, per-row upstream gradients). The default order, the
+# order they run in: the baselines, then dualvp's Triton kernels, then the paths that compile with
+# inductor on first use (a run cut short keeps the baselines' rows).
 IMPLS = {
-    "dualvp-fused": ((), ("cpu", "cuda"), True, True),
-    "dualvp-fused-triton": (("triton",), ("cuda",), True, True),
-    "dualvp-unfused": ((), ("cpu", "cuda"), True, True),
     "cce": (("cut_cross_entropy", "triton"), ("cuda",), False, True),
     "liger-flce": (("liger_kernel", "triton"), ("cuda",), False, False),
     "torch-linear-ce": ((), ("cpu", "cuda"), False, True),
+    "dualvp-fused-triton": (("triton",), ("cuda",), True, True),
+    "dualvp-unfused": ((), ("cpu", "cuda"), True, True),
+    "dualvp-fused": ((), ("cpu", "cuda"), True, True),
 }
+_TRITON = ("cce", "liger-flce", "dualvp-fused-triton")  # on a CPU: named, under TRITON_INTERPRET=1
+# Cut Cross-Entropy's backward asserts 16-bit inputs (cut_cross_entropy/cce_backward.py)
+_SKIP = {("cce", "float32"): "Cut Cross-Entropy's backward takes 16-bit inputs only (it asserts bfloat16/float16)"}
 
 
 def oracle(h: torch.Tensor, w: torch.Tensor, y: torch.Tensor, gl: torch.Tensor, ge: torch.Tensor,
@@ -82,10 +95,11 @@ def oracle(h: torch.Tensor, w: torch.Tensor, y: torch.Tensor, gl: torch.Tensor, 
     return torch.cat(lp), torch.cat(en), torch.cat(dh), dw
 
 
-def _available(name: str, device: str) -> Optional[str]:
+def _available(name: str, device: str, named: bool = False) -> Optional[str]:
     needs, devices, _, _ = IMPLS[name]
-    if device not in devices:
-        return f"runs on {'/'.join(devices)} only"
+    interpreted = named and name in _TRITON and device == "cpu" and os.environ.get("TRITON_INTERPRET") == "1"
+    if device not in devices and not interpreted:
+        return f"runs on {'/'.join(devices)} only" + (" (or a CPU under TRITON_INTERPRET=1)" if name in _TRITON else "")
     for mod in needs:
         if importlib.util.find_spec(mod) is None:
             return f"{mod} not importable"
@@ -138,9 +152,18 @@ def _maxabs(x, ref) -> Optional[float]:
     return None if x is None else float((x.detach().double() - ref).abs().max())
 
 
+def _note_row(env: dict, name: str, T: int, H: int, V: int, dtype: str, note: str) -> dict:
+    return dict(env, impl=name, op="linear", dtype=dtype, T=T, V_local=V, H=H, W=1, note=note[:300])
+
+
 def run_shape(T: int, H: int, V: int, dtype: torch.dtype, impls: list, device: str, env: dict, bandwidth: float,
-              reps: int, warmup: int, loop: int, profiled: int) -> list:
-    """One (shape, dtype): a results row per implementation (printed as it comes)."""
+              reps: int, warmup: int, loop: int, profiled: int,
+              on_row: Optional[Callable[[dict], None]] = None) -> list:
+    """One (shape, dtype): a results row per implementation, printed and passed to ``on_row`` as it comes.
+
+    An implementation that is skipped at this dtype (:data:`_SKIP`) or raises (any exception: a
+    compile error, an assertion, out of memory) gets a row saying so (``note``), and the loop goes on.
+    """
     g = torch.Generator().manual_seed(0)
     # LM-like scale: logits of std ~3 (hidden ~N(0,1), weight ~N(0, 9/H))
     h0 = torch.randn(T, H, generator=g).to(dtype).to(device)
@@ -153,11 +176,23 @@ def run_shape(T: int, H: int, V: int, dtype: torch.dtype, impls: list, device: s
     B, grads = T * V * itemsize, (T * H + V * H) * itemsize
     cuda = device == "cuda"
     sync = torch.cuda.synchronize if cuda else None
+    dname = str(dtype).replace("torch.", "")
     refs: dict = {}
     rows = []
+
+    def emit(row):
+        rows.append(row)
+        if on_row is not None:
+            on_row(row)
+
     for name in impls:
+        if (name, dname) in _SKIP:
+            print(f"skipping {name} in {dname}: {_SKIP[name, dname]}", flush=True)
+            emit(_note_row(env, name, T, H, V, dname, f"skipped: {_SKIP[name, dname]}"))
+            continue
         _, _, has_entropy, per_row = IMPLS[name]
         ugl, uge = (gl if per_row else -ones), (ge if has_entropy else zeros)
+        h = w = lp = en = dh = dw = None
         try:
             f = _forward(name, y)
             h, w = h0.clone().requires_grad_(True), w0.clone().requires_grad_(True)
@@ -179,28 +214,30 @@ def run_shape(T: int, H: int, V: int, dtype: torch.dtype, impls: list, device: s
                 torch=torch if cuda else None, profiled=profiled if cuda else 0,
                 snapshot=lambda out, h=h, w=w: (out[0].detach(), None if out[1] is None else out[1].detach(),
                                                 h.grad, w.grad))
-        except (ValueError, NotImplementedError, ImportError) as e:
-            if name == "dualvp-fused-triton":
-                print(f"skipping {name}: {type(e).__name__}: {e}", flush=True)
-                continue
-            raise
-        if not cuda:
-            extra = _allocation_peak(lambda: (bwd(fwd()), clear())) - grads
-        else:
-            extra = rec["peak_extra_B"] * B - grads
-        key = (per_row, has_entropy)
-        if key not in refs:
-            refs[key] = oracle(h0, w0, y, ugl, uge)
-        r = refs[key]
-        row = dict(env, impl=name, op="linear", dtype=str(dtype).replace("torch.", ""), mode="lp+ent+grad"
-                   if has_entropy else "lp", T=T, V_local=V, H=H, W=1, wall_ms=rec["wall_ms"], fwd_ms=rec["fwd_ms"],
-                   bwd_ms=rec["bwd_ms"], kernel_ms=rec.get("kernel_ms"), queued_ms=rec.get("queued_ms"),
-                   host_us=rec.get("host_us"), launches=rec.get("launches"), first_ms=rec.get("first_ms"),
-                   peak_extra_B=extra / B, floor_ms=timing.floor_ms(B, bandwidth),
-                   tflops=8 * T * H * V / (rec["wall_ms"] * 1e-3) / 1e12,
-                   err_logprob=_maxabs(lp, r[0]), err_entropy=_maxabs(en, r[1]) if has_entropy else None,
-                   err_dh=_maxabs(dh, r[2]), err_dW=_maxabs(dw, r[3]), reps=rec["reps"])
-        rows.append(row)
+            if not cuda:
+                extra = _allocation_peak(lambda: (bwd(fwd()), clear())) - grads
+            else:
+                extra = rec["peak_extra_B"] * B - grads
+            key = (per_row, has_entropy)
+            if key not in refs:
+                refs[key] = oracle(h0, w0, y, ugl, uge)
+            r = refs[key]
+            row = dict(env, impl=name, op="linear", dtype=dname, mode="lp+ent+grad" if has_entropy else "lp", T=T,
+                       V_local=V, H=H, W=1, wall_ms=rec["wall_ms"], fwd_ms=rec["fwd_ms"], bwd_ms=rec["bwd_ms"],
+                       kernel_ms=rec.get("kernel_ms"), queued_ms=rec.get("queued_ms"), host_us=rec.get("host_us"),
+                       launches=rec.get("launches"), first_ms=rec.get("first_ms"), peak_extra_B=extra / B,
+                       floor_ms=timing.floor_ms(B, bandwidth), tflops=8 * T * H * V / (rec["wall_ms"] * 1e-3) / 1e12,
+                       err_logprob=_maxabs(lp, r[0]), err_entropy=_maxabs(en, r[1]) if has_entropy else None,
+                       err_dh=_maxabs(dh, r[2]), err_dW=_maxabs(dw, r[3]), reps=rec["reps"])
+        except Exception as e:  # a row with the error; the next implementation runs
+            msg = f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}"
+            print(f"{dname:9s} {T}x{H}x{V} {name:20s} failed: {msg}", flush=True)
+            emit(_note_row(env, name, T, H, V, dname, f"error: {msg}"))
+            del h, w, lp, en, dh, dw
+            if cuda:
+                torch.cuda.empty_cache()
+            continue
+        emit(row)
         print(f"{row['dtype']:9s} {T}x{H}x{V} {name:20s} {row['wall_ms']:9.2f} ms  {row['tflops']:7.2f} TFLOP/s  "
               f"extra {row['peak_extra_B']:6.3f} B  err lp {row['err_logprob']:.1e} H "
               f"{'-' if row['err_entropy'] is None else format(row['err_entropy'], '.1e')} dh {row['err_dh']:.1e} "
@@ -210,17 +247,31 @@ def run_shape(T: int, H: int, V: int, dtype: torch.dtype, impls: list, device: s
 
 
 def run_args(args) -> int:
-    """``dualvp bench --op linear`` (the bench's parsed arguments); returns the exit status."""
+    """``dualvp bench --op linear`` (the bench's parsed arguments); returns the exit status (1 when an
+    implementation failed: its rows say why)."""
     device = args.device
-    dtypes = (args.dtypes or "float32,bfloat16").split(",")
+    # bfloat16 first, whatever the order asked: the op's main case comes back first from a run cut short
+    dtypes = sorted((args.dtypes or "bfloat16,float32").split(","), key=lambda d: d != "bfloat16")
+    named = args.impls is not None
     impls = (args.impls or ",".join(IMPLS)).split(",")
     bad = [i for i in impls if i not in IMPLS] + [d for d in dtypes if d not in ("float32", "bfloat16")]
     if bad:
         print(f"dualvp bench: --op linear: unknown {bad}; --impls from {','.join(IMPLS)}, --dtypes float32,bfloat16")
         return 2
     run = []
+    env = results.environment(device)
+    path = args.results or results.default_path(device)
+    n = 0
+    failed = False
+
+    def on_row(row):  # appended as it comes: a run cut short keeps its rows
+        nonlocal n, failed
+        failed = failed or str(row.get("note") or "").startswith("error")
+        if path != "none":
+            n += results.append(path, [row])
+
     for i in impls:
-        why = _available(i, device)
+        why = _available(i, device, named)
         if why:
             print(f"skipping {i}: {why}")
         else:
@@ -228,17 +279,12 @@ def run_args(args) -> int:
     shapes = (args.shapes.split(",") if args.shapes else _QUICK_SHAPES if args.quick else _DEFAULT_SHAPES[device])
     cuda = device == "cuda"
     reps = args.reps or (3 if cuda else 1 if args.quick else 3)
-    env = results.environment(device)
     bandwidth = timing.copy_bandwidth(device)
-    path = args.results or results.default_path(device)
-    n = 0
-    for s in shapes:
-        T, H, V = (int(x) for x in s.lower().split("x"))
-        for d in dtypes:
-            rows = run_shape(T, H, V, getattr(torch, d), run, device, env, bandwidth, reps,
-                             warmup=1 if args.warmup is None else args.warmup, loop=args.loop or 3, profiled=1)
-            if path != "none" and rows:  # after each (shape, dtype): a run cut short keeps its rows
-                n += results.append(path, rows)
+    for d in dtypes:
+        for s in shapes:
+            T, H, V = (int(x) for x in s.lower().split("x"))
+            run_shape(T, H, V, getattr(torch, d), run, device, env, bandwidth, reps,
+                      warmup=1 if args.warmup is None else args.warmup, loop=args.loop or 3, profiled=1, on_row=on_row)
     if n:
         print(f"appended {n} rows to {path}")
-    return 0
+    return 1 if failed else 0

@@ -37,10 +37,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--shapes", default=None, help="--op linear: comma list of TxHxV_local "
                    "(default cpu 2048x1024x32000; cuda 4096x2048x32000,16384x4096x75968; --quick 64x32x1000)")
     p.add_argument("--sizes", default=None, help="comma list of TxV_local (default cpu 2048x32000,2048x152064; "
-                   "cuda 16384x19008,4096x75968,4096x32000)")
+                   "cuda 16384x19008,4096x75968,4096x32000); 'none': only the W>1 runs of --worlds")
     p.add_argument("--dtypes", default=None, help="comma list of float32,bfloat16 (default both)")
     listing = "; ".join(f"{i.name}: {i.about}" for i in IMPLS.values())
-    p.add_argument("--impls", default=None, help=f"comma list of implementations (default all available): {listing}")
+    p.add_argument("--impls", default=None, help="comma list of implementations, run in this order (default all "
+                   f"available, those that compile dualvp's path with inductor last): {listing}")
     p.add_argument("--modes", default=None, help=f"comma list of {','.join(MODES)} (default cpu all; "
                    "cuda lp,lp+ent+grad,lp+ent+grad.keep)")
     p.add_argument("--slime-path", default=None, metavar="DIR",
@@ -58,13 +59,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--err-rows", type=int, default=256, help="rows whose gradient is compared with float64 "
                    "(log-prob and entropy: the first max(err-rows, 1024) rows)")
     p.add_argument("--results", default=None, metavar="CSV",
-                   help="results file the rows are appended to (default benchmarks/results/<cpu|cuda>.csv; "
-                   "'none': do not write one)")
+                   help="results file the rows are appended to (default bench-results/<cpu|cuda>.csv, ignored "
+                   "by git; a run worth keeping names benchmarks/results/<cpu|cuda>.csv; 'none': do not write one)")
     p.add_argument("--out", default=None, metavar="JSON", help="also write every record as JSON (not committed)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--report", default=None, metavar="CSV",
                    help="print a results file's last commit as a Markdown table (no run)")
     p.add_argument("--worker-timeout", type=float, default=1800.0, help="seconds per worker process")
+    p.add_argument("--per-impl-workers", action="store_true",
+                   help="one worker per implementation for every (size, dtype), the inputs made in the background "
+                   "(the default with --device cuda; on a CPU for the GPU check's rehearsal)")
     p.add_argument("--interleave", action="store_true",
                    help="run the implementations of each (size, dtype) at once, in their own processes, taking "
                    "turns: one computes at a time and their timed calls alternate, so that all see the same "
@@ -100,6 +104,8 @@ class Plan:
     loop: int
     quick: bool
     gloo_impls: list = field(default_factory=list)
+    explicit: bool = False  # --impls given: an implementation named but unable to run is a results row
+    per_impl_workers: bool = False
 
     def reps_for(self, T: int, V: int) -> int:
         return self.big_reps if T * V > 1e8 else self.reps
@@ -112,7 +118,7 @@ def plan(args) -> Plan:
     """The plan, or ``ValueError`` naming the bad option value."""
     q, device = args.quick, args.device
     d_sizes, d_dtypes, d_modes = (_QUICK if q else _DEFAULTS)[device]
-    sizes = [_size(s) for s in _split(args.sizes, d_sizes)]
+    sizes = [] if args.sizes == "none" else [_size(s) for s in _split(args.sizes, d_sizes)]
     dtypes = _split(args.dtypes, d_dtypes)
     modes = _split(args.modes, d_modes)
     explicit = args.impls is not None
@@ -141,6 +147,8 @@ def plan(args) -> Plan:
         for i in jax_impls if why else ():
             found[i] = why
     run_impls = [i for i in found if isinstance(found[i], dict)]
+    if not explicit:  # the baselines first: a run cut short during inductor's compiles keeps their rows
+        run_impls.sort(key=lambda i: IMPLS[i].inductor)
     cuda = device == "cuda"
     reps = args.reps or (5 if cuda else 2 if q else 3)
     worlds = _split(args.worlds, [] if cuda else ["2"] if q else ["2", "4"])
@@ -151,7 +159,8 @@ def plan(args) -> Plan:
         worlds=[] if worlds == ["none"] else [int(w) for w in worlds],
         gloo_size=_size(args.gloo_size or ("4096x16000" if cuda else "32x512" if q else "256x4096")),
         reps=reps, big_reps=args.reps or (5 if cuda else 2), warmup=args.warmup if args.warmup is not None else
-        (1 if cuda else 0), loop=args.loop or (10 if cuda else 5), quick=q,
+        (1 if cuda else 0), loop=args.loop or (10 if cuda else 5), quick=q, explicit=explicit,
+        per_impl_workers=cuda or bool(getattr(args, "per_impl_workers", False)),
     )
     # on W ranks: the gloo-capable implementations that run here; on a CPU dualvp's eager kernels
     # stand for dualvp (each rank would compile the others for itself)

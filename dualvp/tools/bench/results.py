@@ -1,7 +1,9 @@
 """The results file of ``dualvp bench``: one CSV per device class, one row per implementation and case per run.
 
-Every run appends to ``benchmarks/results/<cpu|cuda>.csv`` (``--results``
-overrides the path); the header is written when the file is new. The
+Every run appends to ``bench-results/<cpu|cuda>.csv`` (ignored by git)
+unless ``--results`` names another file: the tracked
+``benchmarks/results/<cpu|cuda>.csv`` only when asked for by name (a run
+worth keeping); the header is written when the file is new. The
 columns (:data:`COLUMNS`) say where and with what each row was measured
 (``date``, ``commit``, ``device``, ``versions``), what (``impl``, ``op``,
 ``dtype``, ``mode``, ``T``, ``V_local``, ``H``, ``W``), how fast
@@ -9,7 +11,10 @@ columns (:data:`COLUMNS`) say where and with what each row was measured
 measured), and how exact (``err_*``: max abs error against float64 from the
 rounded inputs). An empty cell is a figure that does not apply or was not
 measured (kernel time and launches on a CPU, the entropy of a baseline
-without one).
+without one). ``note``: why a row has no figures: ``error: ...`` (the
+implementation raised; the run went on) or ``skipped: ...``; empty on a
+measured row. A file written before ``note`` existed gets the column added
+to its header on the next append (its old rows read it as empty).
 """
 
 from __future__ import annotations
@@ -27,15 +32,19 @@ __all__ = ["COLUMNS", "default_path", "environment", "append", "read", "markdown
 COLUMNS = (
     "date", "commit", "device", "versions", "impl", "op", "dtype", "mode", "T", "V_local", "H", "W",
     "wall_ms", "fwd_ms", "bwd_ms", "kernel_ms", "queued_ms", "host_us", "launches", "first_ms", "peak_extra_B",
-    "floor_ms", "tflops", "err_logprob", "err_entropy", "err_grad", "err_dh", "err_dW", "reps",
+    "floor_ms", "tflops", "err_logprob", "err_entropy", "err_grad", "err_dh", "err_dW", "reps", "note",
 )
 
 _ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 
+DEFAULT_DIR = "bench-results"  # ignored by git: a run writes no tracked file unless asked to
+
+
 def default_path(device: str) -> str:
-    """``benchmarks/results/<cpu|cuda>.csv`` under the current directory."""
-    return os.path.join("benchmarks", "results", f"{'cuda' if device == 'cuda' else 'cpu'}.csv")
+    """``bench-results/<cpu|cuda>.csv`` under the current directory (ignored by git; the tracked
+    ``benchmarks/results/<cpu|cuda>.csv`` is written only when ``--results`` names it)."""
+    return os.path.join(DEFAULT_DIR, f"{'cuda' if device == 'cuda' else 'cpu'}.csv")
 
 
 def _commit() -> str:
@@ -98,6 +107,8 @@ def append(path: str, rows: Iterable[dict]) -> int:
     rows = list(rows)
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     new = not os.path.exists(path) or os.path.getsize(path) == 0
+    if not new:
+        _widen_header(path)
     with open(path, "a", newline="") as f:
         w = csv.writer(f)
         if new:
@@ -105,6 +116,21 @@ def append(path: str, rows: Iterable[dict]) -> int:
         for r in rows:
             w.writerow([_cell(r.get(c)) for c in COLUMNS])
     return len(rows)
+
+
+def _widen_header(path: str) -> None:
+    """A file whose header is an older, shorter prefix of :data:`COLUMNS` gets the new columns
+    appended to its header line (its rows are left as they are: shorter rows read as empty)."""
+    with open(path, newline="") as f:
+        first = f.readline()
+    head = next(csv.reader([first]))
+    if head == list(COLUMNS) or head != list(COLUMNS[: len(head)]):
+        return
+    with open(path, newline="") as f:
+        rest = f.read()[len(first):]
+    ending = "\r\n" if first.endswith("\r\n") else "\n"
+    with open(path, "w", newline="") as f:
+        f.write(",".join(COLUMNS) + ending + rest)
 
 
 def read(path: str) -> list[dict]:
@@ -120,7 +146,7 @@ def markdown(rows: list[dict], commit: Optional[str] = None) -> str:
     commit = commit or rows[-1]["commit"]
     rows = [r for r in rows if r["commit"] == commit]
     cols = ("impl", "op", "dtype", "mode", "T", "V_local", "H", "W", "wall_ms", "kernel_ms", "host_us", "launches",
-            "peak_extra_B", "floor_ms", "tflops", "err_logprob", "err_entropy", "err_grad", "err_dh", "err_dW")
+            "peak_extra_B", "floor_ms", "tflops", "err_logprob", "err_entropy", "err_grad", "err_dh", "err_dW", "note")
     cols = [c for c in cols if any(r.get(c) for r in rows)]
     head = f"{rows[0]['device']}; {rows[0]['versions']}; commit {commit}\n\n"
     out = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]

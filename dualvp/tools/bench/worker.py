@@ -32,6 +32,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import time
 import traceback
 
 import numpy as np
@@ -166,8 +167,19 @@ class _TorchLogits:
         return (self._grad if self.nonleaf else self.base.grad).detach()
 
 
-def _load(case: dict) -> dict:
+def _load(case: dict, wait_s: float = 0.0) -> dict:
+    """A case's inputs; with ``wait_s`` (the driver's jobs), once the driver has marked them ``READY``
+    (it may still be making them)."""
     d = case["data_dir"]
+    t0 = time.monotonic()
+    while wait_s > 0 and not os.path.exists(os.path.join(d, "READY")):
+        failed = os.path.join(d, "FAILED")
+        if os.path.exists(failed):
+            with open(failed) as f:
+                raise RuntimeError(f"the bench could not make the inputs of {case['T']}x{case['V']}: {f.read()}")
+        if time.monotonic() - t0 > wait_s:
+            raise TimeoutError(f"no inputs for {case['T']}x{case['V']} {case['dtype']} after {wait_s:.0f} s")
+        time.sleep(0.1)
     return {k: np.load(os.path.join(d, k + ".npy")) for k in ("logits", "target", "keep", "gl", "gh")}
 
 
@@ -199,7 +211,7 @@ def run_torch(job: dict) -> None:
     peak = (lambda: timing.CudaPeak(torch)) if cuda else timing.PeakRSS
     forward = None
     for case in job["cases"]:
-        data = _load(case)
+        data = _load(case, job.get("wait_s", 0.0))
         dt = {"float32": torch.float32, "bfloat16": torch.bfloat16}[case["dtype"]]
         v_local = data["logits"].shape[-1] // world
         lo = rank * v_local
@@ -262,7 +274,7 @@ def run_jax(job: dict) -> None:
     forward = impl.build(Context(jax, device=job.get("device", "cpu")))
     cuda = job.get("device", "cpu") == "cuda"
     for case in job["cases"]:
-        data = _load(case)
+        data = _load(case, job.get("wait_s", 0.0))
         dt = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}[case["dtype"]]
         z = jnp.asarray(data.pop("logits"), dtype=dt)
         keep_t = jnp.asarray(data.pop("keep"))
