@@ -14,7 +14,11 @@ is float32 in registers; for the products it is rounded to the operand dtype
 (``G = G_hi + G_lo`` up to ~16 significant bits, two products each), so that
 16-bit operands run on tensor cores; every product accumulates in float32 and
 is added with ``tl.atomic_add`` into float32 ``dh [T, H]`` and ``dW [V, H]``
-buffers, which the host rounds once to the input dtype. Columns at or past
+buffers, which the host rounds once to the input dtype. The adds are relaxed
+(``sem="relaxed"``: fire-and-forget reductions, no fence per add): nothing in
+the kernel reads them back, and the kernel's end orders them before the host's
+next use. The default is ``SPLIT_G=False``: ``G`` rounded once, as every peer
+does (8 T H V executed FLOP per credited 8 T H V; the split executes 12). Columns at or past
 ``V`` and rows at or past ``T`` get ``G = 0``. Float32 operands multiply in
 IEEE float32 or TF32 (``PRECISION``); ``UPCAST`` converts 16-bit operands to
 float32 after loading (the CPU interpreter mis-computes ``tl.dot`` on
@@ -41,7 +45,7 @@ def linear_grad_kernel(
     inv_tau,
     HAS_KEEP: tl.constexpr, HAS_ENT_GRAD: tl.constexpr, NEED_DH: tl.constexpr, NEED_DW: tl.constexpr,
     SPLIT_G: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
-    BLOCK_T: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr,
+    BLOCK_T: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_T: tl.constexpr,
 ):
     """Add this tile's ``G W_j`` to ``dh [T, H]`` and ``G^T h_i`` to ``dW [V, H]`` (float32, contiguous).
 
@@ -54,8 +58,19 @@ def linear_grad_kernel(
     an ignored row. ``gl``, ``ge`` (when ``HAS_ENT_GRAD``), ``M`` ...
     ``log_sk``: ``[T]`` float32 (``c`` only with ``HAS_ENT_GRAD``).
     """
-    pid_t = tl.program_id(0)
-    pid_v = tl.program_id(1)
+    # Tile order: launch index -> (row block, column block) in groups of GROUP_T row blocks, column
+    # blocks fastest within a group, so that the CTAs resident at one time share GROUP_T row blocks'
+    # dh (kept in L2 across the group's column sweep) rather than all row blocks' (a full sweep of dh
+    # through HBM per column block). GROUP_T >= cdiv(T, BLOCK_T): the launch order, row blocks fastest
+    # (one column block's dW hot, dh swept).
+    n_t = tl.num_programs(0)
+    n_v = tl.num_programs(1)
+    pid = tl.program_id(1) * n_t + tl.program_id(0)
+    per_group = GROUP_T * n_v
+    first_t = (pid // per_group) * GROUP_T
+    group_rows = tl.minimum(n_t - first_t, GROUP_T)
+    pid_t = first_t + (pid % per_group) % group_rows
+    pid_v = (pid % per_group) // group_rows
     rows = pid_t * BLOCK_T + tl.arange(0, BLOCK_T).to(tl.int64)  # 64-bit offsets: T * V may pass 2^31
     cols = pid_v * BLOCK_V + tl.arange(0, BLOCK_V).to(tl.int64)
     row_ok = rows < T
@@ -120,7 +135,8 @@ def linear_grad_kernel(
             part = dot(g_hi, wb, tl.zeros((BLOCK_T, BLOCK_K), tl.float32), PRECISION)
             if SPLIT_G:
                 part = dot(g_lo, wb, part, PRECISION)
-            tl.atomic_add(dh_ptr + rows[:, None] * H + kk[None, :], part, mask=row_ok[:, None] & k_ok[None, :])
+            tl.atomic_add(dh_ptr + rows[:, None] * H + kk[None, :], part, mask=row_ok[:, None] & k_ok[None, :],
+                          sem="relaxed")
         if NEED_DW:
             hb = tl.load(h_ptr + rows[:, None] * stride_ht + kk[None, :] * stride_hk,
                          mask=row_ok[:, None] & k_ok[None, :], other=0.0)
@@ -129,4 +145,5 @@ def linear_grad_kernel(
             part = dot(tl.trans(g_hi), hb, tl.zeros((BLOCK_V, BLOCK_K), tl.float32), PRECISION)
             if SPLIT_G:
                 part = dot(tl.trans(g_lo), hb, part, PRECISION)
-            tl.atomic_add(dw_ptr + cols[:, None] * H + kk[None, :], part, mask=col_ok[:, None] & k_ok[None, :])
+            tl.atomic_add(dw_ptr + cols[:, None] * H + kk[None, :], part, mask=col_ok[:, None] & k_ok[None, :],
+                          sem="relaxed")
