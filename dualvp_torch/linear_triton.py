@@ -121,6 +121,18 @@ def stats(h2: torch.Tensor, weight: torch.Tensor, ycol: torch.Tensor, keep: Opti
     return out[0] if splits == 1 else spec.reduce_stats(xp, out, 0, tau)
 
 
+def _mm_f32_into(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor, first: bool) -> None:
+    """``acc (+)= a @ b``: 16-bit operands, float32 accumulation into the float32 ``acc`` (cuBLAS on CUDA)."""
+    if a.device.type == "cuda":
+        if first:
+            torch.mm(a, b, out_dtype=torch.float32, out=acc)
+        else:
+            torch.addmm(acc, a, b, out_dtype=torch.float32, out=acc)
+        return
+    r = a.float() @ b.float()  # the CPU (interpreter tests): exact products of the 16-bit values
+    acc.copy_(r) if first else acc.add_(r)
+
+
 def grads(h2, weight, ycol, keep, comb, gl, ge, temperature: float, need_dh: bool, need_dw: bool,
           allow_tf32: bool, split_g: bool, budget: int):
     """``(dh [T, H] float32 or None, dW [V, H] in weight's dtype or None)``: this rank's partial sums.
@@ -128,7 +140,15 @@ def grads(h2, weight, ycol, keep, comb, gl, ge, temperature: float, need_dh: boo
     ``comb = (M, log_s, c, mk, log_sk)`` ``[T]`` float32 (``c`` may be
     ``None``: no entropy gradient, and then ``ge`` is ``None``); ``gl``,
     ``ge`` ``[T]`` float32 upstream gradients; ``budget``: bytes of one
-    float32 ``dW`` chunk for 16-bit weights.
+    vocabulary chunk's buffers for 16-bit weights (``G`` chunks, or the
+    float32 ``dW`` chunk on the ``"atomic"`` backward).
+
+    16-bit weights with ``Tuning.triton_linear_backward == "gemm"`` (the
+    default): per vocabulary chunk the kernel recomputes the logits and writes
+    ``G`` (``G_hi``, ``G_lo`` with the split) in the weight's dtype, then
+    cuBLAS adds ``G W_c`` to the float32 ``dh`` and forms ``dW_c = G^T h``
+    (rounded once to the weight's dtype). Otherwise the kernel multiplies
+    in-register ``G`` and adds with float32 atomics.
     """
     from .triton_kernels.linear_bwd import linear_grad_kernel
 
@@ -138,39 +158,64 @@ def grads(h2, weight, ycol, keep, comb, gl, ge, temperature: float, need_dh: boo
     bt, bv, bk, warps = blocks(dev)
     M, log_s, c, mk, log_sk = (None if x is None else x.contiguous() for x in comb)
     has_ent = ge is not None
+    sixteen = weight.dtype != torch.float32
+    split = bool(split_g) and sixteen
+    gemm = sixteen and tuning.current().triton_linear_backward == "gemm"
     dh = torch.zeros((n, hsz), dtype=torch.float32, device=dev) if need_dh else None
     chunk = v
-    dw = acc = None
-    if need_dw:
+    dw = acc = g_hi = g_lo = None
+    if gemm:
+        per_col = n * weight.element_size() * (2 if split else 1) + (4 * hsz if split and need_dw else 0)
+        chunk = min(v, max(bv, budget // max(1, per_col) // bv * bv))
+        g_hi = torch.empty((n, chunk), dtype=weight.dtype, device=dev)
+        g_lo = torch.empty((n, chunk), dtype=weight.dtype, device=dev) if split else g_hi
+        if need_dw:
+            dw = torch.empty((v, hsz), dtype=weight.dtype, device=dev)
+            acc = torch.empty((chunk, hsz), dtype=torch.float32, device=dev) if split else None
+    elif need_dw:
         if weight.dtype == torch.float32:
             dw = acc = torch.zeros((v, hsz), dtype=torch.float32, device=dev)
         else:
             chunk = min(v, max(bv, budget // max(1, 4 * hsz) // bv * bv))
             dw = torch.empty((v, hsz), dtype=weight.dtype, device=dev)
             acc = torch.empty((chunk, hsz), dtype=torch.float32, device=dev)
-    chunked = need_dw and acc is not dw  # 16-bit dW: a float32 buffer per vocabulary chunk
-    dummy = dh if dh is not None else acc  # the pointer a disabled output gets (never written)
-    split = bool(split_g) and weight.dtype != torch.float32
+    chunked = not gemm and need_dw and acc is not dw  # atomic 16-bit dW: a float32 buffer per vocabulary chunk
+    dummy = dh if dh is not None else (acc if acc is not None else g_hi)  # a disabled output's pointer (unused)
     group_t = group_rows(triton.cdiv(n, bt), bt, hsz, dev)
     for j0 in range(0, v, chunk):
         j1 = min(v, j0 + chunk)
         if chunked:
             acc.zero_()
-        dw_arg = (acc if chunked else acc[j0:j1]) if need_dw else dummy
+        dw_arg = (acc if chunked else acc[j0:j1]) if need_dw and not gemm else dummy
         km = keep[:, j0:j1].view(torch.uint8) if keep is not None else ycol
         wj = weight[j0:j1]
         linear_grad_kernel[(triton.cdiv(n, bt), triton.cdiv(j1 - j0, bv))](
             h2, wj, ycol, km, M, log_s, c if has_ent else M, mk, log_sk, gl, ge if has_ent else gl,
-            dh if need_dh else dummy, dw_arg,
+            dh if need_dh else dummy, dw_arg, g_hi if gemm else dummy, g_lo if gemm else dummy,
+            chunk if gemm else 0,
             n, j1 - j0, hsz, j0,
             h2.stride(0), h2.stride(1), wj.stride(0), wj.stride(1),
             km.stride(0) if keep is not None else 0, km.stride(1) if keep is not None else 0,
             1.0 / temperature,
             HAS_KEEP=keep is not None, HAS_ENT_GRAD=has_ent, NEED_DH=need_dh, NEED_DW=need_dw,
-            SPLIT_G=split, UPCAST=_upcast(h2), PRECISION=_precision(h2, allow_tf32),
+            SPLIT_G=split, STORE_G=gemm, UPCAST=_upcast(h2), PRECISION=_precision(h2, allow_tf32),
             BLOCK_T=bt, BLOCK_V=bv, BLOCK_K=bk, GROUP_T=group_t, **_launch(warps),
         )
-        if chunked:
+        if gemm:
+            parts = [g_hi[:, : j1 - j0]] + ([g_lo[:, : j1 - j0]] if split else [])
+            if need_dh:
+                for part in parts:
+                    _mm_f32_into(dh, part, wj, first=False)
+            if need_dw and split:
+                for i, part in enumerate(parts):
+                    _mm_f32_into(acc[: j1 - j0], part.t(), h2, first=i == 0)
+                dw[j0:j1].copy_(acc[: j1 - j0])  # the one rounding of this chunk of dW
+            elif need_dw:  # G rounded once: cuBLAS accumulates in float32 and rounds once into dW
+                if dev.type == "cuda":
+                    torch.mm(parts[0].t(), h2, out=dw[j0:j1])
+                else:
+                    dw[j0:j1].copy_(parts[0].t().float() @ h2.float())
+        elif chunked:
             dw[j0:j1].copy_(acc[: j1 - j0])  # the one rounding of this chunk of dW
     return dh, dw
 
