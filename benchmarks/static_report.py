@@ -10,7 +10,8 @@ Each case runs forward + backward of the public op (``impl="triton"``) under
 grids and specialisation as on an sm_90 device with 132 SMs, and every launch
 only compiles. One row per kernel launch kind and case: registers, spills
 (local memory bytes per thread of the compiled cubin; ``ptxas_rerun_spill_bytes``:
-``ptxas -v`` on the PTX again, whose options may differ from Triton's call), shared memory, CTAs per SM (limits: 65,536 registers, 2,048
+``ptxas -v`` on the PTX again, whose options may differ from Triton's call),
+shared memory, CTAs per SM (limits: 65,536 registers, 2,048
 threads, 228 KiB shared memory per SM), SASS instructions and float64
 instructions per element in the streaming loop (the longest loop body; the
 whole kernel when it has no loop) = instructions / (``BLOCK_T * BLOCK_V`` /
@@ -61,7 +62,8 @@ FUSED_SHAPES = [(4096, 2048, 32000), (16384, 4096, 75968)]
 DTYPES = ("float32", "bfloat16", "float16")
 CSV = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "static.csv")
 FIELDS = ["date", "commit", "triton", "op", "kernel", "dtype", "mode", "size", "grid", "block", "warps", "stages",
-          "registers", "spill_bytes", "ptxas_rerun_spill_bytes", "shared_bytes", "ctas_per_sm", "instr_per_elem", "f64_per_elem",
+          "registers", "spill_bytes", "ptxas_rerun_spill_bytes", "shared_bytes", "ctas_per_sm", "instr_per_elem",
+          "f64_per_elem",
           "load16_share", "ratio_h100", "ratio_h200", "flop_per_8thv", "mma_flop_ratio", "atomics_per_kstep",
           "membar_gpu", "acq_rel_atomics", "compile_s", "matmuls"]
 
@@ -92,7 +94,8 @@ def _row(a, op, dtype, mode, size):
     block = "x".join(str(k[n]) for n in ("BLOCK_T", "BLOCK_V", "BLOCK_K") if n in k)
     return dict(op=op, kernel=a["kernel"], dtype=dtype, mode=mode, size=size,
                 grid="x".join(map(str, a["grid"])), block=block, warps=a["warps"], stages=a["stages"],
-                registers=a["registers"], spill_bytes=a["spill_bytes"], ptxas_rerun_spill_bytes=a["ptxas_rerun_spill_bytes"], shared_bytes=a["shared"],
+                registers=a["registers"], spill_bytes=a["spill_bytes"],
+                ptxas_rerun_spill_bytes=a["ptxas_rerun_spill_bytes"], shared_bytes=a["shared"],
                 ctas_per_sm=a["ctas_per_sm"],
                 instr_per_elem=round(c["total"] / ept, 2) if ept and op == "logits" else "",
                 f64_per_elem=round(c["f64"] / ept, 2) if ept and op == "logits" else "",
@@ -187,8 +190,8 @@ def _cases(args):
                 yield "fused", (T, H, V, dt, mode), {}
             if dt != "float32":
                 yield "fused", (T, H, V, dt, "lp+ent"), {"split": not _default_split()}
-                yield "fused", (T, H, V, dt, "lp+ent"), {"backward": "atomic"}
                 yield "fused", (T, H, V, dt, "lp+ent"), {"backward": "atomic", "split": False}
+            yield "fused", (T, H, V, dt, "lp+ent"), {"backward": "atomic"}
 
 
 def _default_split() -> bool:

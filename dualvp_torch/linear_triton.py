@@ -20,6 +20,7 @@ The kernel modules are imported at the first call: ``triton`` is optional, and
 
 from __future__ import annotations
 
+import contextlib
 import math
 from typing import Optional
 
@@ -122,15 +123,35 @@ def stats(h2: torch.Tensor, weight: torch.Tensor, ycol: torch.Tensor, keep: Opti
 
 
 def _mm_f32_into(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor, first: bool) -> None:
-    """``acc (+)= a @ b``: 16-bit operands, float32 accumulation into the float32 ``acc`` (cuBLAS on CUDA)."""
+    """``acc (+)= a @ b`` with float32 accumulation into the float32 ``acc`` (cuBLAS on CUDA).
+
+    16-bit operands: tensor cores with a float32 output (``out_dtype``);
+    float32 operands: IEEE float32 or TF32 as :func:`_tf32` sets it.
+    """
     if a.device.type == "cuda":
+        f32 = a.dtype == torch.float32
+        kw = {} if f32 else {"out_dtype": torch.float32}
         if first:
-            torch.mm(a, b, out_dtype=torch.float32, out=acc)
+            torch.mm(a, b, out=acc, **kw)
         else:
-            torch.addmm(acc, a, b, out_dtype=torch.float32, out=acc)
+            torch.addmm(acc, a, b, out=acc, **kw)
         return
     r = a.float() @ b.float()  # the CPU (interpreter tests): exact products of the 16-bit values
     acc.copy_(r) if first else acc.add_(r)
+
+
+@contextlib.contextmanager
+def _tf32(x: torch.Tensor, allow_tf32: bool):
+    """cuBLAS float32 products in IEEE float32 (``allow_tf32=False``) or TF32, whatever torch's global flag."""
+    if x.device.type != "cuda" or x.dtype != torch.float32:
+        yield
+        return
+    prev = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = allow_tf32
+    try:
+        yield
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = prev
 
 
 def grads(h2, weight, ycol, keep, comb, gl, ge, temperature: float, need_dh: bool, need_dw: bool,
@@ -143,12 +164,13 @@ def grads(h2, weight, ycol, keep, comb, gl, ge, temperature: float, need_dh: boo
     vocabulary chunk's buffers for 16-bit weights (``G`` chunks, or the
     float32 ``dW`` chunk on the ``"atomic"`` backward).
 
-    16-bit weights with ``Tuning.triton_linear_backward == "gemm"`` (the
-    default): per vocabulary chunk the kernel recomputes the logits and writes
-    ``G`` (``G_hi``, ``G_lo`` with the split) in the weight's dtype, then
+    ``Tuning.triton_linear_backward == "gemm"`` (the default): per
+    vocabulary chunk the kernel recomputes the logits and writes ``G``
+    (``G_hi``, ``G_lo`` with the 16-bit split) in the weight's dtype, then
     cuBLAS adds ``G W_c`` to the float32 ``dh`` and forms ``dW_c = G^T h``
-    (rounded once to the weight's dtype). Otherwise the kernel multiplies
-    in-register ``G`` and adds with float32 atomics.
+    (rounded once to the weight's dtype; float32 products in IEEE float32
+    unless ``allow_tf32``). ``"atomic"``: the kernel multiplies in-register
+    ``G`` and adds with float32 atomics.
     """
     from .triton_kernels.linear_bwd import linear_grad_kernel
 
@@ -158,9 +180,8 @@ def grads(h2, weight, ycol, keep, comb, gl, ge, temperature: float, need_dh: boo
     bt, bv, bk, warps = blocks(dev)
     M, log_s, c, mk, log_sk = (None if x is None else x.contiguous() for x in comb)
     has_ent = ge is not None
-    sixteen = weight.dtype != torch.float32
-    split = bool(split_g) and sixteen
-    gemm = sixteen and tuning.current().triton_linear_backward == "gemm"
+    split = bool(split_g) and weight.dtype != torch.float32
+    gemm = tuning.current().triton_linear_backward == "gemm"
     dh = torch.zeros((n, hsz), dtype=torch.float32, device=dev) if need_dh else None
     chunk = v
     dw = acc = g_hi = g_lo = None
@@ -203,18 +224,19 @@ def grads(h2, weight, ycol, keep, comb, gl, ge, temperature: float, need_dh: boo
         )
         if gemm:
             parts = [g_hi[:, : j1 - j0]] + ([g_lo[:, : j1 - j0]] if split else [])
-            if need_dh:
-                for part in parts:
-                    _mm_f32_into(dh, part, wj, first=False)
-            if need_dw and split:
-                for i, part in enumerate(parts):
-                    _mm_f32_into(acc[: j1 - j0], part.t(), h2, first=i == 0)
-                dw[j0:j1].copy_(acc[: j1 - j0])  # the one rounding of this chunk of dW
-            elif need_dw:  # G rounded once: cuBLAS accumulates in float32 and rounds once into dW
-                if dev.type == "cuda":
-                    torch.mm(parts[0].t(), h2, out=dw[j0:j1])
-                else:
-                    dw[j0:j1].copy_(parts[0].t().float() @ h2.float())
+            with _tf32(h2, allow_tf32):
+                if need_dh:
+                    for part in parts:
+                        _mm_f32_into(dh, part, wj, first=False)
+                if need_dw and split:
+                    for i, part in enumerate(parts):
+                        _mm_f32_into(acc[: j1 - j0], part.t(), h2, first=i == 0)
+                    dw[j0:j1].copy_(acc[: j1 - j0])  # the one rounding of this chunk of dW
+                elif need_dw:  # G rounded once (or float32): cuBLAS accumulates in float32, rounds once into dW
+                    if dev.type == "cuda":
+                        torch.mm(parts[0].t(), h2, out=dw[j0:j1])
+                    else:
+                        dw[j0:j1].copy_(parts[0].t().float() @ h2.float())
         elif chunked:
             dw[j0:j1].copy_(acc[: j1 - j0])  # the one rounding of this chunk of dW
     return dh, dw

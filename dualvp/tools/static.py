@@ -44,7 +44,6 @@ import re
 import subprocess
 import tempfile
 import time
-from typing import Optional
 
 __all__ = ["Launch", "hopper_target", "drive_logits", "drive_fused", "analyse", "sass_loops", "LOGITS_MODES",
            "FUSED_MODES"]

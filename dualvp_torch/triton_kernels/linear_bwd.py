@@ -9,10 +9,9 @@ the two products of the spec's fused-op section::
     dW_j += G_ij^T h_i      (summed over the row blocks i)
 
 Grid: ``(cdiv(T, BLOCK_T), cdiv(V, BLOCK_V))``, one program per tile.
-``STORE_G`` (the default for 16-bit operands, ``Tuning.triton_linear_backward
-== "gemm"``): the tile's ``G`` is written to a chunk buffer instead and the
-host multiplies it on cuBLAS; what follows describes the in-kernel products
-(``"atomic"``, and float32 operands). ``G``
+``STORE_G`` (the default, ``Tuning.triton_linear_backward == "gemm"``): the
+tile's ``G`` is written to a chunk buffer instead and the host multiplies it
+on cuBLAS; what follows describes the in-kernel products (``"atomic"``). ``G``
 is float32 in registers; for the products it is rounded to the operand dtype
 (``SPLIT_G=False``) or split into a high and a low part of that dtype
 (``G = G_hi + G_lo`` up to ~16 significant bits, two products each), so that
