@@ -18,9 +18,9 @@ specialisation the host picks, and only compiles. For every compiled kernel:
   narrower loads); a kernel that stores there stores only 16-byte vectors;
 - the fused backward: no ``acq_rel`` atomic (relaxed reductions) and no
   GPU-scope memory barrier (``MEMBAR.GPU``/``SYS``); with in-kernel
-  products (``triton_linear_backward="atomic"``, float32) its atomics are
-  16-byte; writing ``G`` for cuBLAS (the 16-bit default) it has no atomics
-  and stores 16-byte vectors.
+  products (the option ``triton_linear_backward="atomic"``, compiled here in
+  16-bit) its atomics are 16-byte; writing ``G`` for cuBLAS (the default) it
+  has no atomics and stores 16-byte vectors.
 
 The test process runs kernels under ``TRITON_INTERPRET=1`` (tests/conftest.py
 where there is no GPU): Triton reads it when kernels are defined, so the
