@@ -20,6 +20,7 @@ The kernel modules are imported at the first call: ``triton`` is optional, and
 
 from __future__ import annotations
 
+import contextlib
 import math
 from typing import Optional
 
@@ -30,7 +31,7 @@ from dualvp import spec
 
 from . import triton_kernels, tuning
 
-__all__ = ["blocks", "grads", "stats", "unavailable"]
+__all__ = ["blocks", "grads", "group_rows", "stats", "unavailable", "DH_GROUP_BYTES"]
 
 
 
@@ -66,6 +67,18 @@ def _precision(x: torch.Tensor, allow_tf32: bool) -> str:
     if x.dtype == torch.float32 or _upcast(x):
         return "tf32" if allow_tf32 and x.dtype == torch.float32 else "ieee"
     return "default"
+
+
+#: Bytes of float32 ``dh`` rows that the backward's resident tiles share (``GROUP_T`` row blocks,
+#: kept in L2 while their column blocks sweep; H100/H200 L2: 50 MB, shared with the dW blocks).
+DH_GROUP_BYTES = 16 << 20
+
+
+def group_rows(n_row_blocks: int, block_t: int, hsz: int, device: torch.device) -> int:
+    """``GROUP_T`` of the backward's tile order: row blocks whose ``dh`` fits :data:`DH_GROUP_BYTES`."""
+    if device.type != "cuda":
+        return 2  # the interpreter: small groups, so that the tests walk the grouped order
+    return max(1, min(n_row_blocks, DH_GROUP_BYTES // max(1, block_t * hsz * 4)))
 
 
 def _launch(warps: Optional[int]) -> dict:
@@ -109,6 +122,38 @@ def stats(h2: torch.Tensor, weight: torch.Tensor, ycol: torch.Tensor, keep: Opti
     return out[0] if splits == 1 else spec.reduce_stats(xp, out, 0, tau)
 
 
+def _mm_f32_into(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor, first: bool) -> None:
+    """``acc (+)= a @ b`` with float32 accumulation into the float32 ``acc`` (cuBLAS on CUDA).
+
+    16-bit operands: tensor cores with a float32 output (``out_dtype``);
+    float32 operands: IEEE float32 or TF32 as :func:`_tf32` sets it.
+    """
+    if a.device.type == "cuda":
+        f32 = a.dtype == torch.float32
+        kw = {} if f32 else {"out_dtype": torch.float32}
+        if first:
+            torch.mm(a, b, out=acc, **kw)
+        else:
+            torch.addmm(acc, a, b, out=acc, **kw)
+        return
+    r = a.float() @ b.float()  # the CPU (interpreter tests): exact products of the 16-bit values
+    acc.copy_(r) if first else acc.add_(r)
+
+
+@contextlib.contextmanager
+def _tf32(x: torch.Tensor, allow_tf32: bool):
+    """cuBLAS float32 products in IEEE float32 (``allow_tf32=False``) or TF32, whatever torch's global flag."""
+    if x.device.type != "cuda" or x.dtype != torch.float32:
+        yield
+        return
+    prev = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = allow_tf32
+    try:
+        yield
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = prev
+
+
 def grads(h2, weight, ycol, keep, comb, gl, ge, temperature: float, need_dh: bool, need_dw: bool,
           allow_tf32: bool, split_g: bool, budget: int):
     """``(dh [T, H] float32 or None, dW [V, H] in weight's dtype or None)``: this rank's partial sums.
@@ -116,7 +161,16 @@ def grads(h2, weight, ycol, keep, comb, gl, ge, temperature: float, need_dh: boo
     ``comb = (M, log_s, c, mk, log_sk)`` ``[T]`` float32 (``c`` may be
     ``None``: no entropy gradient, and then ``ge`` is ``None``); ``gl``,
     ``ge`` ``[T]`` float32 upstream gradients; ``budget``: bytes of one
-    float32 ``dW`` chunk for 16-bit weights.
+    vocabulary chunk's buffers for 16-bit weights (``G`` chunks, or the
+    float32 ``dW`` chunk on the ``"atomic"`` backward).
+
+    ``Tuning.triton_linear_backward == "gemm"`` (the default): per
+    vocabulary chunk the kernel recomputes the logits and writes ``G``
+    (``G_hi``, ``G_lo`` with the 16-bit split) in the weight's dtype, then
+    cuBLAS adds ``G W_c`` to the float32 ``dh`` and forms ``dW_c = G^T h``
+    (rounded once to the weight's dtype; float32 products in IEEE float32
+    unless ``allow_tf32``). ``"atomic"``: the kernel multiplies in-register
+    ``G`` and adds with float32 atomics.
     """
     from .triton_kernels.linear_bwd import linear_grad_kernel
 
@@ -126,38 +180,64 @@ def grads(h2, weight, ycol, keep, comb, gl, ge, temperature: float, need_dh: boo
     bt, bv, bk, warps = blocks(dev)
     M, log_s, c, mk, log_sk = (None if x is None else x.contiguous() for x in comb)
     has_ent = ge is not None
+    split = bool(split_g) and weight.dtype != torch.float32
+    gemm = tuning.current().triton_linear_backward == "gemm"
     dh = torch.zeros((n, hsz), dtype=torch.float32, device=dev) if need_dh else None
     chunk = v
-    dw = acc = None
-    if need_dw:
+    dw = acc = g_hi = g_lo = None
+    if gemm:
+        per_col = n * weight.element_size() * (2 if split else 1) + (4 * hsz if split and need_dw else 0)
+        chunk = min(v, max(bv, budget // max(1, per_col) // bv * bv))
+        g_hi = torch.empty((n, chunk), dtype=weight.dtype, device=dev)
+        g_lo = torch.empty((n, chunk), dtype=weight.dtype, device=dev) if split else g_hi
+        if need_dw:
+            dw = torch.empty((v, hsz), dtype=weight.dtype, device=dev)
+            acc = torch.empty((chunk, hsz), dtype=torch.float32, device=dev) if split else None
+    elif need_dw:
         if weight.dtype == torch.float32:
             dw = acc = torch.zeros((v, hsz), dtype=torch.float32, device=dev)
         else:
             chunk = min(v, max(bv, budget // max(1, 4 * hsz) // bv * bv))
             dw = torch.empty((v, hsz), dtype=weight.dtype, device=dev)
             acc = torch.empty((chunk, hsz), dtype=torch.float32, device=dev)
-    chunked = need_dw and acc is not dw  # 16-bit dW: a float32 buffer per vocabulary chunk
-    dummy = dh if dh is not None else acc  # the pointer a disabled output gets (never written)
-    split = bool(split_g) and weight.dtype != torch.float32
+    chunked = not gemm and need_dw and acc is not dw  # atomic 16-bit dW: a float32 buffer per vocabulary chunk
+    dummy = dh if dh is not None else (acc if acc is not None else g_hi)  # a disabled output's pointer (unused)
+    group_t = group_rows(triton.cdiv(n, bt), bt, hsz, dev)
     for j0 in range(0, v, chunk):
         j1 = min(v, j0 + chunk)
         if chunked:
             acc.zero_()
-        dw_arg = (acc if chunked else acc[j0:j1]) if need_dw else dummy
+        dw_arg = (acc if chunked else acc[j0:j1]) if need_dw and not gemm else dummy
         km = keep[:, j0:j1].view(torch.uint8) if keep is not None else ycol
         wj = weight[j0:j1]
         linear_grad_kernel[(triton.cdiv(n, bt), triton.cdiv(j1 - j0, bv))](
             h2, wj, ycol, km, M, log_s, c if has_ent else M, mk, log_sk, gl, ge if has_ent else gl,
-            dh if need_dh else dummy, dw_arg,
+            dh if need_dh else dummy, dw_arg, g_hi if gemm else dummy, g_lo if gemm else dummy,
+            chunk if gemm else 0,
             n, j1 - j0, hsz, j0,
             h2.stride(0), h2.stride(1), wj.stride(0), wj.stride(1),
             km.stride(0) if keep is not None else 0, km.stride(1) if keep is not None else 0,
             1.0 / temperature,
             HAS_KEEP=keep is not None, HAS_ENT_GRAD=has_ent, NEED_DH=need_dh, NEED_DW=need_dw,
-            SPLIT_G=split, UPCAST=_upcast(h2), PRECISION=_precision(h2, allow_tf32),
-            BLOCK_T=bt, BLOCK_V=bv, BLOCK_K=bk, **_launch(warps),
+            SPLIT_G=split, STORE_G=gemm, UPCAST=_upcast(h2), PRECISION=_precision(h2, allow_tf32),
+            BLOCK_T=bt, BLOCK_V=bv, BLOCK_K=bk, GROUP_T=group_t, **_launch(warps),
         )
-        if chunked:
+        if gemm:
+            parts = [g_hi[:, : j1 - j0]] + ([g_lo[:, : j1 - j0]] if split else [])
+            with _tf32(h2, allow_tf32):
+                if need_dh:
+                    for part in parts:
+                        _mm_f32_into(dh, part, wj, first=False)
+                if need_dw and split:
+                    for i, part in enumerate(parts):
+                        _mm_f32_into(acc[: j1 - j0], part.t(), h2, first=i == 0)
+                    dw[j0:j1].copy_(acc[: j1 - j0])  # the one rounding of this chunk of dW
+                elif need_dw:  # G rounded once (or float32): cuBLAS accumulates in float32, rounds once into dW
+                    if dev.type == "cuda":
+                        torch.mm(parts[0].t(), h2, out=dw[j0:j1])
+                    else:
+                        dw[j0:j1].copy_(parts[0].t().float() @ h2.float())
+        elif chunked:
             dw[j0:j1].copy_(acc[: j1 - j0])  # the one rounding of this chunk of dW
     return dh, dw
 

@@ -72,6 +72,11 @@ class Tuning:
         ``triton`` is installed. Empty until a GPU run has checked them
         against the oracle and the bench (docs/decisions.md, "Triton kernels
         opt-in until a GPU run"); the compiled stages stay the default.
+      triton_linear_backward: the fused op's Triton backward: ``"gemm"``
+        (the kernel writes ``G`` per vocabulary chunk in the weight's dtype,
+        cuBLAS forms ``dh`` and ``dW``; no atomics) or ``"atomic"`` (products
+        in the kernel, float32 atomic adds)
+        (docs/decisions.md, "Fused backward: G chunk + cuBLAS products").
       triton_linear_blocks: ``(BLOCK_T, BLOCK_V, BLOCK_K, num_warps)`` of the
         fused op's Triton kernels on CUDA (``num_warps`` may be ``None``), or
         ``None`` for the built-in tiles.
@@ -86,6 +91,7 @@ class Tuning:
     split_gradient: bool = True
     triton_default_devices: frozenset = frozenset()
     triton_linear_blocks: Optional[tuple] = None
+    triton_linear_backward: str = "gemm"
 
     def __post_init__(self):
         for name in ("float64_sums_devices", "static_vocab_devices", "triton_default_devices"):
@@ -101,6 +107,9 @@ class Tuning:
         for name in ("glibc_heap", "split_gradient"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"{name}: expected a bool, got {getattr(self, name)!r}")
+        if self.triton_linear_backward not in ("gemm", "atomic"):
+            raise ValueError(f"triton_linear_backward: expected 'gemm' or 'atomic', "
+                             f"got {self.triton_linear_backward!r}")
         b = self.triton_linear_blocks
         if b is not None:
             ok = (isinstance(b, tuple) and len(b) == 4 and all(isinstance(x, int) and not isinstance(x, bool)

@@ -8,13 +8,20 @@ the two products of the spec's fused-op section::
     dh_i += G_ij W_j        (summed over the vocabulary blocks j)
     dW_j += G_ij^T h_i      (summed over the row blocks i)
 
-Grid: ``(cdiv(T, BLOCK_T), cdiv(V, BLOCK_V))``, one program per tile. ``G``
+Grid: ``(cdiv(T, BLOCK_T), cdiv(V, BLOCK_V))``, one program per tile.
+``STORE_G`` (the default, ``Tuning.triton_linear_backward == "gemm"``): the
+tile's ``G`` is written to a chunk buffer instead and the host multiplies it
+on cuBLAS; what follows describes the in-kernel products (``"atomic"``). ``G``
 is float32 in registers; for the products it is rounded to the operand dtype
 (``SPLIT_G=False``) or split into a high and a low part of that dtype
 (``G = G_hi + G_lo`` up to ~16 significant bits, two products each), so that
 16-bit operands run on tensor cores; every product accumulates in float32 and
 is added with ``tl.atomic_add`` into float32 ``dh [T, H]`` and ``dW [V, H]``
-buffers, which the host rounds once to the input dtype. Columns at or past
+buffers, which the host rounds once to the input dtype. The adds are relaxed
+(``sem="relaxed"``: fire-and-forget reductions, no fence per add): nothing in
+the kernel reads them back, and the kernel's end orders them before the host's
+next use. The default is ``SPLIT_G=False``: ``G`` rounded once, as every peer
+does (8 T H V executed FLOP per credited 8 T H V; the split executes 12). Columns at or past
 ``V`` and rows at or past ``T`` get ``G = 0``. Float32 operands multiply in
 IEEE float32 or TF32 (``PRECISION``); ``UPCAST`` converts 16-bit operands to
 float32 after loading (the CPU interpreter mis-computes ``tl.dot`` on
@@ -35,15 +42,21 @@ __all__ = ["linear_grad_kernel"]
 def linear_grad_kernel(
     h_ptr, w_ptr, ycol_ptr, keep_ptr,
     M_ptr, log_s_ptr, c_ptr, mk_ptr, log_sk_ptr, gl_ptr, ge_ptr,
-    dh_ptr, dw_ptr,
+    dh_ptr, dw_ptr, g_hi_ptr, g_lo_ptr, stride_g,
     T, V, H, col0,
     stride_ht, stride_hk, stride_wv, stride_wk, stride_kt, stride_kv,
     inv_tau,
     HAS_KEEP: tl.constexpr, HAS_ENT_GRAD: tl.constexpr, NEED_DH: tl.constexpr, NEED_DW: tl.constexpr,
-    SPLIT_G: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
-    BLOCK_T: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr,
+    SPLIT_G: tl.constexpr, STORE_G: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
+    BLOCK_T: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_T: tl.constexpr,
 ):
     """Add this tile's ``G W_j`` to ``dh [T, H]`` and ``G^T h_i`` to ``dW [V, H]`` (float32, contiguous).
+
+    With ``STORE_G`` it writes the tile's ``G`` in the operand dtype instead
+    (``G_hi``, and ``G_lo`` with ``SPLIT_G``) into ``g_hi``/``g_lo [T, V]``
+    (row stride ``stride_g``, chunk-local columns) and multiplies nothing:
+    the host forms ``dh += G W`` and ``dW = G^T h`` with cuBLAS (the
+    Liger/verl backward; no atomics).
 
     ``w``, ``keep`` and ``dW`` start at the shard's column ``col0`` (a
     vocabulary chunk of ``V`` columns: its float32 ``dW`` buffer is
@@ -54,8 +67,19 @@ def linear_grad_kernel(
     an ignored row. ``gl``, ``ge`` (when ``HAS_ENT_GRAD``), ``M`` ...
     ``log_sk``: ``[T]`` float32 (``c`` only with ``HAS_ENT_GRAD``).
     """
-    pid_t = tl.program_id(0)
-    pid_v = tl.program_id(1)
+    # Tile order: launch index -> (row block, column block) in groups of GROUP_T row blocks, column
+    # blocks fastest within a group, so that the CTAs resident at one time share GROUP_T row blocks'
+    # dh (kept in L2 across the group's column sweep) rather than all row blocks' (a full sweep of dh
+    # through HBM per column block). GROUP_T >= cdiv(T, BLOCK_T): the launch order, row blocks fastest
+    # (one column block's dW hot, dh swept).
+    n_t = tl.num_programs(0)
+    n_v = tl.num_programs(1)
+    pid = tl.program_id(1) * n_t + tl.program_id(0)
+    per_group = GROUP_T * n_v
+    first_t = (pid // per_group) * GROUP_T
+    group_rows = tl.minimum(n_t - first_t, GROUP_T)
+    pid_t = first_t + (pid % per_group) % group_rows
+    pid_v = (pid % per_group) // group_rows
     rows = pid_t * BLOCK_T + tl.arange(0, BLOCK_T).to(tl.int64)  # 64-bit offsets: T * V may pass 2^31
     cols = pid_v * BLOCK_V + tl.arange(0, BLOCK_V).to(tl.int64)
     row_ok = rows < T
@@ -102,31 +126,41 @@ def linear_grad_kernel(
         g += (ge * inv_tau)[:, None] * (p * (c[:, None] - d))
     g = tl.where(row_ok[:, None] & col_ok[None, :], g, 0.0)
 
-    # the products: G rounded (or split hi + lo) to the operand dtype, float32 accumulation
+    # G rounded (or split hi + lo) to the operand dtype
     odt = h_ptr.dtype.element_ty
     g_hi = g.to(odt)
     g_lo = (g - g_hi.to(tl.float32)).to(odt)
-    if UPCAST:
-        g_hi = g_hi.to(tl.float32)
-        g_lo = g_lo.to(tl.float32)
-    for k0 in range(0, H, BLOCK_K):
-        kk = k0 + ks
-        k_ok = kk < H
-        if NEED_DH:
-            wb = tl.load(w_ptr + cols[:, None] * stride_wv + kk[None, :] * stride_wk,
-                         mask=col_ok[:, None] & k_ok[None, :], other=0.0)
-            if UPCAST:
-                wb = wb.to(tl.float32)
-            part = dot(g_hi, wb, tl.zeros((BLOCK_T, BLOCK_K), tl.float32), PRECISION)
-            if SPLIT_G:
-                part = dot(g_lo, wb, part, PRECISION)
-            tl.atomic_add(dh_ptr + rows[:, None] * H + kk[None, :], part, mask=row_ok[:, None] & k_ok[None, :])
-        if NEED_DW:
-            hb = tl.load(h_ptr + rows[:, None] * stride_ht + kk[None, :] * stride_hk,
-                         mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-            if UPCAST:
-                hb = hb.to(tl.float32)
-            part = dot(tl.trans(g_hi), hb, tl.zeros((BLOCK_V, BLOCK_K), tl.float32), PRECISION)
-            if SPLIT_G:
-                part = dot(tl.trans(g_lo), hb, part, PRECISION)
-            tl.atomic_add(dw_ptr + cols[:, None] * H + kk[None, :], part, mask=col_ok[:, None] & k_ok[None, :])
+    if STORE_G:  # the products run outside (cuBLAS) on the stored chunk of G
+        g_off = rows[:, None] * stride_g + cols[None, :]
+        g_ok = row_ok[:, None] & col_ok[None, :]
+        tl.store(g_hi_ptr + g_off, g_hi, mask=g_ok)
+        if SPLIT_G:
+            tl.store(g_lo_ptr + g_off, g_lo, mask=g_ok)
+    else:  # (no early return: Triton's code generator would compile the statements after it too)
+        # the products in the kernel: float32 accumulation, added to dh and dW
+        if UPCAST:
+            g_hi = g_hi.to(tl.float32)
+            g_lo = g_lo.to(tl.float32)
+        for k0 in range(0, H, BLOCK_K):
+            kk = k0 + ks
+            k_ok = kk < H
+            if NEED_DH:
+                wb = tl.load(w_ptr + cols[:, None] * stride_wv + kk[None, :] * stride_wk,
+                             mask=col_ok[:, None] & k_ok[None, :], other=0.0)
+                if UPCAST:
+                    wb = wb.to(tl.float32)
+                part = dot(g_hi, wb, tl.zeros((BLOCK_T, BLOCK_K), tl.float32), PRECISION)
+                if SPLIT_G:
+                    part = dot(g_lo, wb, part, PRECISION)
+                tl.atomic_add(dh_ptr + rows[:, None] * H + kk[None, :], part,
+                              mask=row_ok[:, None] & k_ok[None, :], sem="relaxed")
+            if NEED_DW:
+                hb = tl.load(h_ptr + rows[:, None] * stride_ht + kk[None, :] * stride_hk,
+                             mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+                if UPCAST:
+                    hb = hb.to(tl.float32)
+                part = dot(tl.trans(g_hi), hb, tl.zeros((BLOCK_V, BLOCK_K), tl.float32), PRECISION)
+                if SPLIT_G:
+                    part = dot(tl.trans(g_lo), hb, part, PRECISION)
+                tl.atomic_add(dw_ptr + cols[:, None] * H + kk[None, :], part,
+                              mask=col_ok[:, None] & k_ok[None, :], sem="relaxed")

@@ -20,9 +20,13 @@ __all__ = ["dot", "tile_logits"]
 @triton.jit
 def dot(a, b, acc, PRECISION: tl.constexpr):
     """``acc + a @ b`` with float32 accumulation; ``PRECISION``: "default", "ieee" or "tf32"."""
+    # One return after an if/else: Triton's code generator also compiles the statements after a
+    # `return` inside a constexpr `if` (tl.dot(..., input_precision="default") then fails to compile).
     if PRECISION == "default":
-        return tl.dot(a, b, acc)
-    return tl.dot(a, b, acc, input_precision=PRECISION)
+        r = tl.dot(a, b, acc)
+    else:
+        r = tl.dot(a, b, acc, input_precision=PRECISION)
+    return r
 
 
 @triton.jit

@@ -74,18 +74,23 @@ def run_case(rank: int, world: int, case_kw: dict, hidden: int, run_kw: dict, lo
     if not triton_kernels.interpreting():
         raise RuntimeError("TRITON_INTERPRET is not 1 in the child")
     P = make_problem(case_kw, hidden, logit_scale, nan_at)
+    from dualvp_torch import tuning
+
     run_kw = dict(run_kw)
     hidden_grad, weight_grad = run_kw.pop("hidden_grad", True), run_kw.pop("weight_grad", True)
+    split = run_kw.pop("split_gradient", tuning.current().split_gradient)
+    backward = run_kw.pop("triton_linear_backward", tuning.current().triton_linear_backward)
     dt = getattr(torch, P.case.dtype)
     h = torch.tensor(P.hidden).to(dt).requires_grad_(hidden_grad)
     w = torch.tensor(P.weight).to(dt).requires_grad_(weight_grad)
     keep = None if P.keep_mask is None else torch.tensor(P.keep_mask)
-    lp, en = linear_logprob_entropy(h, w, torch.tensor(P.target), keep_mask=keep, temperature=P.case.temperature,
-                                    ignore_index=P.case.ignore_index, **run_kw)
-    loss = (lp * torch.tensor(P.grad_logprob, dtype=lp.dtype)).sum()
-    if en is not None and en.requires_grad:
-        loss = loss + (en * torch.tensor(P.grad_entropy, dtype=en.dtype)).sum()
-    loss.backward()
+    with tuning.using(tuning.Tuning(split_gradient=split, triton_linear_backward=backward)):
+        lp, en = linear_logprob_entropy(h, w, torch.tensor(P.target), keep_mask=keep,
+                                        temperature=P.case.temperature, ignore_index=P.case.ignore_index, **run_kw)
+        loss = (lp * torch.tensor(P.grad_logprob, dtype=lp.dtype)).sum()
+        if en is not None and en.requires_grad:
+            loss = loss + (en * torch.tensor(P.grad_entropy, dtype=en.dtype)).sum()
+        loss.backward()
     assert "triton" in sys.modules or run_kw.get("impl") != "triton"
     out = []
     for x, want_dtype in ((lp, None), (en, None), (h.grad, dt), (w.grad, dt)):

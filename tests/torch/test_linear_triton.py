@@ -19,6 +19,7 @@ pytest.importorskip("triton")
 
 from dualvp import reference
 from dualvp.testing import cases, oracle_linear
+from dualvp.testing.cases import round_to_dtype
 from dualvp.testing.metrics import max_errors, tolerance, within_tolerance
 from dualvp.testing.modes import MODES
 from dualvp_torch import linear_logprob_entropy, linear_triton, triton_kernels
@@ -127,10 +128,15 @@ def test_frozen_input(frozen):
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("backward", ["gemm", "atomic"])
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
-def test_16bit_dw_in_vocabulary_chunks(dtype):
-    # memory_budget: one float32 dW chunk of 64 rows (2 blocks of 32); V = 150 -> 3 chunks, the last ragged
-    P, out = _run(_case(dtype, V=150, mask="all_but_target", seed=3), 48, memory_budget=64 * 48 * 4)
+def test_16bit_dw_in_vocabulary_chunks(dtype, backward):
+    # memory_budget: chunks of 64 columns (2 blocks of 32); V = 150 -> 3 chunks, the last ragged.
+    # "atomic": one float32 dW chunk of 64 rows; "gemm": G_hi and G_lo [T, 64] in the dtype plus the
+    # float32 dW chunk of the split
+    budget = 64 * 48 * 4 if backward == "atomic" else 64 * (20 * 2 * 2 + 4 * 48)
+    P, out = _run(_case(dtype, V=150, mask="all_but_target", seed=3), 48, memory_budget=budget,
+                  triton_linear_backward=backward)
     _check(out, oracle_linear(P), dtype)
 
 
@@ -191,3 +197,50 @@ def test_two_ranks(dtype):
         close(out["partial"]["dh"], g[:, r * v : (r + 1) * v] @ p["weight"][r * v : (r + 1) * v], "dh")
         close(out["sp"]["dh"], dh[r * n : (r + 1) * n], "dh")
         assert np.array_equal(out["plain"]["lp"], res[0]["plain"]["lp"])  # identical on every rank
+
+
+# --- the 16-bit backward's gradient tile: hi + lo split (default) or rounded once ---------------
+
+
+def _g_once(P, dtype):
+    """``(dh, dW)`` of ``G`` (float64 oracle, through float32) rounded once to ``dtype``, products in float64.
+
+    An independent formulation of ``split_gradient=False``: NumPy on the
+    oracle's ``G`` (``dualvp.reference``), not the kernels' arithmetic; the
+    results rounded once to ``dtype`` as the op returns them.
+    """
+    z = P.hidden @ P.weight.T
+    g = reference.logprob_entropy_grad(z, P.target, P.grad_logprob, P.grad_entropy, keep_mask=P.keep_mask,
+                                       temperature=P.case.temperature, ignore_index=P.case.ignore_index)
+    g16 = round_to_dtype(g.astype(np.float32).astype(np.float64), dtype)
+    return round_to_dtype(g16 @ P.weight, dtype), round_to_dtype(g16.T @ P.hidden, dtype)
+
+
+def _floor(r, dtype):
+    # the error of the float64 result rounded once to dtype: the precision goal's unit
+    return np.abs(round_to_dtype(r, dtype) - r).max()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_split_gradient_within_twice_the_rounding(dtype):
+    # the default (hi + lo split of G): max |error| of dh and dW <= 2 x the float64 result rounded once
+    P, (_, _, dh, dw) = _run(_case(dtype, T=64, V=512, mask="nucleus", seed=3), 64)
+    ref = oracle_linear(P)
+    for name, x, r in (("dh", dh, ref.dh), ("dW", dw, ref.dW)):
+        assert np.abs(x - r).max() <= 2 * _floor(r, dtype), (name, np.abs(x - r).max() / _floor(r, dtype))
+
+
+@pytest.mark.slow
+def test_gradient_rounded_once_option():
+    # split_gradient=False: G rounded once to the operand dtype; the kernels' dh and dW against the
+    # independent NumPy formulation of the same rounding (within one rounding unit: the kernels' G is
+    # float32 arithmetic, which may round a few entries of G the other way). float16 only: the
+    # interpreter converts float32 to bfloat16 by truncation (a GPU rounds to nearest), so its
+    # bfloat16 G rounded once is not the GPU's.
+    dtype = "float16"
+    P, (_, _, dh, dw) = _run(_case(dtype, T=64, V=512, mask="nucleus", seed=3), 64, split_gradient=False)
+    ref = oracle_linear(P)
+    once = _g_once(P, dtype)
+    for name, x, o, r in (("dh", dh, once[0], ref.dh), ("dW", dw, once[1], ref.dW)):
+        assert np.abs(x - o).max() <= _floor(r, dtype), (name, np.abs(x - o).max() / _floor(r, dtype))

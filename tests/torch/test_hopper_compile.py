@@ -1,0 +1,144 @@
+"""Every Triton kernel compiles for an H100/H200 (sm_90) through the repository's own launch code, no GPU needed.
+
+A child process (``dualvp.tools.static.hopper_target``) makes the host code
+believe it runs on one sm_90 device, then runs forward + backward of the
+public ops with ``impl="triton"`` at each input dtype and each mode the host
+launches: the logits op (log-prob; + entropy; + keep mask) and the fused
+LM-head op (the same, plus frozen hidden / frozen weight in bfloat16). Each
+``kernel[grid](...)`` compiles with the launch parameters and runtime
+specialisation the host picks, and only compiles. For every compiled kernel:
+
+- it compiles, with no spills in the compiled cubin (``cuobjdump -res-usage``:
+  no local memory, no stack; no ``STL``/``LDL`` in the SASS);
+- no 64-bit integer division or remainder in its PTX;
+- streaming kernels (all but the O(T) merge): 16-byte global loads (``.128``
+  / ``cp.async`` of 16 bytes) in the streaming loop (the loop body, or the
+  whole kernel when it has no loop) carry at least half of its global load
+  bytes (the logits' loads; a keep mask or per-row statistics may come in
+  narrower loads); a kernel that stores there stores only 16-byte vectors;
+- the fused backward: no ``acq_rel`` atomic (relaxed reductions) and no
+  GPU-scope memory barrier (``MEMBAR.GPU``/``SYS``); with in-kernel
+  products (the option ``triton_linear_backward="atomic"``, compiled here in
+  16-bit) its atomics are 16-byte; writing ``G`` for cuBLAS (the default) it
+  has no atomics and stores 16-byte vectors.
+
+The test process runs kernels under ``TRITON_INTERPRET=1`` (tests/conftest.py
+where there is no GPU): Triton reads it when kernels are defined, so the
+compiles run in a child without it.
+"""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+pytest.importorskip("triton")
+pytest.importorskip("torch")
+
+_CHILD = r"""
+import json, sys
+from dualvp.tools import static
+from dualvp_torch import tuning
+
+LOGITS = [(64, 19008)]  # T, V_local: the goal sizes' specialisation (sizes and strides divisible by 16)
+FUSED = [(128, 256, 2048)]  # T, H, V: two 16-bit dW chunks of the default budget
+DTYPES = ("float32", "bfloat16", "float16")
+with static.hopper_target() as launches:
+    for dt in DTYPES:
+        for mode in static.LOGITS_MODES:
+            for T, V in LOGITS:
+                static.drive_logits(launches, T, V, dt, mode)
+    for dt in DTYPES:
+        modes = list(static.FUSED_MODES) if dt == "bfloat16" else ["lp+ent"]
+        for mode in modes:
+            for T, H, V in FUSED:
+                static.drive_fused(launches, T, H, V, dt, mode)
+        if dt != "float32":  # the in-kernel products with atomics: the 16-bit backward's option
+            with tuning.using(tuning.Tuning(triton_linear_backward="atomic")):
+                static.drive_fused(launches, *FUSED[0], dt, "lp+ent")
+seen = set()
+for launch in launches:
+    key = (launch.kernel, id(launch.compiled))
+    if key in seen:
+        continue
+    seen.add(key)
+    a = static.analyse(launch)
+    def share16(fig, kind):
+        w = fig["widths"]
+        total = sum(n * c for (k, n), c in w.items() if k == kind)
+        return (sum(16 * c for (k, n), c in w.items() if k == kind and n == 16) / total) if total else None
+    print(json.dumps(dict(
+        kernel=a["kernel"], label=a["label"], constexprs={k: str(v) for k, v in a["constexprs"].items()},
+        registers=a["registers"], local=a["local"], stack=a["stack"], local_accesses=a["local_accesses"],
+        div64=a["div64"], acq_rel=a["acq_rel_atomics"],
+        membar_gpu=a["membar_gpu"], load16=share16(a["loop"], "load"), store16=share16(a["loop"], "store"),
+        atomic16=share16(a["whole"], "atomic"), store16_whole=share16(a["whole"], "store"))), flush=True)
+print("done")
+"""
+
+
+@pytest.fixture(scope="module")
+def compiled():
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (env.get("PYTHONPATH"), root) if p)
+    res = subprocess.run([sys.executable, "-c", _CHILD], env=env, capture_output=True, text=True, timeout=900,
+                         cwd=root)
+    assert res.returncode == 0 and res.stdout.rstrip().endswith("done"), res.stdout[-3000:] + res.stderr[-6000:]
+    return [json.loads(line) for line in res.stdout.splitlines() if line.startswith("{")]
+
+
+def _kernels(rows, name):
+    return [r for r in rows if r["kernel"] == name]
+
+
+@pytest.mark.slow
+def test_every_launched_kernel_compiles(compiled):
+    names = {r["kernel"] for r in compiled}
+    # the logits op launches a statistics and a gradient kernel at least; the fused op its pair
+    assert any("stats" in n for n in names) and any("grad" in n for n in names), names
+    assert {"linear_stats_kernel", "linear_grad_kernel"} <= names, names
+    # every dtype of the fused pair compiled (the 16-bit ones failed on dot() before)
+    for name in ("linear_stats_kernel", "linear_grad_kernel"):
+        labels = {r["label"].split()[2] for r in _kernels(compiled, name)}
+        assert labels == {"float32", "bfloat16", "float16"}, (name, labels)
+
+
+@pytest.mark.slow
+def test_no_spills_and_no_64bit_division(compiled):
+    for r in compiled:
+        what = (r["kernel"], r["label"], r["constexprs"])
+        assert r["local"] == 0 and r["stack"] == 0 and r["local_accesses"] == 0, ("local memory (spills)", what)
+        assert not r["div64"], ("64-bit division", what)
+
+
+@pytest.mark.slow
+def test_streaming_loops_move_16_byte_vectors(compiled):
+    for r in compiled:
+        if "merge" in r["kernel"]:
+            continue  # O(T) per-row statistics, no [T, V] stream
+        what = (r["kernel"], r["label"], r["constexprs"])
+        assert r["load16"] is not None and r["load16"] >= 1 / 2, ("16-byte loads", r["load16"], what)
+        assert r["store16"] in (None, 1.0), ("16-byte stores", r["store16"], what)
+
+
+@pytest.mark.slow
+def test_fused_backward_adds_without_fences(compiled):
+    rows = _kernels(compiled, "linear_grad_kernel")
+    assert rows
+    for r in rows:
+        what = (r["label"], r["constexprs"])
+        assert r["acq_rel"] == 0, ("acq_rel atomics", what)
+        assert r["membar_gpu"] == 0, ("GPU-scope memory barriers", what)
+        assert r["atomic16"] in (None, 1.0), ("16-byte atomics", r["atomic16"], what)
+    # both 16-bit backwards compiled: products in the kernel (atomics) and G written for cuBLAS
+    store_g = [r for r in rows if r["constexprs"].get("STORE_G") == "True"]
+    atomic = [r for r in rows if r["constexprs"].get("STORE_G") == "False" and r["label"].split()[2] != "float32"]
+    assert store_g and atomic, "both 16-bit backwards"
+    for r in store_g:
+        assert r["atomic16"] is None and r["store16_whole"] == 1.0, ("G chunk in 16-byte stores", r)
+    for r in atomic:
+        assert r["atomic16"] == 1.0, ("16-byte atomics", r)
