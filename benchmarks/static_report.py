@@ -228,7 +228,7 @@ def main(argv=None):
             if head != FIELDS:
                 raise SystemExit(f"{CSV}: its columns {head} are not this script's {FIELDS}; not appending")
         with open(CSV, "a", newline="") as f:
-            w = csv.DictWriter(f, fieldnames=FIELDS, extrasaction="ignore")
+            w = csv.DictWriter(f, fieldnames=FIELDS, extrasaction="ignore", lineterminator="\n")
             if new:
                 w.writeheader()
             w.writerows(rows)

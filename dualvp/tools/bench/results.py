@@ -110,7 +110,7 @@ def append(path: str, rows: Iterable[dict]) -> int:
     if not new:
         _widen_header(path)
     with open(path, "a", newline="") as f:
-        w = csv.writer(f)
+        w = csv.writer(f, lineterminator="\n")
         if new:
             w.writerow(COLUMNS)
         for r in rows:
