@@ -41,12 +41,15 @@ gradient is computed in the compute dtype and cast to the input dtype last.
 Out-of-range targets: a traced target cannot raise. A row whose target is
 neither ``ignore_index`` nor in ``[0, W * V_local)`` gets NaN log-prob, NaN
 entropy and a NaN gradient row (never a silently wrong number). When the
-target is concrete (not traced) the public functions check the range first
-and raise ``ValueError``.
+target is concrete (not traced) and ``validate=True`` (the default) the public
+functions check the range first and raise ``ValueError``; with several JAX
+processes only each process's addressable shards are read, and the processes
+agree before anyone raises (:mod:`dualvp_jax.multiprocess`).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from functools import partial
 from typing import Optional
@@ -60,7 +63,7 @@ from jax import lax
 from dualvp import spec
 from dualvp.validation import Options, check_args
 
-from . import chunks
+from . import chunks, multiprocess
 from ._tuning import DEFAULT, ENTROPY_TERMS, INDICATOR, Tuning
 
 __all__ = ["logprob_entropy"]
@@ -120,27 +123,40 @@ def _validate(logits, target, keep_mask, temperature, ignore_index, with_entropy
     )
 
 
-def check_target_range(target, vocab_size: int, ignore_index: int) -> None:
+def check_target_range(target, vocab_size: int, ignore_index: int, *, processes=None) -> None:
     """Raise ``ValueError`` if a concrete ``target`` holds ids outside ``[0, V)``.
 
     Does nothing for traced targets (under ``jit`` / ``grad`` / ``vmap`` /
-    ``shard_map``); those rows come out NaN instead. Reads the target back to
-    the host (O(T) bytes, one synchronisation).
+    ``shard_map``); those rows come out NaN instead. Reads this process's
+    part of the target back to the host (O(T) bytes, one synchronisation);
+    with one JAX process that is the whole target.
+
+    With several JAX processes (``jax.distributed``) and a target that spans
+    more than one of them (or ``processes``, a tuple of process indices, given
+    explicitly), it is a collective over those processes: each counts the bad
+    ids in its addressable shards only, they agree
+    (:func:`dualvp_jax.multiprocess.agree`), and every one of them raises the
+    same ``ValueError`` or none does. Every process of the set must call it.
     """
     if _is_tracer(target):
         return
-    t = np.asarray(target)
-    if t.size == 0:
+    procs = multiprocess.processes_of(target) if processes is None else tuple(processes)
+    count, shown = multiprocess.count_bad_targets(target, vocab_size, ignore_index)
+    if len(procs) > 1:
+        multiprocess.agree(procs, "check_target_range", {"vocab_size": int(vocab_size),
+                                                         "ignore_index": int(ignore_index)},
+                           bad_targets=(count, shown, int(vocab_size), int(ignore_index)))
         return
-    t = t.astype(np.int64, copy=False) if t.dtype != np.uint64 else t
-    bad = (t != ignore_index) & ((t < 0) | (t >= vocab_size))
-    n = int(np.count_nonzero(bad))
-    if n:
-        shown = np.unique(t[bad])[:5].tolist()
+    if count:
         raise ValueError(
             f"target: expected ids in [0, {vocab_size}) or ignore_index={ignore_index}, "
-            f"got {n} out-of-range id(s), e.g. {shown}"
+            f"got {count} out-of-range id(s), e.g. {shown}"
         )
+
+
+def _record(opt: Options, **arrays) -> dict:
+    """What must agree across processes: the options and the global shapes and dtypes."""
+    return {"options": dataclasses.asdict(opt), "arrays": multiprocess.describe_arrays(**arrays)}
 
 
 def _check_varying(logits, axis_name) -> None:
@@ -296,6 +312,7 @@ def logprob_entropy(
     with_entropy: bool = True,
     entropy_grad: bool = True,
     ignore_index: int = -100,
+    validate: bool = True,
 ):
     """Log-prob of ``target`` and entropy, from this shard's logits.
 
@@ -320,6 +337,13 @@ def logprob_entropy(
         ``lax.stop_gradient`` and contributes no gradient.
       ignore_index: rows whose target equals it get log-prob 0 and no
         log-prob gradient.
+      validate: ``True``: a concrete target is range-checked (one host
+        synchronisation); with ``axis_name=None`` and arrays spanning
+        several JAX processes, the processes also agree on the options and
+        shapes (:mod:`dualvp_jax.multiprocess`). ``False``: no check and no
+        synchronisation; out-of-range ids give NaN rows. Inside a
+        ``shard_map`` (``axis_name`` given) the processes do not agree: use
+        :func:`dualvp_jax.sharded_logprob_entropy` for that.
 
     Returns:
       ``(logprob, entropy)``, each ``[...]`` float32 (float64 for float64
@@ -329,19 +353,31 @@ def logprob_entropy(
     Raises:
       TypeError / ValueError naming the argument for bad shapes, dtypes or
       options (at trace time), and ``ValueError`` for out-of-range targets
-      when ``target`` is concrete and ``axis_name`` is ``None``. Traced
-      out-of-range targets give NaN rows.
+      when ``target`` is concrete, ``axis_name`` is ``None`` and
+      ``validate`` is on. Traced out-of-range targets give NaN rows.
+      ``RuntimeError`` on every process when processes disagree.
     """
     return _logprob_entropy(logits, target, axis_name, keep_mask, temperature, with_entropy, entropy_grad,
-                            ignore_index, DEFAULT)
+                            ignore_index, DEFAULT, validate=validate)
 
 
 def _logprob_entropy(logits, target, axis_name, keep_mask, temperature, with_entropy, entropy_grad, ignore_index,
-                     tuning: Tuning):
+                     tuning: Tuning, validate: bool = True):
     """:func:`logprob_entropy` with an explicit :class:`~dualvp_jax._tuning.Tuning` (tests reach other paths)."""
-    opt = _validate(logits, target, keep_mask, temperature, ignore_index, with_entropy, entropy_grad)
-    if axis_name is None:
-        check_target_range(target, int(np.shape(logits)[-1]), ignore_index)
+    multiprocess.check_flag(validate)
+
+    def checks():
+        opt = _validate(logits, target, keep_mask, temperature, ignore_index, with_entropy, entropy_grad)
+        return opt, int(np.shape(logits)[-1]) if not _is_tracer(logits) else int(logits.shape[-1])
+
+    procs = multiprocess.processes_of(logits, target, keep_mask) if validate and axis_name is None else ()
+    if len(procs) > 1:
+        opt = multiprocess.checked(procs, "logprob_entropy", checks, target, ignore_index,
+                                   lambda opt: _record(opt, logits=logits, target=target, keep_mask=keep_mask))
+    else:
+        opt, vocab = checks()
+        if validate and axis_name is None:
+            check_target_range(target, vocab, ignore_index, processes=procs)
     if axis_name is not None:
         _check_varying(logits, axis_name)
     return _apply_jit(logits, target, keep_mask, axis_name=axis_name, opt=opt, tuning=tuning)

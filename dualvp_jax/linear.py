@@ -9,6 +9,8 @@ the ``[T, V_local]`` logits.
 
 from __future__ import annotations
 
+import dataclasses
+import math
 from functools import partial
 from typing import Optional
 
@@ -19,6 +21,7 @@ import jax.numpy as jnp
 
 from dualvp.validation import Options, check_linear_args
 
+from . import multiprocess
 from .function import _check_temperature_type, _describe, check_target_range
 from .linear_blocks import DEFAULT_MEMORY_BUDGET, _apply_jit, _Config, _world, plan
 
@@ -88,6 +91,12 @@ def _validate(hidden, weight, target, keep_mask, *, axis_name, temperature, igno
     return _Config(opt, tc, bv)
 
 
+def _record(cfg: _Config, **arrays) -> dict:
+    """What must agree across processes: options, block plan and global shapes and dtypes."""
+    return {"options": dataclasses.asdict(cfg.opt), "blocks": [int(cfg.token_block), int(cfg.vocab_block)],
+            "arrays": multiprocess.describe_arrays(**arrays)}
+
+
 def _check_types(hidden, weight, axis_name, opt: Options) -> None:
     """Inside shard_map (check_vma on): the varying axes must fit the flags.
 
@@ -141,6 +150,7 @@ def linear_logprob_entropy(
     token_block: Optional[int] = None,
     vocab_block: Optional[int] = None,
     memory_budget: Optional[int] = None,
+    validate: bool = True,
 ):
     """Log-prob of ``target`` and entropy of ``softmax(hidden @ weight.T / tau)``, fused.
 
@@ -185,6 +195,10 @@ def linear_logprob_entropy(
         vocab_block]`` (default :data:`DEFAULT_MEMORY_BUDGET`, 2 MiB); the
         scratch of the op is a small multiple of it plus the float32
         ``[T, H]`` accumulator of the hidden gradient.
+      validate: as in :func:`dualvp_jax.logprob_entropy`: range-check a
+        concrete target (and, with ``axis_name=None`` on arrays spanning
+        several JAX processes, agree across them); ``False``: no check, NaN
+        rows for out-of-range ids.
 
     Returns:
       ``(logprob, entropy)``, each of target's shape, float32 (float64 for
@@ -199,12 +213,24 @@ def linear_logprob_entropy(
       A traced out-of-range target gives NaN log-prob and entropy for its row
       and a NaN hidden gradient row, which also makes ``dW`` NaN.
     """
-    cfg = _validate(hidden, weight, target, keep_mask, axis_name=axis_name, temperature=temperature,
-                    ignore_index=ignore_index, with_entropy=with_entropy, entropy_grad=entropy_grad,
-                    reduce_hidden_grad=reduce_hidden_grad, sequence_parallel=sequence_parallel,
-                    token_block=token_block, vocab_block=vocab_block, memory_budget=memory_budget)
-    if axis_name is None:
-        check_target_range(target, int(np.shape(weight)[0]), ignore_index)
+    multiprocess.check_flag(validate)
+
+    def checks():
+        cfg = _validate(hidden, weight, target, keep_mask, axis_name=axis_name, temperature=temperature,
+                        ignore_index=ignore_index, with_entropy=with_entropy, entropy_grad=entropy_grad,
+                        reduce_hidden_grad=reduce_hidden_grad, sequence_parallel=sequence_parallel,
+                        token_block=token_block, vocab_block=vocab_block, memory_budget=memory_budget)
+        return cfg, int(weight.shape[0])
+
+    procs = multiprocess.processes_of(hidden, weight, target, keep_mask) if validate and axis_name is None else ()
+    if len(procs) > 1:
+        cfg = multiprocess.checked(procs, "linear_logprob_entropy", checks, target, ignore_index,
+                                   lambda cfg: _record(cfg, hidden=hidden, weight=weight, target=target,
+                                                       keep_mask=keep_mask))
+    else:
+        cfg, vocab = checks()
+        if validate and axis_name is None:
+            check_target_range(target, vocab, ignore_index, processes=procs)
     return _apply_jit(hidden, weight, target, keep_mask, axis_name=axis_name, cfg=cfg)
 
 
@@ -227,16 +253,22 @@ def sharded_linear_logprob_entropy(
     token_block: Optional[int] = None,
     vocab_block: Optional[int] = None,
     memory_budget: Optional[int] = None,
+    validate: bool = True,
 ):
     """:func:`linear_logprob_entropy` on global arrays, the weight's rows split over ``vocab_axis``.
 
     Args:
-      hidden: ``[..., H]`` global hidden states. Replicated over the mesh
-        inside the op; with ``sequence_parallel=True`` its first dim ``T``
-        is split over ``vocab_axis`` instead (``T`` divisible by its size).
+      hidden: ``[..., H]`` global hidden states. Replicated over
+        ``vocab_axis`` inside the op; its leading dims keep the sharding they
+        have over the other mesh axes (tokens split over a data-parallel
+        axis stay split: each data-parallel replica computes its own rows).
+        With ``sequence_parallel=True`` its first dim ``T`` is split over
+        ``vocab_axis`` as well (after any data-parallel axes it is split
+        over; ``T`` divisible by the product).
       weight: ``[V, H]`` global LM-head weight; ``V`` divisible by the size
         ``W`` of ``vocab_axis``; shard ``r`` holds rows ``[r*V/W, (r+1)*V/W)``.
-      target: ``[...]`` global token ids in ``[0, V)`` or ``ignore_index``.
+      target: ``[...]`` global token ids in ``[0, V)`` or ``ignore_index``;
+        sharded like the leading dims of ``hidden`` inside the op.
       mesh: a ``jax.sharding.Mesh`` (explicit axes from ``jax.make_mesh``, or
         auto axes).
       vocab_axis: the mesh axis splitting the vocabulary.
@@ -244,41 +276,69 @@ def sharded_linear_logprob_entropy(
       temperature, with_entropy, entropy_grad, ignore_index, token_block,
         vocab_block, memory_budget: as in :func:`linear_logprob_entropy`
         (the block sizes are per shard).
+      validate: as in :func:`dualvp_jax.sharded_logprob_entropy` (range
+        check of a concrete target on each process's addressable shards;
+        agreement across the JAX processes of ``mesh``).
 
     Returns:
-      ``(logprob, entropy)`` global arrays of target's shape, replicated
+      ``(logprob, entropy)`` global arrays of target's shape, sharded like the
+      leading dims of ``hidden`` and replicated over ``vocab_axis``
       (``entropy`` ``None`` when ``with_entropy=False``).
 
     Raises:
       TypeError / ValueError naming the argument; ``ValueError`` for
-      out-of-range concrete targets.
+      out-of-range concrete targets (``validate`` on); ``RuntimeError`` on
+      every process when the processes of ``mesh`` disagree.
     """
     from jax.sharding import PartitionSpec as P
 
-    from .sharded import _is_explicit, _mesh_world, _place
+    from .sharded import _is_explicit, _lead_spec, _mesh_record, _mesh_world, _place, _processes
 
-    world = _mesh_world(mesh, vocab_axis)
-    # The global shapes first (world=1: hidden and target have the same T, also with sequence_parallel).
-    _validate(hidden, weight, target, keep_mask, axis_name=None, temperature=temperature,
-              ignore_index=ignore_index, with_entropy=with_entropy, entropy_grad=entropy_grad,
-              reduce_hidden_grad=True, sequence_parallel=sequence_parallel, token_block=token_block,
-              vocab_block=vocab_block, memory_budget=memory_budget, world=1)
-    ws, hs = tuple(weight.shape), tuple(hidden.shape)
-    if ws[0] % world:
-        raise ValueError(
-            f"weight: expected the vocab size V = weight.shape[0] divisible by the size {world} of mesh axis "
-            f"{vocab_axis!r}, got shape {ws}"
-        )
-    if sequence_parallel and (len(hs) < 2 or hs[0] % world):
-        raise ValueError(
-            f"hidden: with sequence_parallel=True expected shape [T, ..., H] with T divisible by the size "
-            f"{world} of mesh axis {vocab_axis!r}, got shape {hs}"
-        )
-    check_target_range(target, ws[0], ignore_index)
-    lead = (None,) * (len(hs) - 1)
-    h_spec = P(vocab_axis) if sequence_parallel else P()
+    multiprocess.check_flag(validate)
+
+    def checks():
+        world = _mesh_world(mesh, vocab_axis)
+        # The global shapes first (world=1: hidden and target have the same T, also with sequence_parallel).
+        cfg = _validate(hidden, weight, target, keep_mask, axis_name=None, temperature=temperature,
+                        ignore_index=ignore_index, with_entropy=with_entropy, entropy_grad=entropy_grad,
+                        reduce_hidden_grad=True, sequence_parallel=sequence_parallel, token_block=token_block,
+                        vocab_block=vocab_block, memory_budget=memory_budget, world=1)
+        ws, hs = tuple(weight.shape), tuple(hidden.shape)
+        if ws[0] % world:
+            raise ValueError(
+                f"weight: expected the vocab size V = weight.shape[0] divisible by the size {world} of mesh axis "
+                f"{vocab_axis!r}, got shape {ws}"
+            )
+        explicit = _is_explicit(mesh, mesh.axis_names)
+        # Explicit axes: the leading dims keep hidden's sharding over the other
+        # axes (data parallelism); the vocab axis never splits them.
+        lead = _lead_spec(hidden, mesh, vocab_axis, len(hs)) if explicit else (None,) * (len(hs) - 1)
+        split = world * math.prod(int(mesh.shape[a]) for a in _axes(lead[0] if lead else None))
+        if sequence_parallel and (len(hs) < 2 or hs[0] % split):
+            raise ValueError(
+                f"hidden: with sequence_parallel=True expected shape [T, ..., H] with T divisible by {split} (the "
+                f"size {world} of mesh axis {vocab_axis!r} times the data-parallel split of T), got shape {hs}"
+            )
+        return (cfg, ws, hs, explicit, lead), ws[0]
+
+    procs = _processes(mesh, hidden, weight, target, keep_mask) if validate else ()
+    if len(procs) > 1:
+        _, ws, hs, explicit, lead = multiprocess.checked(
+            procs, "sharded_linear_logprob_entropy", checks, target, ignore_index,
+            lambda r: dict(_record(r[0], hidden=hidden, weight=weight, target=target, keep_mask=keep_mask),
+                           mesh=_mesh_record(mesh), vocab_axis=str(vocab_axis), lead=[str(e) for e in r[4]]))
+    else:
+        (_, ws, hs, explicit, lead), vocab = checks()
+        if validate:
+            check_target_range(target, vocab, ignore_index, processes=procs)
+    if sequence_parallel:
+        # rows split over the data-parallel axes of T first, then over the vocab axis: an
+        # all-gather over vocab_axis inside the op gives this data-parallel block's rows
+        rows = _axes(lead[0]) + (vocab_axis,)
+        h_spec = P(rows if len(rows) > 1 else vocab_axis, *lead[1:])
+    else:
+        h_spec = P(*lead)
     specs = (h_spec, P(vocab_axis, None), P(*lead), P(*lead, vocab_axis))
-    explicit = _is_explicit(mesh, mesh.axis_names)
     args = [hidden, weight, target, keep_mask]
     args = [_place(a, mesh, s, explicit) if explicit else (None if a is None else jnp.asarray(a))
             for a, s in zip(args, specs)]
@@ -288,6 +348,13 @@ def sharded_linear_logprob_entropy(
     lp, h = _run(*args, mesh=mesh, axis_name=vocab_axis, specs=specs, all_manual=explicit,
                  static=tuple(sorted(static.items())))
     return lp, (h if with_entropy else None)
+
+
+def _axes(entry) -> tuple:
+    """The mesh axes of one PartitionSpec entry, as a tuple."""
+    if entry is None:
+        return ()
+    return tuple(entry) if isinstance(entry, (tuple, list)) else (entry,)
 
 
 @partial(jax.jit, static_argnames=("mesh", "axis_name", "specs", "all_manual", "static"))

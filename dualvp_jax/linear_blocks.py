@@ -128,10 +128,24 @@ def _logits(h, w, cdt):
     return _dot(h, w, ((1,), (1,)), cdt)
 
 
-def _vary(x, axis_name):
-    # Fresh constants (loop-carry inits) are invariant; the carried values
-    # vary like the weight, and a loop carry must keep its type.
-    return x if axis_name is None else lax.pcast(x, axis_name, to="varying")
+def _vary(x, axis_name, *like):
+    """``x`` cast to vary over ``axis_name`` and every axis the arrays ``like`` vary over.
+
+    Fresh constants (loop-carry inits) are invariant; the carried values vary
+    like the operands (over the vocab axis like the weight, and over a
+    data-parallel axis like rows split there), and a loop carry must keep its
+    type.
+    """
+    axes = set(_names(axis_name))
+    for a in like:
+        axes |= _varying(a)
+    return lax.pcast(x, tuple(sorted(axes, key=str)), to="varying") if axes else x
+
+
+def _names(axis_name) -> tuple:
+    if axis_name is None:
+        return ()
+    return axis_name if isinstance(axis_name, tuple) else (axis_name,)
 
 
 def _slice(x, start, size, axis=0):
@@ -200,7 +214,7 @@ def _row_stats(h, w, keep, local, owns, cfg: _Config, cdt):
 def _all_stats(h, w, keep, local, owns, cfg: _Config, cdt, axis_name):
     """``[T, N_STATS]`` statistics of every row, token chunk by token chunk."""
     T = h.shape[0]
-    out = _vary(jnp.zeros((T, spec.N_STATS), cdt), axis_name)
+    out = _vary(jnp.zeros((T, spec.N_STATS), cdt), axis_name, h, w)
     if T == 0:
         return out
 
@@ -293,14 +307,14 @@ def _op_bwd(axis_name, cfg: _Config, res, cotangents):
         dh, dw = carry
         h2, w = ops
         wj = _slice(w, j0, size).astype(cdt)
-        dwj = _vary(jnp.zeros((size, H), cdt), axis_name)
+        dwj = _vary(jnp.zeros((size, H), cdt), axis_name, h2, w)
         dh, dwj = _over_blocks(T, cfg.token_block, lambda c, o, i0, n: tile(c, o, i0, n, j0, size, wj),
                                (dh, dwj), (h2,))
         # dW_j is complete (all tokens): written once, in the weight's dtype.
         return dh, lax.dynamic_update_slice_in_dim(dw, dwj.astype(weight.dtype), j0, axis=0)
 
-    dh = _vary(jnp.zeros((T, H), cdt), axis_name)
-    dw = _vary(jnp.zeros(weight.shape, weight.dtype), axis_name)
+    dh = _vary(jnp.zeros((T, H), cdt), axis_name, h2, weight)
+    dw = _vary(jnp.zeros(weight.shape, weight.dtype), axis_name, h2, weight)
     if T:
         dh, dw = _over_blocks(weight.shape[0], cfg.vocab_block, vocab_block, (dh, dw), (h2, weight))
     if axis_name is not None:
@@ -309,8 +323,21 @@ def _op_bwd(axis_name, cfg: _Config, res, cotangents):
             dh = lax.psum_scatter(dh.reshape(full), axis_name, scatter_dimension=0, tiled=True)
         elif cfg.opt.reduce_hidden_grad:
             dh = lax.psum(dh, axis_name)  # in float32: the partial sums of every shard
+    # Rows that vary over more axes than the weight (tokens split over a
+    # data-parallel axis, the weight replicated there): each shard's dW covers
+    # only its rows, and the cotangent of the replicated weight is their sum
+    # (taken in the compute dtype: one rounding to a 16-bit weight dtype after it).
+    extra = _varying(dw) - _varying(weight)
+    if extra:
+        dw = lax.psum(dw.astype(cdt), tuple(sorted(extra, key=str))).astype(weight.dtype)
     dh = dh.reshape(hidden.shape).astype(hidden.dtype)
     return dh, dw, None, None
+
+
+def _varying(x) -> frozenset:
+    """The manual mesh axes ``x`` varies over (inside ``shard_map`` with check_vma); empty outside."""
+    mat = getattr(jax.typeof(x), "manual_axis_type", None)
+    return frozenset(getattr(mat, "varying", None) or ())
 
 
 _op.defvjp(_op_fwd, _op_bwd)

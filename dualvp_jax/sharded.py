@@ -23,7 +23,8 @@ import jax.numpy as jnp
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 
 from ._tuning import DEFAULT, Tuning
-from .function import _apply, _validate, check_target_range
+from . import multiprocess
+from .function import _apply, _record, _validate, check_target_range
 
 __all__ = ["sharded_logprob_entropy"]
 
@@ -71,6 +72,21 @@ def _mesh_world(mesh, vocab_axis) -> int:
     return int(mesh.shape[vocab_axis])
 
 
+def _processes(mesh, *arrays) -> tuple:
+    """The JAX processes of ``mesh`` and the arrays (:func:`dualvp_jax.multiprocess.processes_of`).
+
+    A ``mesh`` that is not a ``Mesh`` counts for nothing here: the local
+    check names it.
+    """
+    return multiprocess.processes_of(*arrays, mesh=mesh if isinstance(mesh, Mesh) else None)
+
+
+def _mesh_record(mesh) -> dict:
+    """The mesh as the processes must agree on it: axis names, sizes and types."""
+    return {"axes": [str(a) for a in mesh.axis_names], "shape": [int(mesh.shape[a]) for a in mesh.axis_names],
+            "types": [str(t) for t in (getattr(mesh, "axis_types", ()) or ())]}
+
+
 def _is_explicit(mesh, axes) -> bool:
     types = dict(zip(mesh.axis_names, getattr(mesh, "axis_types", ()) or ()))
     return any(types.get(a) == AxisType.Explicit for a in axes)
@@ -99,6 +115,7 @@ def sharded_logprob_entropy(
     with_entropy: bool = True,
     entropy_grad: bool = True,
     ignore_index: int = -100,
+    validate: bool = True,
 ):
     """Log-prob and entropy of global logits whose vocab is split over ``vocab_axis``.
 
@@ -112,6 +129,15 @@ def sharded_logprob_entropy(
       vocab_axis: name of the mesh axis splitting the vocabulary.
       keep_mask, temperature, with_entropy, entropy_grad, ignore_index: as in
         :func:`dualvp_jax.logprob_entropy`.
+      validate: ``True``: a concrete ``target`` is range-checked on the host
+        (each process reads only its addressable shards); when ``mesh`` spans
+        several JAX processes (``jax.distributed``), the processes also
+        agree on the options, the global shapes and dtypes and every
+        process's checks before the op runs, so that they all raise the same
+        error or none does (:mod:`dualvp_jax.multiprocess`: a few small RPCs
+        to the coordinator per eager call, once per trace under ``jit``).
+        ``False``: no check, no synchronisation, no agreement; out-of-range
+        ids give NaN rows on every process.
 
     Returns:
       ``(logprob, entropy)`` global ``[...]`` arrays (``entropy`` ``None``
@@ -119,24 +145,41 @@ def sharded_logprob_entropy(
 
     Raises:
       TypeError / ValueError naming the argument; ``ValueError`` for
-      out-of-range targets when ``target`` is concrete (not traced).
+      out-of-range targets when ``target`` is concrete (not traced) and
+      ``validate`` is on; ``RuntimeError`` on every process when the
+      processes of ``mesh`` disagree (or one of them never arrives within
+      ``dualvp_jax.multiprocess.timeout_s()``).
     """
     return _sharded_logprob_entropy(logits, target, mesh, vocab_axis, keep_mask, temperature, with_entropy,
-                                    entropy_grad, ignore_index, DEFAULT)
+                                    entropy_grad, ignore_index, DEFAULT, validate=validate)
 
 
 def _sharded_logprob_entropy(logits, target, mesh, vocab_axis, keep_mask, temperature, with_entropy, entropy_grad,
-                             ignore_index, tuning: Tuning):
+                             ignore_index, tuning: Tuning, validate: bool = True):
     """:func:`sharded_logprob_entropy` with an explicit :class:`~dualvp_jax._tuning.Tuning`."""
-    opt = _validate(logits, target, keep_mask, temperature, ignore_index, with_entropy, entropy_grad)
-    world = _mesh_world(mesh, vocab_axis)
-    shape = tuple(np.shape(logits)) if not isinstance(logits, jax.core.Tracer) else tuple(logits.shape)
-    if shape[-1] % world:
-        raise ValueError(
-            f"logits: expected the vocab size V = logits.shape[-1] divisible by the size {world} "
-            f"of mesh axis {vocab_axis!r}, got shape {shape}"
-        )
-    check_target_range(target, shape[-1], ignore_index)
+    multiprocess.check_flag(validate)
+
+    def checks():
+        opt = _validate(logits, target, keep_mask, temperature, ignore_index, with_entropy, entropy_grad)
+        world = _mesh_world(mesh, vocab_axis)
+        shape = tuple(np.shape(logits)) if not isinstance(logits, jax.core.Tracer) else tuple(logits.shape)
+        if shape[-1] % world:
+            raise ValueError(
+                f"logits: expected the vocab size V = logits.shape[-1] divisible by the size {world} "
+                f"of mesh axis {vocab_axis!r}, got shape {shape}"
+            )
+        return (opt, shape), shape[-1]
+
+    procs = _processes(mesh, logits, target, keep_mask) if validate else ()
+    if len(procs) > 1:
+        opt, shape = multiprocess.checked(
+            procs, "sharded_logprob_entropy", checks, target, ignore_index,
+            lambda r: dict(_record(r[0], logits=logits, target=target, keep_mask=keep_mask),
+                           mesh=_mesh_record(mesh), vocab_axis=str(vocab_axis)))
+    else:
+        (opt, shape), vocab = checks()
+        if validate:
+            check_target_range(target, vocab, ignore_index, processes=procs)
 
     ndim = len(shape)
     explicit = _is_explicit(mesh, mesh.axis_names)

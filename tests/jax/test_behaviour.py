@@ -216,6 +216,43 @@ def test_out_of_range_target_traced_gives_nan_rows_concrete_raises():
         dualvp_jax.logprob_entropy(z, y)
 
 
+def test_validate_false_skips_the_range_check_and_gives_nan_rows():
+    """``validate=False``: no host check (no synchronisation); out-of-range rows are NaN, as when traced."""
+    z = jnp.asarray(np.random.default_rng(2).normal(size=(4, 8)).astype(np.float32))
+    y = jnp.asarray([0, 8, -1, -100])
+    ref_lp, _ = reference.logprob_entropy(np.asarray(z, np.float64), np.asarray([0, 0, 0, -100]))
+    for lp, h in (dualvp_jax.sharded_logprob_entropy(z, y, mesh_1d(2, "auto"), "tp", validate=False),
+                  dualvp_jax.logprob_entropy(z, y, validate=False)):
+        lp, h = np.asarray(lp), np.asarray(h)
+        assert np.isnan(lp[[1, 2]]).all() and np.isnan(h[[1, 2]]).all()
+        np.testing.assert_allclose(lp[[0, 3]], ref_lp[[0, 3]], rtol=2e-5, atol=2e-5)
+    w = jnp.asarray(np.random.default_rng(3).normal(size=(8, 5)).astype(np.float32))
+    hid = jnp.asarray(np.random.default_rng(4).normal(size=(4, 5)).astype(np.float32))
+    lp, _ = dualvp_jax.linear_logprob_entropy(hid, w, y, validate=False)
+    assert np.isnan(np.asarray(lp)[[1, 2]]).all() and np.isfinite(np.asarray(lp)[[0, 3]]).all()
+    with pytest.raises(ValueError, match="target:"):
+        dualvp_jax.linear_logprob_entropy(hid, w, y)
+    for bad in ("yes", 1, None):
+        with pytest.raises(TypeError, match="validate:"):
+            dualvp_jax.sharded_logprob_entropy(z, y, mesh_1d(2, "auto"), "tp", validate=bad)
+        with pytest.raises(TypeError, match="validate:"):
+            dualvp_jax.linear_logprob_entropy(hid, w, y, validate=bad)
+
+
+def test_one_process_needs_no_agreement():
+    """With one JAX process every call is local: no agreement, no coordinator (the multi-process
+    behaviour is tests/jax/test_multiprocess.py)."""
+    from dualvp_jax import multiprocess
+
+    mesh = mesh_1d(2, "explicit")
+    z = jax.device_put(jnp.zeros((4, 8), jnp.float32), NamedSharding(mesh, P(None, "tp")))
+    assert multiprocess.processes_of(z, mesh=mesh) == (0,)
+    y = jax.device_put(jnp.asarray([0, 9, 3, 12]), NamedSharding(mesh, P("tp")))
+    # a target sharded over devices: its shards are read once each; bad ids 9 and 12 (V = 8)
+    assert multiprocess.count_bad_targets(y, 8, -100) == (2, [9, 12])
+    assert multiprocess.count_bad_targets(np.asarray([[-100, 8], [-3, 7]]), 8, -100) == (2, [-3, 8])
+
+
 # --- validation through the global-array API (the shared bad-input table: tests/cross/test_bad_inputs.py)
 
 

@@ -254,6 +254,35 @@ def test_sharded_global_form(kind, world, sp):
     _check_all(out, _oracle(h, w, y, gl, ge, keep=keep, temperature=0.8), "float32")
 
 
+@pytest.mark.parametrize("sp", [False, pytest.param(True, marks=pytest.mark.slow)])
+def test_sharded_global_form_keeps_data_parallel_rows(sp):
+    """On an explicit ``(dp, tp)`` mesh the rows stay split over ``dp``: each replica computes its own rows.
+
+    Before, hidden and target were resharded to replicated, and the outputs
+    came back replicated (every dp replica computed every row); the
+    gradients still match the float64 oracle (``dW`` summed over ``dp``).
+    """
+    h, w, y, keep, gl, ge = _problem(36, 2, "float32", mask=True, ignore=True, seed=47)
+    mesh = jax.make_mesh((2, 2), ("dp", "tp"))
+
+    def f(hj, wj):
+        return dualvp_jax.sharded_linear_logprob_entropy(
+            hj, wj, jnp.asarray(y), mesh, "tp", keep_mask=jnp.asarray(keep), temperature=0.8, sequence_parallel=sp,
+            **_BLOCKS)
+
+    @jax.jit
+    def run(hj, wj):
+        (lp, ent), vjp = jax.vjp(f, hj, wj)
+        return (lp, ent) + vjp((jnp.asarray(gl, jnp.float32), jnp.asarray(ge, jnp.float32)))
+
+    with jax.set_mesh(mesh):
+        hj = jax.device_put(_jx(h, "float32"), jax.sharding.NamedSharding(mesh, P("dp", None)))
+        out = run(hj, _jx(w, "float32"))
+    for x in out[:3]:  # log-prob, entropy and dh: rows split over dp, not replicated
+        assert tuple(x.sharding.spec)[:1] == ("dp",), x.sharding.spec
+    _check_all(out, _oracle(h, w, y, gl, ge, keep=keep, temperature=0.8), "float32")
+
+
 # --- bad inputs ------------------------------------------------------------------
 
 
