@@ -36,6 +36,7 @@ __all__ = [
     "GRAD_FRACTION",
     "INPLACE_FRACTION",
     "MIN_CHUNK_ELEMENTS",
+    "SMALL_SHARD_ELEMENTS",
     "chunk_rows",
     "stats",
     "grad",
@@ -58,6 +59,12 @@ INPLACE_FRACTION = 0.04
 GRAD_FRACTION = 0.09
 #: ... but a chunk has at least this many elements (or all rows).
 MIN_CHUNK_ELEMENTS = 1 << 12
+#: A shard of at most this many elements runs as one chunk in the calling
+#: thread, whatever the fractions above: its scratch (at most 5.5 MiB) is
+#: cache-sized, and at such sizes the per-chunk cost (a thread hand-off and
+#: some 25 small ops per chunk) would dominate the call
+#: (docs/decisions.md, "Small shards in one eager chunk").
+SMALL_SHARD_ELEMENTS = 1 << 17
 
 
 def chunk_rows(
@@ -70,9 +77,12 @@ def chunk_rows(
     * itemsize`` (the temporaries of the chunks in flight are that fraction
     of the shard's bytes) and, when ``cap_bytes`` is given (on CPU:
     ``Tuning.cpu_chunk_scratch_bytes``), ``scratch_bytes * rows * v_local <=
-    cap_bytes``; but at least :data:`MIN_CHUNK_ELEMENTS` elements per chunk.
+    cap_bytes``; but at least :data:`MIN_CHUNK_ELEMENTS` elements per chunk,
+    and all rows for a shard of at most :data:`SMALL_SHARD_ELEMENTS` elements.
     """
     v = max(1, v_local)
+    if n_rows * v <= SMALL_SHARD_ELEMENTS:
+        return max(1, n_rows)
     budget = int(fraction * n_rows * itemsize / (scratch_bytes * max(1, workers)))
     if cap_bytes is not None:
         budget = min(budget, cap_bytes // (scratch_bytes * v))

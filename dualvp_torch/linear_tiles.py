@@ -18,13 +18,13 @@ MIN_BUDGET = 1 << 20
 MIN_SIDE = 128
 
 
-def default_budget(n_rows: int, v_local: int, itemsize: int, device_type: str = "cpu", impl=None) -> int:
+def default_budget(n_rows: int, v_local: int, itemsize: int, device_type: str = "cpu", tile_loop: bool = True) -> int:
     """``max(fraction * B, MIN_BUDGET)`` bytes, ``B = n_rows * v_local * itemsize``.
 
-    ``fraction``: :data:`CUDA_BUDGET_FRACTION` for the tile path on CUDA, else
-    :data:`BUDGET_FRACTION` (``impl="triton"``: one float32 ``dW`` chunk).
+    ``fraction``: :data:`CUDA_BUDGET_FRACTION` for the tile loop on CUDA, else
+    :data:`BUDGET_FRACTION` (``tile_loop=False``, the fused Triton kernels: one float32 ``dW`` chunk).
     """
-    fraction = CUDA_BUDGET_FRACTION if device_type == "cuda" and impl != "triton" else BUDGET_FRACTION
+    fraction = CUDA_BUDGET_FRACTION if device_type == "cuda" and tile_loop else BUDGET_FRACTION
     return max(int(fraction * n_rows * v_local * itemsize), MIN_BUDGET)
 
 

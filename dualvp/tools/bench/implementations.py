@@ -116,7 +116,7 @@ def _check_impl(torch, logprob_entropy, impl: str, device: str) -> None:
     """Raise if dualvp_torch cannot run ``impl``: its own selection check where it has one (no
     compile), else a call on a 2 x 4 problem."""
     try:
-        from dualvp_torch.kernels import select
+        from dualvp_torch.engines import select
     except ImportError:
         select = None
     if select is not None:
