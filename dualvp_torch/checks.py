@@ -209,10 +209,6 @@ def _cached_logits_call(group, validate: bool, engine: str, lm: tuple, tm: tuple
     return call._replace(plan=engines.ENGINES[engine].plan(call))
 
 
-def _plain(*tensors: object) -> bool:
-    return all(x is None or type(x) is torch.Tensor for x in tensors)
-
-
 def logits_call(
     logits: object, target: object, keep_mask: object = None, *, group: object = None, temperature: object = 1.0,
     with_entropy: object = True, entropy_grad: object = True, ignore_index: object = -100, validate: object = True,
@@ -229,13 +225,18 @@ def logits_call(
     ``caller_error`` is a drop-in's own argument error, which then goes
     through the agreement step like a local check's error.
     """
-    if (caller_error is None and type(logits) is torch.Tensor and _plain(target, keep_mask)
-            and type(temperature) in (float, int)):
+    if (caller_error is None and type(logits) is torch.Tensor and type(target) is torch.Tensor
+            and (keep_mask is None or type(keep_mask) is torch.Tensor) and type(temperature) in (float, int)):
+        # (meta and _meta3 written out: this runs on every call, up to three times)
         try:
             engine = engines.select(impl, logits.device)
             return _cached_logits_call(
-                group, validate, engine, meta(logits), _meta3(target), _meta3(keep_mask), temperature, ignore_index,
-                with_entropy, entropy_grad, inplace_grad, label_smoothing,
+                group, validate, engine,
+                (logits.shape, logits.dtype, logits.device, logits.requires_grad, logits.is_leaf,
+                 logits.is_contiguous(), logits.stride()),
+                (target.shape, target.dtype, target.device),
+                None if keep_mask is None else (keep_mask.shape, keep_mask.dtype, keep_mask.device),
+                temperature, ignore_index, with_entropy, entropy_grad, inplace_grad, label_smoothing,
             )
         except (TypeError, ValueError):  # (an unhashable argument too) the full checks below name it
             pass
@@ -307,15 +308,15 @@ def agree(call: Call, bad: Optional[torch.Tensor], group: object, hint: torch.Te
 # --- the fused LM-head op ---------------------------------------------------------------
 
 
-def _check_fused_options(hidden: torch.Tensor, impl: Optional[str], allow_tf32: object) -> None:
+def _check_fused_options(hidden: torch.Tensor, engine: str, allow_tf32: object) -> None:
     if not isinstance(allow_tf32, bool):
         raise TypeError(f"allow_tf32: expected a bool, got {type(allow_tf32).__name__} {allow_tf32!r}")
-    if impl == "triton":
+    if not engines.ENGINES[engine].spec_stages:  # the fused Triton kernels
         if hidden.dtype not in (torch.float32, torch.bfloat16, torch.float16):
-            raise ValueError(f"impl: 'triton' takes float32, bfloat16 or float16 hidden states, got {hidden.dtype}")
+            raise ValueError(f"impl: {engine!r} takes float32, bfloat16 or float16 hidden states, got {hidden.dtype}")
         reason = linear_triton.unavailable(hidden.device)
         if reason is not None:
-            raise ValueError(f"impl: 'triton' {reason}")
+            raise ValueError(f"impl: {engine!r} {reason}")
 
 
 def linear_call(
@@ -347,8 +348,8 @@ def linear_call(
         for name, x in (("weight", weight), ("target", target), ("keep_mask", keep_mask)):
             if x is not None and x.device != hidden.device:
                 raise ValueError(f"{name}: expected a tensor on hidden's device {hidden.device}, got device {x.device}")
-        _check_fused_options(hidden, impl, allow_tf32)
         engine = engines.select(impl, hidden.device, triton_default=False)
+        _check_fused_options(hidden, engine, allow_tf32)
         record = None
         if validate and group is not None:
             grad_on = torch.is_grad_enabled()

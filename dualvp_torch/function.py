@@ -2,12 +2,13 @@
 
 One call, whatever the engine (``group`` with ``W`` ranks; ``T`` rows; shard ``V_local``)::
 
-    DTensor logits       dtensor.logprob_entropy unwraps them and calls the local op below
-    checks.logits_call   local checks (cached per call metadata), engine choice (engines.select)
-    library._fwd         the custom op: engine stats [T, V_local] -> [T, 6]; validate=True: the
-                         agreement ([W, 10] int64, 1 host sync); all-gather -> [W, T, 6]; merge
-                         -> logprob, entropy, res [5, T] (identical on every rank)
-    library._bwd         (autograd) engine grad [T, V_local] -> gradient (no collective)
+    DTensor logits           dtensor.logprob_entropy unwraps them and calls the local op below
+    library.logprob_entropy  checks.logits_call: local checks (cached per call metadata), the
+                             engine (engines.select)
+    library._fwd             the custom op: engine stats [T, V_local] -> [T, 6]; validate=True:
+                             the agreement ([W, 10] int64, 1 host sync); all-gather -> [W, T, 6];
+                             merge -> logprob, entropy, res [5, T] (identical on every rank)
+    library._bwd             (autograd) engine grad [T, V_local] -> gradient (no collective)
 
 Inside a caller's ``torch.compile`` an eligible call (plain tensors, options
 of their documented Python types, no ``inplace_grad``) goes to the custom op
@@ -33,10 +34,6 @@ if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
 
 __all__ = ["logprob_entropy"]
-
-#: What ``impl`` may name (:data:`dualvp_torch.engines.NAMES`).
-IMPLEMENTATIONS = engines.NAMES
-
 
 def logprob_entropy(
     logits: torch.Tensor,
@@ -119,7 +116,7 @@ def logprob_entropy(
                             with_entropy=with_entropy, entropy_grad=entropy_grad, ignore_index=ignore_index,
                             validate=validate, inplace_grad=inplace_grad, impl=impl):
             # one node of the caller's graph; the op's body runs the checks
-            return library.logprob_entropy(
+            return library.in_graph(
                 logits, target, group=group, keep_mask=keep_mask, temperature=temperature,
                 with_entropy=with_entropy, entropy_grad=entropy_grad, ignore_index=ignore_index, validate=validate,
                 inplace_grad=inplace_grad, impl=impl,
@@ -129,10 +126,23 @@ def logprob_entropy(
             entropy_grad=entropy_grad, ignore_index=ignore_index, validate=validate, inplace_grad=inplace_grad,
             impl=impl,
         )
-    return _logprob_entropy(
+    if not (type(logits) is torch.Tensor and type(target) is torch.Tensor
+            and (keep_mask is None or type(keep_mask) is torch.Tensor)) and \
+            _dtensor.involves_dtensor(logits, target, keep_mask):
+        return _dtensor.logprob_entropy(  # torch tensor parallelism: see dtensor.py
+            logprob_entropy, logits, target, group=group, keep_mask=keep_mask, temperature=temperature,
+            with_entropy=with_entropy, entropy_grad=entropy_grad, ignore_index=ignore_index, validate=validate,
+            inplace_grad=inplace_grad, impl=impl,
+        )
+    return library.logprob_entropy(
         logits, target, group=group, keep_mask=keep_mask, temperature=temperature, with_entropy=with_entropy,
         entropy_grad=entropy_grad, ignore_index=ignore_index, validate=validate, inplace_grad=inplace_grad, impl=impl,
     )
+
+
+def _plain(logits, target, keep_mask) -> bool:
+    return (type(logits) is torch.Tensor and type(target) is torch.Tensor
+            and (keep_mask is None or type(keep_mask) is torch.Tensor))
 
 
 def _logprob_entropy(
@@ -148,24 +158,17 @@ def _logprob_entropy(
     through the agreement step like a local check's error: every rank raises,
     none waits in a collective.
     """
-    if caller_error is None and not (type(logits) is torch.Tensor and type(target) is torch.Tensor
-                                     and (keep_mask is None or type(keep_mask) is torch.Tensor)) and \
-            _dtensor.involves_dtensor(logits, target, keep_mask):  # torch tensor parallelism: see dtensor.py
+    if caller_error is None and not _plain(logits, target, keep_mask) and \
+            _dtensor.involves_dtensor(logits, target, keep_mask):
         return _dtensor.logprob_entropy(
             logprob_entropy, logits, target, group=group, keep_mask=keep_mask, temperature=temperature,
             with_entropy=with_entropy, entropy_grad=entropy_grad, ignore_index=ignore_index, validate=validate,
             inplace_grad=inplace_grad, impl=impl,
         )
-    call = checks.logits_call(
-        logits, target, keep_mask, group=group, temperature=temperature, with_entropy=with_entropy,
+    return library.logprob_entropy(
+        logits, target, group=group, keep_mask=keep_mask, temperature=temperature, with_entropy=with_entropy,
         entropy_grad=entropy_grad, ignore_index=ignore_index, validate=validate, inplace_grad=inplace_grad,
         impl=impl, label_smoothing=label_smoothing, caller_error=caller_error,
-    )
-    opt = call.opt
-    return library.logprob_entropy(
-        logits, target, group=group, keep_mask=keep_mask, temperature=opt.temperature,
-        with_entropy=opt.with_entropy, entropy_grad=opt.entropy_grad, ignore_index=opt.ignore_index,
-        validate=validate, inplace_grad=opt.inplace_grad, impl=call.engine, label_smoothing=opt.label_smoothing,
     )
 
 

@@ -45,12 +45,10 @@ from torch import Tensor
 from . import checks, collectives, engines
 from .stages import compute_dtype
 
-__all__ = ["eligible", "logprob_entropy", "forward", "grad"]
+__all__ = ["eligible", "logprob_entropy", "in_graph", "forward", "grad"]
 
 
 def _group(name: str):
-    if not name:
-        return None
     return torch.distributed.distributed_c10d._resolve_process_group(name)
 
 
@@ -93,24 +91,18 @@ def grad(logits: Tensor, target: Tensor, keep_mask: Optional[Tensor], res: Tenso
     return g.view(logits.shape)
 
 
-def _call(logits, target, keep_mask, group, temperature, with_entropy, entropy_grad, ignore_index, validate,
-          inplace_grad, impl, label_smoothing) -> checks.Call:
-    return checks.logits_call(
-        logits, target, keep_mask, group=group, temperature=temperature, with_entropy=with_entropy,
-        entropy_grad=entropy_grad, ignore_index=ignore_index, validate=validate, inplace_grad=inplace_grad,
-        impl=impl or None, label_smoothing=label_smoothing,
-    )
-
-
 @torch.library.custom_op("dualvp::logprob_entropy_fwd", mutates_args=())
 def _fwd(
     logits: Tensor, target: Tensor, keep_mask: Optional[Tensor], group_name: str, temperature: float,
     with_entropy: bool, entropy_grad: bool, ignore_index: int, validate: bool, inplace_grad: bool, impl: str,
     label_smoothing: float,
 ) -> tuple[Tensor, Tensor, Tensor]:
-    group = _group(group_name)
-    call = _call(logits, target, keep_mask, group, temperature, with_entropy, entropy_grad, ignore_index, validate,
-                 inplace_grad, impl, label_smoothing)
+    group = _group(group_name) if group_name else None
+    call = checks.logits_call(
+        logits, target, keep_mask, group=group, temperature=temperature, with_entropy=with_entropy,
+        entropy_grad=entropy_grad, ignore_index=ignore_index, validate=validate, inplace_grad=inplace_grad,
+        impl=impl or None, label_smoothing=label_smoothing,
+    )
     return forward(logits, target, keep_mask, call, group)
 
 
@@ -124,8 +116,11 @@ def _fwd_fake(logits, target, keep_mask, group_name, temperature, with_entropy, 
 
 def _bwd_call(logits, target, keep_mask, group_name, temperature, with_entropy, entropy_grad, ignore_index, impl):
     # the forward's call again (its options and engine), from the cache: no agreement, no sync
-    return _call(logits, target, keep_mask, _group(group_name), temperature, with_entropy, entropy_grad,
-                 ignore_index, False, False, impl, 0.0)
+    return checks.logits_call(
+        logits, target, keep_mask, group=_group(group_name) if group_name else None, temperature=temperature,
+        with_entropy=with_entropy, entropy_grad=entropy_grad, ignore_index=ignore_index, validate=False,
+        impl=impl or None,
+    )
 
 
 @torch.library.custom_op("dualvp::logprob_entropy_bwd", mutates_args=())
@@ -134,9 +129,9 @@ def _bwd(
     grad_entropy: Tensor, group_name: str, temperature: float, with_entropy: bool, entropy_grad: bool,
     ignore_index: int, impl: str,
 ) -> Tensor:
-    call = _bwd_call(logits, target, keep_mask, group_name, temperature, with_entropy, entropy_grad, ignore_index,
-                     impl)
-    return grad(logits, target, keep_mask, res, grad_logprob, grad_entropy, call)
+    return grad(logits, target, keep_mask, res, grad_logprob, grad_entropy,
+                _bwd_call(logits, target, keep_mask, group_name, temperature, with_entropy, entropy_grad,
+                          ignore_index, impl))
 
 
 @_bwd.register_fake
@@ -213,20 +208,43 @@ def eligible(logits: object, target: object, *, group: object = None, keep_mask:
 
 
 def logprob_entropy(
+    logits: Tensor, target: Tensor, *, group: object = None, keep_mask: Optional[Tensor] = None,
+    temperature: object = 1.0, with_entropy: object = True, entropy_grad: object = True, ignore_index: object = -100,
+    validate: object = True, inplace_grad: object = False, impl: object = None, label_smoothing: float = 0.0,
+    caller_error: Optional[BaseException] = None,
+) -> tuple[Tensor, Optional[Tensor]]:
+    """:func:`dualvp_torch.logprob_entropy` on plain tensors outside a compiler: the checks, then the custom op.
+
+    :func:`dualvp_torch.checks.logits_call` checks the call (every rank
+    returns or every rank raises; ``label_smoothing`` and ``caller_error`` as
+    there) and the op gets the checked values and the chosen engine.
+    """
+    call = checks.logits_call(
+        logits, target, keep_mask, group=group, temperature=temperature, with_entropy=with_entropy,
+        entropy_grad=entropy_grad, ignore_index=ignore_index, validate=validate, inplace_grad=inplace_grad,
+        impl=impl, label_smoothing=label_smoothing, caller_error=caller_error,
+    )
+    opt = call.opt
+    logprob, entropy, _ = _fwd(logits, target, keep_mask, "" if group is None else group.group_name, opt.temperature,
+                               opt.with_entropy, opt.entropy_grad, opt.ignore_index, validate, opt.inplace_grad,
+                               call.engine, opt.label_smoothing)
+    if not opt.with_entropy:
+        return logprob, None
+    return logprob, (entropy if opt.entropy_grad else entropy.detach())
+
+
+def in_graph(
     logits: Tensor, target: Tensor, *, group=None, keep_mask: Optional[Tensor] = None, temperature: float = 1.0,
     with_entropy: bool = True, entropy_grad: bool = True, ignore_index: int = -100, validate: bool = True,
-    inplace_grad: bool = False, impl: Optional[str] = None, label_smoothing: float = 0.0,
+    inplace_grad: bool = False, impl: Optional[str] = None,
 ) -> tuple[Tensor, Optional[Tensor]]:
-    """:func:`dualvp_torch.logprob_entropy` on plain tensors: one call of the custom op.
+    """The call that a caller's ``torch.compile`` traces (an :func:`eligible` call): the custom op as is.
 
-    Arguments of the schema's types go to the op as they are (its body
-    checks them, from the cache); the public function checks other types
-    first (:func:`dualvp_torch.checks.logits_call`) and passes the checked
-    values.
+    Its body runs the checks (from the cache), so errors are an eager call's.
     """
-    out = _fwd(logits, target, keep_mask, "" if group is None else group.group_name, float(temperature),
-               with_entropy, entropy_grad, ignore_index, validate, inplace_grad, impl or "", float(label_smoothing))
-    logprob, entropy = out[0], out[1]
+    logprob, entropy, _ = _fwd(logits, target, keep_mask, "" if group is None else group.group_name,
+                               float(temperature), with_entropy, entropy_grad, ignore_index, validate, inplace_grad,
+                               impl or "", 0.0)
     if not with_entropy:
         return logprob, None
     return logprob, (entropy if entropy_grad else entropy.detach())
