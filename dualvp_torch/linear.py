@@ -85,19 +85,19 @@ from dualvp import spec, validation
 
 from . import checks, collectives, engines, linear_triton, tuning
 from .compiled import one_graph_break
-
-if TYPE_CHECKING:
-    from torch.distributed import ProcessGroup
 from .linear_tiles import (  # noqa: F401 (re-exported)
     BUDGET_FRACTION,
     CUDA_BUDGET_FRACTION,
     MIN_BUDGET,
     MIN_SIDE,
-    _ranges,
-    _TileBuffer,
+    TileBuffer,
     default_budget,
+    ranges,
     tile_shape,
 )
+
+if TYPE_CHECKING:
+    from torch.distributed import ProcessGroup
 
 __all__ = ["linear_logprob_entropy", "tile_shape", "default_budget", "MIN_SIDE", "MIN_BUDGET", "BUDGET_FRACTION"]
 
@@ -180,7 +180,7 @@ def _fwd_operand(x: torch.Tensor, cdt: torch.dtype) -> torch.Tensor:
 def _logits_block(h_i: torch.Tensor, w_j: torch.Tensor, cdt: torch.dtype, out: Optional[torch.Tensor] = None):
     """``h_i W_j^T`` as a contiguous ``cdt`` (float32/float64) block, from operands of any float dtype.
 
-    ``out``: a contiguous ``[rows, cols]`` ``cdt`` tensor to form it in (see :class:`_TileBuffer`).
+    ``out``: a contiguous ``[rows, cols]`` ``cdt`` tensor to form it in (see :class:`TileBuffer`).
     """
     if h_i.dtype == w_j.dtype and _native_out_dtype(h_i, cdt):
         try:  # a float32-output matmul of the 16-bit operands (float32 accumulation)
@@ -197,12 +197,12 @@ def _stats(h2, weight, local, owns, keep, tau, tiles, compiled: bool):
     n, v = h2.shape[0], weight.shape[0]
     tc, vc = tiles
     cdt = tau.dtype
-    buf = _TileBuffer(min(tc, n), min(vc, v), cdt, h2.device)
+    buf = TileBuffer(min(tc, n), min(vc, v), cdt, h2.device)
     parts = []
-    for i0, i1 in _ranges(n, tc):
+    for i0, i1 in ranges(n, tc):
         h_i = _fwd_operand(h2[i0:i1], cdt)  # upcast once per token chunk, not once per tile
         blocks = []
-        for j0, j1 in _ranges(v, vc):
+        for j0, j1 in ranges(v, vc):
             z = _logits_block(h_i, weight[j0:j1], cdt, buf.take(i1 - i0, j1 - j0))
             kb = None if keep is None else keep[i0:i1, j0:j1]
             blocks.append(engines.block_stats(z, local[i0:i1], owns[i0:i1], kb, tau, start=j0, compiled=compiled))
@@ -234,9 +234,9 @@ def _grads(h2, weight, local, owns, keep, res, valid, gl, ge, tau, tiles, need_d
             dw_out = torch.empty((v, hsz), dtype=weight.dtype, device=dev)
         else:
             dw_full = torch.zeros((v, hsz), dtype=cdt, device=dev)
-    rows, cols = _ranges(n, tc), _ranges(v, vc)
+    rows, cols = ranges(n, tc), ranges(v, vc)
     outer, inner = (cols, rows) if vocab_major else (rows, cols)
-    buf = _TileBuffer(min(tc, n), min(vc, v), cdt, dev)
+    buf = TileBuffer(min(tc, n), min(vc, v), cdt, dev)
     # 16-bit operands on CUDA: products of G's 16-bit parts with the rows as
     # they are (tensor cores, float32 accumulation), no float32 copies.
     native = _native_out_dtype(h2, cdt)

@@ -6,7 +6,10 @@ from typing import Optional
 
 import torch
 
-__all__ = ["tile_shape", "default_budget", "MIN_SIDE", "MIN_BUDGET", "BUDGET_FRACTION", "CUDA_BUDGET_FRACTION"]
+__all__ = [
+    "tile_shape", "default_budget", "ranges", "TileBuffer", "MIN_SIDE", "MIN_BUDGET", "BUDGET_FRACTION",
+    "CUDA_BUDGET_FRACTION",
+]
 
 #: Default budget of one tile, as a fraction of ``B`` ...
 BUDGET_FRACTION = 1 / 16
@@ -45,11 +48,12 @@ def tile_shape(n_rows: int, v_local: int, budget: int, elem_bytes: int) -> tuple
     return max(1, rows), max(1, cols)
 
 
-def _ranges(n: int, step: int):
+def ranges(n: int, step: int) -> list[tuple[int, int]]:
+    """``[(start, stop), ...]`` covering ``[0, n)`` in steps of ``step`` (the last one shorter)."""
     return [(i, min(n, i + step)) for i in range(0, n, step)]
 
 
-class _TileBuffer:
+class TileBuffer:
     """One pass's tiles, formed one after another in a single buffer of the largest tile's size.
 
     A fresh tile per step costs nothing on CUDA (the caching allocator hands the

@@ -200,7 +200,7 @@ def test_frozen_input_skips_its_matmul(frozen):
 @pytest.mark.parametrize("shape", ["v1001_tiles", pytest.param("token_major", marks=pytest.mark.slow)])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_cpu_tiles_share_one_buffer_per_pass(monkeypatch, shape, dtype):
-    # Every CPU tile of a pass is formed in one buffer (dualvp_torch.linear._TileBuffer): a fresh
+    # Every CPU tile of a pass is formed in one buffer (dualvp_torch.linear.TileBuffer): a fresh
     # tile per step faults in all its pages again. Ragged last tiles included; values: the oracle's.
     lead, H, V, elements = SHAPES[shape]
     p = _problem(lead, H, V, dtype)
