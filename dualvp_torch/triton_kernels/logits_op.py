@@ -2,10 +2,12 @@
 
 Data flow of one call (``T`` rows, shard ``V_local``, ``W`` ranks)::
 
-    forward:  logits_stats_kernel [T, V_local] -> stats [T, 6], bad-target counter (1 launch)
-              validate=True: counter -> host (W = 1), or into the agreement all-gather (W > 1)
-              W > 1: all-gather stats -> [W, T, 6]
-              logits_merge_kernel [W, T, 6] -> logprob, entropy, res [5, T] (1 launch)
+    forward:  W = 1, S = 1: logits_stats_kernel [T, V_local] -> logprob, entropy, res [5, T] (1 launch)
+              else: logits_stats_kernel -> stats [S, T, 6] (S column splits, from V_local alone)
+                    W > 1: all-gather stats -> [W, S, T, 6]
+                    logits_merge_kernel [W S, T, 6] -> logprob, entropy, res [5, T] (1 launch)
+              validate=True: a zeroed bad-target counter (its fill is a launch), read on the host
+              (W = 1) or sent in the agreement all-gather (W > 1); validate=False: no counter
     backward: logits_grad_kernel [T, V_local] -> gradient, fresh or in the logits' storage (1 launch)
 
 A :class:`Plan` holds everything that depends only on the call's metadata
@@ -19,6 +21,7 @@ nothing here synchronises with the device and no allocation depends on data
 from __future__ import annotations
 
 import functools
+import struct
 from typing import NamedTuple, Optional
 
 import torch
@@ -36,7 +39,7 @@ from .logits_merge import logits_merge_kernel
 from .logits_stats import logits_stats_kernel
 
 __all__ = ["Plan", "make_plan", "plan_of", "stats", "merge", "grad", "forward", "TritonLogProbEntropy",
-           "checked_plan", "logprob_entropy"]
+           "checked_plan", "logprob_entropy", "stats_outputs"]
 
 _TL = {torch.float32: tl.float32, torch.float64: tl.float64}
 
@@ -56,61 +59,120 @@ class Plan(NamedTuple):
     need_entropy_grad: bool
     validate: bool
     record: Optional[tuple]  # agreement record (validate=True with a group), bad-target field 0
-    stats_cfg: tuple  # (grid, BLOCK_T, BLOCK_V, num_warps)
-    merge_cfg: tuple
-    grad_cfg: tuple
+    stats_cfg: tuple  # (grid (T, S), BLOCK_V, num_warps)
+    merge_cfg: tuple  # (grid, BLOCK_T, num_warps)
+    grad_cfg: tuple  # (grid (T, column blocks), BLOCK_V, num_warps)
+    splits: int  # S: column splits of a row in the forward, from V_local alone
+    cols_per_split: int
+    finalize: bool  # W = 1 and S = 1: the statistics kernel writes the outputs (no merge launch)
+    fast_exp: bool  # ex2.approx.ftz on the GPU (float32 compute)
+    scalars: tuple  # float32: (1/tau hi, lo; log2(e)/tau; (1/tau) / that, hi, lo), pairs hi + lo exact to ~1e-15
 
 
 def _pow2(n: int) -> int:
     return triton.next_power_of_2(max(1, n))
 
 
+def _f32(x: float) -> float:
+    return struct.unpack("f", struct.pack("f", x))[0]  # round to nearest float32
+
+
+def _pair(x: float) -> tuple:
+    # a float64 as two float32 (hi + lo, ~48 bits): kernels take float32 scalars (the interpreter rounds any float)
+    hi = _f32(x)
+    return hi, _f32(x - hi)
+
+
+_LOG2E = 1.4426950408889634
+
+#: the forward splits a row into column ranges of at most this many blocks (GPU): a row of 4-byte logits longer
+#: than 65,536 columns (16-bit: 131,072) is walked by several programs, merged associatively. From V_local alone.
+MAX_BLOCKS_PER_SPLIT = 16
+
+
 def make_plan(opt: validation.Options, rank: int, world: int, T: int, V: int, dtype: torch.dtype, device_type: str,
               validate: bool, record: Optional[tuple]) -> Plan:
-    """Block sizes and grids; a pure function of its arguments.
+    """Block sizes, splits and grids; a pure function of its arguments, none chosen from ``T``.
 
-    Under the interpreter (CPU tensors) small tiles keep a launch within a
-    second or two at test sizes. On a GPU: the forward walks a row in blocks
+    Under the interpreter (CPU tensors) small blocks keep a launch within a
+    second or two at test sizes (and rows over 512 columns split, so that the
+    tests cover the split axis). On a GPU: the forward walks a row in blocks
     of 4096 (4-byte) or 8192 (2-byte) elements, 16-byte vector loads by 8
-    warps; the backward takes tiles of 4 x 1024 elements (4 warps); the merge
-    256 rows per program. A simple heuristic, to be measured by the bench
-    (docs/decisions.md, "Triton launch sizes").
+    warps, one program per row and column split (:data:`MAX_BLOCKS_PER_SPLIT`);
+    the backward one row x 4096 columns per program (8 warps); the merge (only
+    with W > 1 or S > 1) 256 rows per program. Heuristics to be measured by
+    the bench (docs/decisions.md, "Triton launch sizes", "Logits kernels toward
+    the floor").
     """
     compute = torch.float64 if dtype == torch.float64 else torch.float32
     if device_type == "cpu":  # TRITON_INTERPRET=1
-        st = (min(16, _pow2(T)), min(128, _pow2(V)), 1)
-        gr = (min(16, _pow2(T)), min(128, _pow2(V)), 1)
+        st = (min(128, _pow2(V)), 1)
+        per_split = 4
+        gr = (min(256, _pow2(V)), 1)
         mg = (min(64, _pow2(T)), 1)
     else:
         bv = 8192 if dtype.itemsize <= 2 else 4096
-        st = (1, min(bv, _pow2(V)), 8 if V >= 2048 else 4)
-        gr = (4, min(1024, _pow2(V)), 4)
+        st = (min(bv, _pow2(V)), 8 if V >= 2048 else 4)
+        per_split = MAX_BLOCKS_PER_SPLIT
+        gr = (min(4096, _pow2(V)), 8 if V >= 2048 else 4)
         mg = (256, 4)
-    stats_cfg = ((triton.cdiv(T, st[0]),), *st)
-    grad_cfg = ((triton.cdiv(T, gr[0]), triton.cdiv(V, gr[1])), *gr)
+    n_blocks = triton.cdiv(V, st[0])
+    per_split = triton.cdiv(n_blocks, triton.cdiv(n_blocks, per_split))  # balanced splits
+    splits = max(1, triton.cdiv(n_blocks, per_split))
+    cols_per_split = per_split * st[0]
+    stats_cfg = ((T, splits), *st)
+    grad_cfg = ((T, triton.cdiv(V, gr[0])), *gr)
     merge_cfg = ((triton.cdiv(T, mg[0]),), *mg)
+    tau = float(opt.temperature)
+    inv = 1.0 / tau
+    l2e = _f32(_LOG2E / tau)
+    scalars = (*_pair(inv), l2e, *_pair(inv / l2e))
+    fast = device_type != "cpu" and compute == torch.float32
     return Plan(opt, rank, world, T, V, world * V, rank * V, compute, opt.has_mask, opt.need_entropy_grad,
-                validate, record, stats_cfg, merge_cfg, grad_cfg)
+                validate, record, stats_cfg, merge_cfg, grad_cfg, splits, cols_per_split,
+                world == 1 and splits == 1, fast, scalars)
+
+
+def _launch_stats(z, y, keep, plan: Plan, bad, out, logprob, entropy, res) -> None:
+    grid, bv, nw = plan.stats_cfg
+    k = z if keep is None else keep  # any pointer when HAS_KEEP is off
+    logits_stats_kernel[grid](
+        z, z.stride(0), y, k, k.stride(0), out, z if bad is None else bad, logprob, entropy, res,
+        plan.T, plan.V, plan.v_lo, plan.vocab, plan.opt.ignore_index, plan.cols_per_split, *plan.scalars,
+        HAS_KEEP=keep is not None, WITH_ENTROPY=plan.opt.with_entropy, HAS_COUNTER=bad is not None,
+        FINALIZE=out is None, FAST_EXP=plan.fast_exp, COMPUTE=_TL[plan.compute], ACC=tl.float64, BLOCK_V=bv,
+        num_warps=nw,
+    )
 
 
 def stats(z: torch.Tensor, y: torch.Tensor, keep: Optional[torch.Tensor], plan: Plan) -> tuple:
-    """``(stats [T, 6], bad [1] int32)``: :mod:`.logits_stats` on ``z [T, V]`` (unit column stride)."""
-    out = torch.empty((plan.T, 6), dtype=plan.compute, device=z.device)
-    bad = torch.zeros((1,), dtype=torch.int32, device=z.device)
-    grid, bt, bv, nw = plan.stats_cfg
-    k = z if keep is None else keep  # any pointer when HAS_KEEP is off
+    """``(stats [S, T, 6], bad)``: :mod:`.logits_stats` on ``z [T, V]`` (unit column stride), ``S`` column splits.
+
+    ``bad``: the int32 ``[1]`` bad-target counter with ``plan.validate``, else
+    ``None`` (no counter, no fill launched).
+    """
+    dev = z.device
+    out = torch.empty((plan.splits, plan.T, 6), dtype=plan.compute, device=dev)
+    bad = torch.zeros((1,), dtype=torch.int32, device=dev) if plan.validate else None
     if plan.T:  # (a grid of 0 programs is not launched)
-        logits_stats_kernel[grid](
-            z, z.stride(0), y, k, k.stride(0), out, bad,
-            plan.T, plan.V, plan.v_lo, plan.vocab, plan.opt.ignore_index, plan.opt.temperature,
-            HAS_KEEP=keep is not None, WITH_ENTROPY=plan.opt.with_entropy, COMPUTE=_TL[plan.compute],
-            ACC=tl.float64, BLOCK_T=bt, BLOCK_V=bv, num_warps=nw,
-        )
+        _launch_stats(z, y, keep, plan, bad, out, out, out, out)
     return out, bad
 
 
+def stats_outputs(z: torch.Tensor, y: torch.Tensor, keep: Optional[torch.Tensor], plan: Plan) -> tuple:
+    """``(logprob [T], entropy [T], res [5, T], bad)`` in one launch (``plan.finalize``: W = 1, one split)."""
+    dev = z.device
+    logprob = torch.empty((plan.T,), dtype=plan.compute, device=dev)
+    entropy = torch.empty((plan.T,), dtype=plan.compute, device=dev)
+    res = torch.empty((5, plan.T), dtype=plan.compute, device=dev)
+    bad = torch.zeros((1,), dtype=torch.int32, device=dev) if plan.validate else None
+    if plan.T:
+        _launch_stats(z, y, keep, plan, bad, None, logprob, entropy, res)
+    return logprob, entropy, res, bad
+
+
 def merge(all_stats: torch.Tensor, y: torch.Tensor, plan: Plan) -> tuple:
-    """``(logprob [T], entropy [T], res [5, T])``: :mod:`.logits_merge` on ``[W, T, 6]`` statistics."""
+    """``(logprob [T], entropy [T], res [5, T])``: :mod:`.logits_merge` on ``[N, T, 6]`` partial statistics."""
     dev = all_stats.device
     logprob = torch.empty((plan.T,), dtype=plan.compute, device=dev)
     entropy = torch.empty((plan.T,), dtype=plan.compute, device=dev)
@@ -118,7 +180,7 @@ def merge(all_stats: torch.Tensor, y: torch.Tensor, plan: Plan) -> tuple:
     grid, bt, nw = plan.merge_cfg
     if plan.T:
         logits_merge_kernel[grid](all_stats, y, logprob, entropy, res, plan.T, all_stats.shape[0],
-                                  plan.opt.ignore_index, plan.opt.temperature, BLOCK_T=bt, num_warps=nw)
+                                  plan.opt.ignore_index, *plan.scalars[:2], BLOCK_T=bt, num_warps=nw)
     return logprob, entropy, res
 
 
@@ -130,15 +192,15 @@ def grad(z: torch.Tensor, y: torch.Tensor, keep: Optional[torch.Tensor], res: to
     (an expanded ``[T]`` has stride 0); ``ge`` only with the entropy term.
     """
     g = torch.empty((plan.T, plan.V), dtype=z.dtype, device=z.device) if out is None else out
-    grid, bt, bv, nw = plan.grad_cfg
+    grid, bv, nw = plan.grad_cfg
     k = z if keep is None else keep
     e = gl if ge is None else ge
     if plan.T:
         logits_grad_kernel[grid](
             z, z.stride(0), g, g.stride(0), y, k, k.stride(0), res, gl, gl.stride(0), e, e.stride(0),
-            plan.T, plan.V, plan.v_lo, plan.opt.ignore_index, plan.opt.temperature,
-            HAS_KEEP=keep is not None, ENTROPY=ge is not None, COMPUTE=_TL[plan.compute],
-            BLOCK_T=bt, BLOCK_V=bv, num_warps=nw,
+            plan.T, plan.V, plan.v_lo, plan.opt.ignore_index, *plan.scalars[:3],
+            HAS_KEEP=keep is not None, ENTROPY=ge is not None, FAST_EXP=plan.fast_exp, COMPUTE=_TL[plan.compute],
+            BLOCK_V=bv, num_warps=nw,
         )
     return g
 
@@ -150,27 +212,41 @@ def _rows(x: torch.Tensor, v: int) -> torch.Tensor:
 
 
 def forward(logits, target, keep_mask, plan: Plan, group) -> tuple:
-    """``(logprob [T], entropy [T], res [5, T])`` of validated arguments: stats, (agreement, all-gather,) merge.
+    """``(logprob [T], entropy [T], res [5, T])`` of validated arguments.
 
-    With ``plan.validate`` the out-of-range count of the stats kernel is read
-    (W = 1: one ``.item()``) or travels in the agreement all-gather (W > 1,
-    before the statistics' all-gather); every rank raises the same error.
+    W = 1 with one column split (``plan.finalize``): one launch, the
+    statistics kernel writes the outputs. Otherwise: stats ``[S, T, 6]``,
+    (agreement,) all-gather (W > 1), merge. With ``plan.validate`` the
+    out-of-range count of the stats kernel is read (W = 1: one ``.item()``)
+    or travels in the agreement all-gather (W > 1, before the statistics'
+    all-gather); every rank raises the same error.
     """
     z = _rows(logits, plan.V)
     y = target.reshape(-1)
     keep = None if keep_mask is None else _rows(keep_mask, plan.V).view(torch.uint8)
-    st, bad = stats(z, y, keep, plan)
-    if plan.validate and group is not None:  # every rank enters it, whatever T
+    if plan.finalize:
+        logprob, entropy, res, bad = stats_outputs(z, y, keep, plan)
+    else:
+        st, bad = stats(z, y, keep, plan)
+    if plan.validate:
+        _check_bad(bad, plan, group, z)
+    if plan.finalize:
+        return logprob, entropy, res
+    # [W, S, T, 6] -> [W S, T, 6]: the merge is associative over ranks and splits alike
+    all_stats = st if group is None else collectives.gather_stats(st, group).reshape(-1, plan.T, 6)
+    return merge(all_stats, y, plan)
+
+
+def _check_bad(bad, plan: Plan, group, z) -> None:
+    if group is not None:  # every rank enters it, whatever T
         table = collectives.gather_records(plan.record, bad, group, collectives.comm_device(group, z))
         validation.check_agreement(table, rank=plan.rank, vocab_size=plan.vocab)
-    elif plan.validate and plan.T:
+    elif plan.T:
         n_bad = int(bad.item())  # the one synchronisation of validate=True
         if n_bad:
             record = [0] * len(validation.RECORD_FIELDS)
             record[-1] = n_bad
             validation.check_agreement([record], rank=0, vocab_size=plan.vocab)
-    all_stats = st[None] if group is None else collectives.gather_stats(st, group)
-    return merge(all_stats, y, plan)
 
 
 _UNMATERIALISED = (

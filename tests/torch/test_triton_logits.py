@@ -308,12 +308,13 @@ def test_precision_at_a_realistic_vocabulary():
 
 
 def test_python_calls_per_call():
-    """O(1) Python per call: calls made in dualvp's own files per forward + backward (validate=False).
+    """O(1) Python per call: calls made in dualvp's own host code per forward + backward (validate=False).
 
-    Counted with cProfile at T=64, V=256 after a warm-up call (checks cached,
+    Counted with cProfile at T=4, V=256 after a warm-up call (checks cached,
     kernels decorated). Under the interpreter the kernels' bodies run as
-    Python once per program (13 here); they are counted too. A count, not a
-    timing: the issue's budget is 40 (the compiled path made 367).
+    Python once per program; that is device code (one row per program), not
+    counted: the kernel modules are left out. A count, not a timing: the
+    issue's budget is 20 (the compiled path made 367).
     """
     import cProfile
     import pstats
@@ -323,7 +324,9 @@ def test_python_calls_per_call():
 
     roots = tuple(os.path.dirname(m.__file__) + os.sep for m in (dualvp, dualvp_torch))
     roots += (os.path.join(os.path.dirname(os.path.dirname(dualvp.__file__)), "dualvp_jax") + os.sep,)
-    z0, y = torch.randn(64, 256), torch.randint(0, 256, (64,))
+    device = tuple(os.path.join(os.path.dirname(dualvp_torch.__file__), "triton_kernels", f"logits_{k}.py")
+                   for k in ("stats", "merge", "grad", "common"))
+    z0, y = torch.randn(4, 256), torch.randint(0, 256, (4,))
 
     def step():
         z = z0.clone().requires_grad_(True)
@@ -335,7 +338,7 @@ def test_python_calls_per_call():
     prof.enable()
     step()
     prof.disable()
-    ours = {k: v[1] for k, v in pstats.Stats(prof).stats.items() if k[0].startswith(roots)}
+    ours = {k: v[1] for k, v in pstats.Stats(prof).stats.items() if k[0].startswith(roots) and k[0] not in device}
     n = sum(ours.values())
-    print(f"Python calls in dualvp's files per forward + backward: {n}")
-    assert n <= 40, sorted(ours.items(), key=lambda kv: -kv[1])
+    print(f"Python calls in dualvp's host code per forward + backward: {n}")
+    assert n <= 20, sorted(ours.items(), key=lambda kv: -kv[1])
