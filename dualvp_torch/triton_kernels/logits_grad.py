@@ -27,7 +27,7 @@ reads its elements before it writes them).
 import triton
 import triton.language as tl
 
-from .logits_common import LN2_HI, LN2_LO, LOG2E_HI, LOG2E_LO, const, exp2
+from .logits_common import device_fn, LN2_HI, LN2_LO, LOG2E_HI, LOG2E_LO, const, exp2, keep_bits, select
 
 __all__ = ["logits_grad_kernel"]
 
@@ -38,11 +38,12 @@ def logits_grad_kernel(
     gl_ptr, stride_gl, ge_ptr, stride_ge,
     T, V, v_lo, ignore_index,
     inv_tau_hi: tl.float32, inv_tau_lo: tl.float32, l2e_tau32: tl.float32,
-    HAS_KEEP: tl.constexpr, ENTROPY: tl.constexpr, FAST_EXP: tl.constexpr, COMPUTE: tl.constexpr,
-    BLOCK_V: tl.constexpr,
+    HAS_KEEP: tl.constexpr, ENTROPY: tl.constexpr, COMPILED: tl.constexpr, COMPUTE: tl.constexpr,
+    BLOCK_V: tl.constexpr, KEEP_VEC: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
-    cols = tl.program_id(1) * BLOCK_V + tl.arange(0, BLOCK_V)
+    col0 = tl.program_id(1) * BLOCK_V
+    cols = col0 + tl.arange(0, BLOCK_V)
     log2e = const(LOG2E_HI, LOG2E_LO, COMPUTE)
     if COMPUTE == tl.float64:  # float64 scalars arrive as float32 pairs hi + lo (see logits_stats)
         inv_tau = tl.cast(inv_tau_hi, tl.float64) + tl.cast(inv_tau_lo, tl.float64)
@@ -56,37 +57,66 @@ def logits_grad_kernel(
     valid = y != ignore_index
     local = y - v_lo
     local = tl.where(valid & (local >= 0) & (local < V), local, -1).to(tl.int32)
+    has_y = (local >= col0) & (local < col0 + BLOCK_V)  # this program holds the target's column
+    z_row = z_ptr + row * stride_z
+    zy = tl.load(z_row + local, mask=has_y, other=0.0).to(COMPUTE)  # before any store (in place: g = z)
     M = tl.load(res_ptr + row).to(COMPUTE)
     ls2 = tl.load(res_ptr + T + row).to(COMPUTE) * log2e  # log S in base 2
     M_sh = tl.where(M == ninf, 0.0, M)
     gl = tl.load(gl_ptr + row * stride_gl).to(COMPUTE) * inv_tau
-
-    inb = cols < V
-    z = tl.load(z_ptr + row * stride_z + cols, mask=inb, other=0.0).to(COMPUTE)
-    u = (z - M_sh) * l2e_tau  # d log2(e)
-    is_y = cols == local
     if HAS_KEEP:
         mk = tl.load(res_ptr + 3 * T + row).to(COMPUTE)
         log_sk = tl.load(res_ptr + 4 * T + row).to(COMPUTE)
         mk_sh = tl.where(mk == ninf, 0.0, mk)
-        kept = (tl.load(keep_ptr + row * stride_k + cols, mask=inb, other=0) != 0) | is_y
-        ek = exp2(tl.where(kept, (z - mk_sh) * l2e_tau - log_sk * log2e, u - ls2), FAST_EXP)
-        # 0 on the dropped columns; NaN on a row whose kept set has no mass (0 * -inf), as the oracle
-        q = tl.where(kept, ek, 0.0 * log_sk)
+        lsk2 = log_sk * log2e
         if ENTROPY:
-            rho = tl.exp2((mk_sh - M_sh) * l2e_tau + (log_sk * log2e - ls2))
-            p = tl.where(kept, tl.where(rho == 0, 0.0, ek * rho), ek)
-    else:
-        p = exp2(u - ls2, FAST_EXP)
-        q = p
-    if valid:
-        g = gl * (tl.where(is_y, 1.0, 0.0) - q)
-    else:
-        g = tl.zeros([BLOCK_V], COMPUTE)
+            rho = tl.exp2((mk_sh - M_sh) * l2e_tau + (lsk2 - ls2))  # p = q rho on the kept columns
     if ENTROPY:
         c2 = tl.load(res_ptr + 2 * T + row).to(COMPUTE) * log2e
         ge = tl.load(ge_ptr + row * stride_ge).to(COMPUTE) * (inv_tau * const(LN2_HI, LN2_LO, COMPUTE))
+
+    # every column as if it were not the target; the target's own value is stored after (below)
+    inb = cols < V
+    z = tl.load(z_row + cols, mask=inb, other=0.0).to(COMPUTE)
+    u = (z - M_sh) * l2e_tau  # d log2(e)
+    if HAS_KEEP:
+        # the mask's bytes in the logits' layout (KEEP_VEC per thread: the logits' 16-byte vector), as an int32
+        # 0 / -1 per element and bitwise selects (logits_common.keep_bits, select)
+        kcols = tl.max_contiguous(tl.multiple_of(cols, KEEP_VEC), KEEP_VEC)
+        km = keep_bits(tl.load(keep_ptr + row * stride_k + kcols, mask=inb, other=0), COMPILED)
+        # kept columns shifted by the kept max (their q), the others by the max (their p)
+        shift = select(km, mk_sh, M_sh, COMPUTE, COMPILED)
+        ek = exp2((z - shift) * l2e_tau - select(km, lsk2, ls2, COMPUTE, COMPILED), COMPILED)
+        # 0 on the dropped columns; NaN on a row whose kept set has no mass (0 * -inf), as the oracle
+        q = select(km, ek, 0.0 * log_sk, COMPUTE, COMPILED)
+        if ENTROPY:
+            p = select(km, tl.where(rho == 0, 0.0, ek * rho), ek, COMPUTE, COMPILED)
+    else:
+        p = exp2(u - ls2, COMPILED)
+        q = p
+    if valid:
+        g = -gl * q
+    else:
+        g = tl.zeros([BLOCK_V], COMPUTE)
+    if ENTROPY:
         # gH p (c - d) / tau = (gH ln2 / tau) p (c log2(e) - u); a banned column (p = 0, u = -inf) adds 0, not
-        # 0 * inf; a NaN p propagates
-        g += ge * tl.where(p == 0, 0.0, p * (c2 - u))
-    tl.store(g_ptr + row * stride_g + cols, g.to(g_ptr.dtype.element_ty), mask=inb)
+        # 0 * inf: u is bounded below by -1e38 (NaN stays NaN)
+        g += ge * (p * (c2 - tl.maximum(u, -1.0e38, propagate_nan=tl.PropagateNan.ALL)))
+    g_row = g_ptr + row * stride_g
+    tl.store(g_row + cols, g.to(g_ptr.dtype.element_ty), mask=inb)
+    if has_y:
+        # the target's column: kept whatever the mask says, indicator 1; one scalar after the tile (a barrier
+        # orders it after the tile's store of the same address), no per-element compare in the tile
+        uy = (zy - M_sh) * l2e_tau
+        if HAS_KEEP:
+            qy = tl.exp2((zy - mk_sh) * l2e_tau - lsk2)
+            if ENTROPY:
+                py = tl.where(rho == 0, 0.0, qy * rho)
+        else:
+            qy = tl.exp2(uy - ls2)
+            py = qy
+        gy = gl * (1.0 - qy)
+        if ENTROPY:
+            gy += ge * tl.where(py == 0, 0.0, py * (c2 - uy))
+        tl.debug_barrier()
+        tl.store(g_row + local, gy.to(g_ptr.dtype.element_ty))

@@ -65,7 +65,7 @@ class Plan(NamedTuple):
     splits: int  # S: column splits of a row in the forward, from V_local alone
     cols_per_split: int
     finalize: bool  # W = 1 and S = 1: the statistics kernel writes the outputs (no merge launch)
-    fast_exp: bool  # ex2.approx.ftz on the GPU (float32 compute)
+    compiled: bool  # compiled for the GPU (not the interpreter), float32 compute: PTX helpers, fused reductions
     scalars: tuple  # float32: (1/tau hi, lo; log2(e)/tau; (1/tau) / that, hi, lo), pairs hi + lo exact to ~1e-15
 
 
@@ -95,10 +95,10 @@ def make_plan(opt: validation.Options, rank: int, world: int, T: int, V: int, dt
     """Block sizes, splits and grids; a pure function of its arguments, none chosen from ``T``.
 
     Under the interpreter (CPU tensors) small blocks keep a launch within a
-    second or two at test sizes (and rows over 512 columns split, so that the
+    second or two at test sizes (and rows over 256 columns split, so that the
     tests cover the split axis). On a GPU: the forward walks a row in blocks
     of 4096 (4-byte) or 8192 (2-byte) elements, 16-byte vector loads by 8
-    warps, one program per row and column split (:data:`MAX_BLOCKS_PER_SPLIT`);
+    warps (16 with a keep mask in 2-byte), one program per row and column split (:data:`MAX_BLOCKS_PER_SPLIT`);
     the backward one row x 4096 columns per program (8 warps); the merge (only
     with W > 1 or S > 1) 256 rows per program. Heuristics to be measured by
     the bench (docs/decisions.md, "Triton launch sizes", "Logits kernels toward
@@ -107,12 +107,15 @@ def make_plan(opt: validation.Options, rank: int, world: int, T: int, V: int, dt
     compute = torch.float64 if dtype == torch.float64 else torch.float32
     if device_type == "cpu":  # TRITON_INTERPRET=1
         st = (min(128, _pow2(V)), 1)
-        per_split = 4
+        per_split = 2
         gr = (min(256, _pow2(V)), 1)
-        mg = (min(64, _pow2(T)), 1)
+        mg = (64, 1)  # (a constant: blocks never from T)
     else:
+        # 16 (4-byte) or 32 (2-byte) elements per thread and iteration; 16 with a keep mask in 2-byte (32 would
+        # take > 96 registers: 2 CTAs per SM)
         bv = 8192 if dtype.itemsize <= 2 else 4096
-        st = (min(bv, _pow2(V)), 8 if V >= 2048 else 4)
+        nw = 16 if opt.has_mask and dtype.itemsize <= 2 else 8
+        st = (min(bv, _pow2(V)), nw if V >= 2048 else 4)
         per_split = MAX_BLOCKS_PER_SPLIT
         gr = (min(4096, _pow2(V)), 8 if V >= 2048 else 4)
         mg = (256, 4)
@@ -127,10 +130,10 @@ def make_plan(opt: validation.Options, rank: int, world: int, T: int, V: int, dt
     inv = 1.0 / tau
     l2e = _f32(_LOG2E / tau)
     scalars = (*_pair(inv), l2e, *_pair(inv / l2e))
-    fast = device_type != "cpu" and compute == torch.float32
+    compiled = device_type != "cpu" and compute == torch.float32
     return Plan(opt, rank, world, T, V, world * V, rank * V, compute, opt.has_mask, opt.need_entropy_grad,
                 validate, record, stats_cfg, merge_cfg, grad_cfg, splits, cols_per_split,
-                world == 1 and splits == 1, fast, scalars)
+                world == 1 and splits == 1, compiled, scalars)
 
 
 def _launch_stats(z, y, keep, plan: Plan, bad, out, logprob, entropy, res) -> None:
@@ -140,8 +143,8 @@ def _launch_stats(z, y, keep, plan: Plan, bad, out, logprob, entropy, res) -> No
         z, z.stride(0), y, k, k.stride(0), out, z if bad is None else bad, logprob, entropy, res,
         plan.T, plan.V, plan.v_lo, plan.vocab, plan.opt.ignore_index, plan.cols_per_split, *plan.scalars,
         HAS_KEEP=keep is not None, WITH_ENTROPY=plan.opt.with_entropy, HAS_COUNTER=bad is not None,
-        FINALIZE=out is None, FAST_EXP=plan.fast_exp, COMPUTE=_TL[plan.compute], ACC=tl.float64, BLOCK_V=bv,
-        num_warps=nw,
+        FINALIZE=out is None, COMPILED=plan.compiled, COMPUTE=_TL[plan.compute], ACC=tl.float64, BLOCK_V=bv,
+        KEEP_VEC=16 // z.element_size(), num_warps=nw,
     )
 
 
@@ -199,8 +202,8 @@ def grad(z: torch.Tensor, y: torch.Tensor, keep: Optional[torch.Tensor], res: to
         logits_grad_kernel[grid](
             z, z.stride(0), g, g.stride(0), y, k, k.stride(0), res, gl, gl.stride(0), e, e.stride(0),
             plan.T, plan.V, plan.v_lo, plan.opt.ignore_index, *plan.scalars[:3],
-            HAS_KEEP=keep is not None, ENTROPY=ge is not None, FAST_EXP=plan.fast_exp, COMPUTE=_TL[plan.compute],
-            BLOCK_V=bv, num_warps=nw,
+            HAS_KEEP=keep is not None, ENTROPY=ge is not None, COMPILED=plan.compiled, COMPUTE=_TL[plan.compute],
+            BLOCK_V=bv, KEEP_VEC=16 // z.element_size(), num_warps=nw,
         )
     return g
 

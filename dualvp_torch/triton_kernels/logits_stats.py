@@ -45,24 +45,106 @@ that only ``validate=True`` allocates and reads).
 import triton
 import triton.language as tl
 
-from .logits_common import LN2_HI, LN2_LO, LOG2E_HI, LOG2E_LO, const, exp2, store_outputs
+from .logits_common import device_fn, LN2_HI, LN2_LO, LOG2E_HI, LOG2E_LO, const, exp2, keep_bits, select, store_outputs
 
 __all__ = ["logits_stats_kernel"]
 
 
-@triton.jit
+@device_fn
 def _max2(a0, a1, b0, b1):
     return tl.maximum(a0, b0), tl.maximum(a1, b1)
 
 
-@triton.jit
+@device_fn
 def _add2(a0, a1, b0, b1):
     return a0 + b0, a1 + b1
 
 
-@triton.jit
+@device_fn
 def _add3(a0, a1, a2, b0, b1, b2):
     return a0 + b0, a1 + b1, a2 + b2
+
+
+@device_fn
+def _finite_below(u):
+    # -inf (a banned column, e = 0) -> -1e38, so that e u = 0 rather than 0 * -inf; NaN stays NaN (max.NaN)
+    return tl.maximum(u, -1.0e38, propagate_nan=tl.PropagateNan.ALL)
+
+
+@device_fn
+def _block(z_row, k_row, cols, c_hi, m, s, t, mk, sk, l2e_tau,
+           HAS_KEEP: tl.constexpr, WITH_ENTROPY: tl.constexpr, COMPILED: tl.constexpr, COMPUTE: tl.constexpr,
+           ACC: tl.constexpr, KEEP_VEC: tl.constexpr, MASKED: tl.constexpr):
+    """One column block into the running state ``(m, s, t, mk, sk)``; ``MASKED``: the split's last, partial block."""
+    ninf = float("-inf")
+    if MASKED:
+        inb = cols < c_hi
+        z = tl.load(z_row + cols, mask=inb, other=ninf).to(COMPUTE)
+    else:  # a whole block: no predicate, no fill values
+        z = tl.load(z_row + cols).to(COMPUTE)
+    if HAS_KEEP:
+        # the mask's bytes in the logits' layout (KEEP_VEC per thread), as an int32 0 / -1 per element and
+        # bitwise selects (logits_common.keep_bits, select): no per-element predicate
+        kcols = tl.max_contiguous(tl.multiple_of(cols, KEEP_VEC), KEEP_VEC)
+        if MASKED:
+            km = keep_bits(tl.load(k_row + kcols, mask=inb, other=0), COMPILED)
+        else:
+            km = keep_bits(tl.load(k_row + kcols), COMPILED)
+        zk = select(km, z, ninf, COMPUTE, COMPILED)
+        if COMPILED:  # one reduction of both maxima (one set of barriers)
+            bm, bmk = tl.reduce((z, zk), 0, _max2)
+        else:  # (the interpreter runs a combine function in Python per element: NumPy's max instead)
+            bm, bmk = tl.max(z, axis=0), tl.max(zk, axis=0)
+        mk_new = tl.maximum(mk, bmk)
+        mk_sh = tl.where(mk_new == ninf, 0.0, mk_new)
+    else:
+        bm = tl.max(z, axis=0)
+    m_new = tl.maximum(m, bm)
+    m_sh = tl.where(m_new == ninf, 0.0, m_new)  # spec._finite_or_zero
+    if HAS_KEEP:
+        if WITH_ENTROPY:
+            u = _finite_below((z - m_sh) * l2e_tau)
+            ek = exp2((z - select(km, mk_sh, m_sh, COMPUTE, COMPILED)) * l2e_tau, COMPILED)
+            rk = exp2((mk_sh - m_sh) * l2e_tau, COMPILED)  # <= 1: e^d of a kept column is ek * rk
+            e = select(km, ek * rk, ek, COMPUTE, COMPILED)
+            eks = select(km, ek, 0.0, COMPUTE, COMPILED)
+            if COMPILED:
+                bs, bt, bsk = tl.reduce((e, e * u, eks), 0, _add3)
+            else:
+                bs, bt, bsk = tl.sum(e, axis=0), tl.sum(e * u, axis=0), tl.sum(eks, axis=0)
+        else:  # only the kept columns count: the others' ek (any value, inf or NaN) is dropped by the select
+            ek = exp2((z - mk_sh) * l2e_tau, COMPILED)
+            bsk = tl.sum(select(km, ek, 0.0, COMPUTE, COMPILED), axis=0)
+    else:
+        u = _finite_below((z - m_sh) * l2e_tau)
+        e = exp2(u, COMPILED)
+        if WITH_ENTROPY:
+            if COMPILED:
+                bs, bt = tl.reduce((e, e * u), 0, _add2)
+            else:
+                bs, bt = tl.sum(e, axis=0), tl.sum(e * u, axis=0)
+        else:
+            bs = tl.sum(e, axis=0)
+    if HAS_KEEP:
+        # the running kept sum, rescaled to the new kept max (0 stays 0, not 0 * inf; NaN stays NaN)
+        if mk_new != mk:
+            ak = tl.exp2(((mk - mk_sh) * l2e_tau).to(ACC))
+            sk = tl.where(sk == 0, 0.0, sk * ak)
+        sk += bsk.to(ACC)
+        mk = mk_new
+    if WITH_ENTROPY or not HAS_KEEP:
+        if m_new != m:  # the running max moved: rescale (float64), else the factor is exactly 1
+            dm = ((m - m_sh) * l2e_tau).to(ACC)  # <= 0; -inf before the first finite block
+            a = tl.exp2(dm)
+            s_old = s
+            s = tl.where(s_old == 0, 0.0, s_old * a)
+            if WITH_ENTROPY:
+                t = tl.where(s_old == 0, 0.0, a * (t + s_old * dm))
+        s += bs.to(ACC)
+        if WITH_ENTROPY:
+            t += bt.to(ACC)
+    m = m_new
+    return m, s, t, mk, sk
 
 
 @triton.jit
@@ -71,7 +153,7 @@ def logits_stats_kernel(
     T, V, v_lo, vocab, ignore_index, cols_per_split,
     inv_tau_hi: tl.float32, inv_tau_lo: tl.float32, l2e_tau32: tl.float32, ratio_hi: tl.float32, ratio_lo: tl.float32,
     HAS_KEEP: tl.constexpr, WITH_ENTROPY: tl.constexpr, HAS_COUNTER: tl.constexpr, FINALIZE: tl.constexpr,
-    FAST_EXP: tl.constexpr, COMPUTE: tl.constexpr, ACC: tl.constexpr, BLOCK_V: tl.constexpr,
+    COMPILED: tl.constexpr, COMPUTE: tl.constexpr, ACC: tl.constexpr, BLOCK_V: tl.constexpr, KEEP_VEC: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     split = tl.program_id(1)
@@ -108,62 +190,21 @@ def logits_stats_kernel(
     t = tl.zeros([], ACC)  # in base-2 units (sum e u) until the end
     mk = tl.full([], ninf, COMPUTE)
     sk = tl.zeros([], ACC)
+    k_row = keep_ptr + row * stride_k
     if HAS_KEEP:
-        k_row = keep_ptr + row * stride_k
         # the target is kept whatever the mask says: a dropped target starts the kept pair as (zy, e^0)
         # (a target at -inf adds nothing: e^-inf = 0, and an all -inf kept set keeps (-inf, 0))
         y_dropped = owns & (tl.load(k_row + local, mask=owns, other=1) == 0) & (zy != ninf)
         mk = tl.where(y_dropped, zy, mk)
         sk = tl.where(y_dropped, 1.0, sk).to(ACC)
     cols0 = tl.arange(0, BLOCK_V)
-    for v0 in range(c_lo, c_hi, BLOCK_V):
-        cols = v0 + cols0
-        inb = cols < c_hi
-        z = tl.load(z_row + cols, mask=inb, other=ninf).to(COMPUTE)
-        if HAS_KEEP:
-            kept = tl.load(k_row + cols, mask=inb, other=0) != 0
-            bm, bmk = tl.reduce((z, tl.where(kept, z, ninf)), 0, _max2)
-            mk_new = tl.maximum(mk, bmk)
-            mk_sh = tl.where(mk_new == ninf, 0.0, mk_new)
-        else:
-            bm = tl.max(z, axis=0)
-        m_new = tl.maximum(m, bm)
-        m_sh = tl.where(m_new == ninf, 0.0, m_new)  # spec._finite_or_zero
-        u = (z - m_sh) * l2e_tau
-        if HAS_KEEP:
-            ek = exp2(tl.where(kept, (z - mk_sh) * l2e_tau, u), FAST_EXP)
-            if WITH_ENTROPY:
-                rk = exp2((mk_sh - m_sh) * l2e_tau, FAST_EXP)  # <= 1: e^d of a kept column is ek * rk
-                e = tl.where(kept, ek * rk, ek)
-                # e u, 0 where e = 0 (a banned column: 0 * -inf)
-                bs, bt, bsk = tl.reduce((e, tl.where(e > 0, e * u, 0.0), tl.where(kept, ek, 0.0)), 0, _add3)
-            else:
-                bsk = tl.sum(tl.where(kept, ek, 0.0), axis=0)
-        else:
-            e = exp2(u, FAST_EXP)
-            if WITH_ENTROPY:
-                bs, bt = tl.reduce((e, tl.where(e > 0, e * u, 0.0)), 0, _add2)
-            else:
-                bs = tl.sum(e, axis=0)
-        if HAS_KEEP:
-            # the running kept sum, rescaled to the new kept max (0 stays 0, not 0 * inf; NaN stays NaN)
-            if mk_new != mk:
-                ak = tl.exp2(((mk - mk_sh) * l2e_tau).to(ACC))
-                sk = tl.where(sk == 0, 0.0, sk * ak)
-            sk += bsk.to(ACC)
-            mk = mk_new
-        if WITH_ENTROPY or not HAS_KEEP:
-            if m_new != m:  # the running max moved: rescale (float64), else the factor is exactly 1
-                dm = ((m - m_sh) * l2e_tau).to(ACC)  # <= 0; -inf before the first finite block
-                a = tl.exp2(dm)
-                s_old = s
-                s = tl.where(s_old == 0, 0.0, s_old * a)
-                if WITH_ENTROPY:
-                    t = tl.where(s_old == 0, 0.0, a * (t + s_old * dm))
-            s += bs.to(ACC)
-            if WITH_ENTROPY:
-                t += bt.to(ACC)
-        m = m_new
+    c_full = c_lo + (c_hi - c_lo) // BLOCK_V * BLOCK_V
+    for v0 in range(c_lo, c_full, BLOCK_V):
+        m, s, t, mk, sk = _block(z_row, k_row, v0 + cols0, c_hi, m, s, t, mk, sk, l2e_tau, HAS_KEEP, WITH_ENTROPY,
+                                 COMPILED, COMPUTE, ACC, KEEP_VEC, False)
+    if c_full < c_hi:
+        m, s, t, mk, sk = _block(z_row, k_row, c_full + cols0, c_hi, m, s, t, mk, sk, l2e_tau, HAS_KEEP,
+                                 WITH_ENTROPY, COMPILED, COMPUTE, ACC, KEEP_VEC, True)
     t = t * ratio  # sum e u -> sum e d
     if not HAS_KEEP:
         mk = m
