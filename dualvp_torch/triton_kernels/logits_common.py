@@ -29,15 +29,11 @@ def device_fn(fn):
     """
     return fn if interpreting() else triton.jit(fn)
 
-__all__ = ["const", "exp2", "keep_bits", "outputs", "select", "store_outputs"]
+__all__ = ["const", "exp2", "ln2", "log2e", "keep_bits", "outputs", "select", "store_outputs"]
 
-LOG2E = tl.constexpr(1.4426950408889634)
-LN2 = tl.constexpr(0.6931471805599453)
-# Triton materialises a Python float constant as float32: float64 code takes these as float32 pairs hi + lo
-LOG2E_HI = tl.constexpr(1.4426950216293335)
-LOG2E_LO = tl.constexpr(1.925963033500011e-08)
-LN2_HI = tl.constexpr(0.6931471824645996)
-LN2_LO = tl.constexpr(-1.9046542121259336e-09)
+# Triton materialises a Python float constant as float32: float64 code takes log2(e) and ln(2) as float32
+# pairs hi + lo. Literals inside the helpers, not module constants: Triton re-checks every global constant
+# that a kernel reads at each launch (host time).
 
 
 @device_fn
@@ -48,6 +44,18 @@ def const(hi, lo, DT: tl.constexpr):
     else:
         c = tl.cast(hi, DT)
     return c
+
+
+@device_fn
+def log2e(DT: tl.constexpr):
+    """``log2(e)`` in ``DT`` (float32: rounded once)."""
+    return const(1.4426950216293335, 1.925963033500011e-08, DT)
+
+
+@device_fn
+def ln2(DT: tl.constexpr):
+    """``ln(2)`` in ``DT`` (float32: rounded once)."""
+    return const(0.6931471824645996, -1.9046542121259336e-09, DT)
 
 
 @device_fn

@@ -27,7 +27,7 @@ reads its elements before it writes them).
 import triton
 import triton.language as tl
 
-from .logits_common import device_fn, LN2_HI, LN2_LO, LOG2E_HI, LOG2E_LO, const, exp2, keep_bits, select
+from .logits_common import device_fn, exp2, ln2, log2e, keep_bits, select
 
 __all__ = ["logits_grad_kernel"]
 
@@ -44,10 +44,10 @@ def logits_grad_kernel(
     row = tl.program_id(0).to(tl.int64)
     col0 = tl.program_id(1) * BLOCK_V
     cols = col0 + tl.arange(0, BLOCK_V)
-    log2e = const(LOG2E_HI, LOG2E_LO, COMPUTE)
+    l2e = log2e(COMPUTE)
     if COMPUTE == tl.float64:  # float64 scalars arrive as float32 pairs hi + lo (see logits_stats)
         inv_tau = tl.cast(inv_tau_hi, tl.float64) + tl.cast(inv_tau_lo, tl.float64)
-        l2e_tau = inv_tau * log2e
+        l2e_tau = inv_tau * l2e
     else:
         inv_tau = inv_tau_hi  # 1/tau rounded once to float32
         l2e_tau = l2e_tau32
@@ -61,19 +61,19 @@ def logits_grad_kernel(
     z_row = z_ptr + row * stride_z
     zy = tl.load(z_row + local, mask=has_y, other=0.0).to(COMPUTE)  # before any store (in place: g = z)
     M = tl.load(res_ptr + row).to(COMPUTE)
-    ls2 = tl.load(res_ptr + T + row).to(COMPUTE) * log2e  # log S in base 2
+    ls2 = tl.load(res_ptr + T + row).to(COMPUTE) * l2e  # log S in base 2
     M_sh = tl.where(M == ninf, 0.0, M)
     gl = tl.load(gl_ptr + row * stride_gl).to(COMPUTE) * inv_tau
     if HAS_KEEP:
         mk = tl.load(res_ptr + 3 * T + row).to(COMPUTE)
         log_sk = tl.load(res_ptr + 4 * T + row).to(COMPUTE)
         mk_sh = tl.where(mk == ninf, 0.0, mk)
-        lsk2 = log_sk * log2e
+        lsk2 = log_sk * l2e
         if ENTROPY:
             rho = tl.exp2((mk_sh - M_sh) * l2e_tau + (lsk2 - ls2))  # p = q rho on the kept columns
     if ENTROPY:
-        c2 = tl.load(res_ptr + 2 * T + row).to(COMPUTE) * log2e
-        ge = tl.load(ge_ptr + row * stride_ge).to(COMPUTE) * (inv_tau * const(LN2_HI, LN2_LO, COMPUTE))
+        c2 = tl.load(res_ptr + 2 * T + row).to(COMPUTE) * l2e
+        ge = tl.load(ge_ptr + row * stride_ge).to(COMPUTE) * (inv_tau * ln2(COMPUTE))
 
     # every column as if it were not the target; the target's own value is stored after (below)
     inb = cols < V

@@ -97,8 +97,8 @@ def make_plan(opt: validation.Options, rank: int, world: int, T: int, V: int, dt
     Under the interpreter (CPU tensors) small blocks keep a launch within a
     second or two at test sizes (and rows over 256 columns split, so that the
     tests cover the split axis). On a GPU: the forward walks a row in blocks
-    of 4096 (4-byte) or 8192 (2-byte) elements, 16-byte vector loads by 8
-    warps (16 with a keep mask in 2-byte), one program per row and column split (:data:`MAX_BLOCKS_PER_SPLIT`);
+    of 4096 (4-byte, or 2-byte with a keep mask) or 8192 (2-byte) elements,
+    16-byte vector loads by 8 warps, one program per row and column split (:data:`MAX_BLOCKS_PER_SPLIT`);
     the backward one row x 4096 columns per program (8 warps); the merge (only
     with W > 1 or S > 1) 256 rows per program. Heuristics to be measured by
     the bench (docs/decisions.md, "Triton launch sizes", "Logits kernels toward
@@ -111,11 +111,10 @@ def make_plan(opt: validation.Options, rank: int, world: int, T: int, V: int, dt
         gr = (min(256, _pow2(V)), 1)
         mg = (64, 1)  # (a constant: blocks never from T)
     else:
-        # 16 (4-byte) or 32 (2-byte) elements per thread and iteration; 16 with a keep mask in 2-byte (32 would
-        # take > 96 registers: 2 CTAs per SM)
-        bv = 8192 if dtype.itemsize <= 2 else 4096
-        nw = 16 if opt.has_mask and dtype.itemsize <= 2 else 8
-        st = (min(bv, _pow2(V)), nw if V >= 2048 else 4)
+        # 16 (4-byte) or 32 (2-byte) elements per thread and iteration; 16 with a keep mask in 2-byte (32 take
+        # 126 registers; 8192 over 16 warps spills 8 bytes)
+        bv = 8192 if dtype.itemsize <= 2 and not opt.has_mask else 4096
+        st = (min(bv, _pow2(V)), 8 if V >= 2048 else 4)
         per_split = MAX_BLOCKS_PER_SPLIT
         gr = (min(4096, _pow2(V)), 8 if V >= 2048 else 4)
         mg = (256, 4)

@@ -45,7 +45,7 @@ that only ``validate=True`` allocates and reads).
 import triton
 import triton.language as tl
 
-from .logits_common import device_fn, LN2_HI, LN2_LO, LOG2E_HI, LOG2E_LO, const, exp2, keep_bits, select, store_outputs
+from .logits_common import device_fn, exp2, ln2, log2e, keep_bits, select, store_outputs
 
 __all__ = ["logits_stats_kernel"]
 
@@ -173,8 +173,8 @@ def logits_stats_kernel(
     # argument to float32)
     inv_tau = tl.cast(inv_tau_hi, tl.float64) + tl.cast(inv_tau_lo, tl.float64)
     if COMPUTE == tl.float64:
-        l2e_tau = inv_tau * const(LOG2E_HI, LOG2E_LO, tl.float64)
-        ratio = const(LN2_HI, LN2_LO, tl.float64)
+        l2e_tau = inv_tau * log2e(tl.float64)
+        ratio = ln2(tl.float64)
     else:
         l2e_tau = l2e_tau32
         ratio = tl.cast(ratio_hi, tl.float64) + tl.cast(ratio_lo, tl.float64)
