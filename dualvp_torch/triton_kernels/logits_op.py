@@ -161,11 +161,16 @@ def stats(z: torch.Tensor, y: torch.Tensor, keep: Optional[torch.Tensor], plan: 
     return out, bad
 
 
-def stats_outputs(z: torch.Tensor, y: torch.Tensor, keep: Optional[torch.Tensor], plan: Plan) -> tuple:
-    """``(logprob [T], entropy [T], res [5, T], bad)`` in one launch (``plan.finalize``: W = 1, one split)."""
+def stats_outputs(z: torch.Tensor, y: torch.Tensor, keep: Optional[torch.Tensor], plan: Plan,
+                  shape: Optional[tuple] = None) -> tuple:
+    """``(logprob, entropy, res [5, T], bad)`` in one launch (``plan.finalize``: W = 1, one split).
+
+    ``logprob``, ``entropy``: ``[T]``, or ``shape`` (the target's: contiguous, no view to make).
+    """
     dev = z.device
-    logprob = torch.empty((plan.T,), dtype=plan.compute, device=dev)
-    entropy = torch.empty((plan.T,), dtype=plan.compute, device=dev)
+    shape = (plan.T,) if shape is None else shape
+    logprob = torch.empty(shape, dtype=plan.compute, device=dev)
+    entropy = torch.empty(shape, dtype=plan.compute, device=dev)
     res = torch.empty((5, plan.T), dtype=plan.compute, device=dev)
     bad = torch.zeros((1,), dtype=torch.int32, device=dev) if plan.validate else None
     if plan.T:
@@ -173,11 +178,15 @@ def stats_outputs(z: torch.Tensor, y: torch.Tensor, keep: Optional[torch.Tensor]
     return logprob, entropy, res, bad
 
 
-def merge(all_stats: torch.Tensor, y: torch.Tensor, plan: Plan) -> tuple:
-    """``(logprob [T], entropy [T], res [5, T])``: :mod:`.logits_merge` on ``[N, T, 6]`` partial statistics."""
+def merge(all_stats: torch.Tensor, y: torch.Tensor, plan: Plan, shape: Optional[tuple] = None) -> tuple:
+    """``(logprob, entropy, res [5, T])``: :mod:`.logits_merge` on ``[N, T, 6]`` partial statistics.
+
+    ``logprob``, ``entropy``: ``[T]``, or ``shape`` (contiguous).
+    """
     dev = all_stats.device
-    logprob = torch.empty((plan.T,), dtype=plan.compute, device=dev)
-    entropy = torch.empty((plan.T,), dtype=plan.compute, device=dev)
+    shape = (plan.T,) if shape is None else shape
+    logprob = torch.empty(shape, dtype=plan.compute, device=dev)
+    entropy = torch.empty(shape, dtype=plan.compute, device=dev)
     res = torch.empty((5, plan.T), dtype=plan.compute, device=dev)
     grid, bt, nw = plan.merge_cfg
     if plan.T:
@@ -187,19 +196,24 @@ def merge(all_stats: torch.Tensor, y: torch.Tensor, plan: Plan) -> tuple:
 
 
 def grad(z: torch.Tensor, y: torch.Tensor, keep: Optional[torch.Tensor], res: torch.Tensor, gl: torch.Tensor,
-         ge: Optional[torch.Tensor], plan: Plan, out: Optional[torch.Tensor] = None) -> torch.Tensor:
+         ge: Optional[torch.Tensor], plan: Plan, out: Optional[torch.Tensor] = None,
+         shape: Optional[tuple] = None) -> torch.Tensor:
     """The gradient of ``z [T, V]`` (:mod:`.logits_grad`) into ``out`` (``z`` itself for in place) or a fresh buffer.
 
     ``gl``, ``ge``: ``[T]`` upstream gradients of any float dtype and stride
     (an expanded ``[T]`` has stride 0); ``ge`` only with the entropy term.
     """
-    g = torch.empty((plan.T, plan.V), dtype=z.dtype, device=z.device) if out is None else out
+    if out is None:  # fresh: [T, V], or ``shape`` (the logits'), contiguous, rows of V
+        g = torch.empty((plan.T, plan.V) if shape is None else shape, dtype=z.dtype, device=z.device)
+        stride_g = plan.V
+    else:
+        g, stride_g = out, out.stride(0)
     grid, bv, nw = plan.grad_cfg
     k = z if keep is None else keep
     e = gl if ge is None else ge
     if plan.T:
         logits_grad_kernel[grid](
-            z, z.stride(0), g, g.stride(0), y, k, k.stride(0), res, gl, gl.stride(0), e, e.stride(0),
+            z, z.stride(0), g, stride_g, y, k, k.stride(0), res, gl, gl.stride(0), e, e.stride(0),
             plan.T, plan.V, plan.v_lo, plan.opt.ignore_index, *plan.scalars[:3],
             HAS_KEEP=keep is not None, ENTROPY=ge is not None, COMPILED=plan.compiled, COMPUTE=_TL[plan.compute],
             BLOCK_V=bv, KEEP_VEC=16 // z.element_size(), num_warps=nw,
@@ -214,7 +228,7 @@ def _rows(x: torch.Tensor, v: int) -> torch.Tensor:
 
 
 def forward(logits, target, keep_mask, plan: Plan, group) -> tuple:
-    """``(logprob [T], entropy [T], res [5, T])`` of validated arguments.
+    """``(logprob, entropy, res [5, T])`` of validated arguments; logprob and entropy in the target's shape.
 
     W = 1 with one column split (``plan.finalize``): one launch, the
     statistics kernel writes the outputs. Otherwise: stats ``[S, T, 6]``,
@@ -227,7 +241,7 @@ def forward(logits, target, keep_mask, plan: Plan, group) -> tuple:
     y = target.reshape(-1)
     keep = None if keep_mask is None else _rows(keep_mask, plan.V).view(torch.uint8)
     if plan.finalize:
-        logprob, entropy, res, bad = stats_outputs(z, y, keep, plan)
+        logprob, entropy, res, bad = stats_outputs(z, y, keep, plan, target.shape)
     else:
         st, bad = stats(z, y, keep, plan)
     if plan.validate:
@@ -236,7 +250,7 @@ def forward(logits, target, keep_mask, plan: Plan, group) -> tuple:
         return logprob, entropy, res
     # [W, S, T, 6] -> [W S, T, 6]: the merge is associative over ranks and splits alike
     all_stats = st if group is None else collectives.gather_stats(st, group).reshape(-1, plan.T, 6)
-    return merge(all_stats, y, plan)
+    return merge(all_stats, y, plan, target.shape)
 
 
 def _check_bad(bad, plan: Plan, group, z) -> None:
@@ -267,29 +281,40 @@ class TritonLogProbEntropy(torch.autograd.Function):
         logprob, entropy, res = forward(logits, target, keep_mask, plan, group)
         ctx.plan = plan
         ctx.save_for_backward(logits, target, keep_mask, res)
-        shape = target.shape
-        logprob, entropy = logprob.view(shape), entropy.view(shape)
         if not plan.need_entropy_grad:
             ctx.mark_non_differentiable(entropy)
         return logprob, entropy
 
     @staticmethod
-    @once_differentiable
     def backward(ctx, grad_logprob, grad_entropy):
-        plan = ctx.plan
-        if grad_logprob is None:
-            raise RuntimeError(_UNMATERIALISED.format("log-prob"))
-        if plan.need_entropy_grad and grad_entropy is None:
-            raise RuntimeError(_UNMATERIALISED.format("entropy"))
-        if not ctx.needs_input_grad[0]:
-            return None, None, None, None, None
-        logits, target, keep_mask, res = ctx.saved_tensors
-        z = _rows(logits, plan.V)
-        keep = None if keep_mask is None else _rows(keep_mask, plan.V).view(torch.uint8)
-        ge = grad_entropy.reshape(-1) if plan.need_entropy_grad else None
-        g = grad(z, target.reshape(-1), keep, res, grad_logprob.reshape(-1), ge, plan,
-                 out=z if plan.opt.inplace_grad else None)
-        return g.view(logits.shape), None, None, None, None
+        # grad mode is on only under create_graph=True: then once_differentiable's wrapper (a result that raises
+        # if differentiated again); off (every ordinary backward), a direct call: the wrapper's no_grad and
+        # checks cost ~25 us of host time per call
+        if torch.is_grad_enabled():
+            return _backward_once(ctx, grad_logprob, grad_entropy)
+        return _backward(ctx, grad_logprob, grad_entropy)
+
+
+def _backward(ctx, grad_logprob, grad_entropy):
+    plan = ctx.plan
+    if grad_logprob is None:
+        raise RuntimeError(_UNMATERIALISED.format("log-prob"))
+    if plan.need_entropy_grad and grad_entropy is None:
+        raise RuntimeError(_UNMATERIALISED.format("entropy"))
+    if not ctx.needs_input_grad[0]:
+        return None, None, None, None, None
+    logits, target, keep_mask, res = ctx.saved_tensors
+    z = _rows(logits, plan.V)
+    keep = None if keep_mask is None else _rows(keep_mask, plan.V).view(torch.uint8)
+    ge = grad_entropy.reshape(-1) if plan.need_entropy_grad else None
+    if plan.opt.inplace_grad:
+        g = grad(z, target.reshape(-1), keep, res, grad_logprob.reshape(-1), ge, plan, out=z).view(logits.shape)
+    else:  # fresh, in the logits' shape (no view to make)
+        g = grad(z, target.reshape(-1), keep, res, grad_logprob.reshape(-1), ge, plan, shape=logits.shape)
+    return g, None, None, None, None
+
+
+_backward_once = once_differentiable(_backward)
 
 
 
