@@ -207,7 +207,7 @@ def grad(z, out, local, owns, keep, *row_args) -> None:
     """Write the shard's gradient into ``out`` (``z`` itself for the in-place gradient), chunk by chunk.
 
     ``row_args``: ``M, log_s, c, mk, log_sk, valid, gl, ge, tau`` as in
-    :func:`dualvp_torch.kernels.shard_grad`.
+    :func:`dualvp_torch.engines.shard_grad`.
     """
     setting = tuning.current()
     *per_row, tau = row_args

@@ -23,11 +23,10 @@ from typing import TYPE_CHECKING, Optional
 
 import torch
 
-from dualvp import spec, validation
+from dualvp import validation
 
-from . import checks, collectives, engines, library
+from . import checks, library
 from . import dtensor as _dtensor
-from .compiled import one_graph_break
 from .engines import Engine
 
 if TYPE_CHECKING:
@@ -121,7 +120,8 @@ def logprob_entropy(
                 with_entropy=with_entropy, entropy_grad=entropy_grad, ignore_index=ignore_index, validate=validate,
                 inplace_grad=inplace_grad, impl=impl,
             )
-        return torch.compiler.disable(_logprob_entropy)(
+        # one graph break: the call below runs eagerly, where is_compiling() is False
+        return torch.compiler.disable(logprob_entropy)(
             logits, target, group=group, keep_mask=keep_mask, temperature=temperature, with_entropy=with_entropy,
             entropy_grad=entropy_grad, ignore_index=ignore_index, validate=validate, inplace_grad=inplace_grad,
             impl=impl,
@@ -140,49 +140,15 @@ def logprob_entropy(
     )
 
 
-def _plain(logits, target, keep_mask) -> bool:
-    return (type(logits) is torch.Tensor and type(target) is torch.Tensor
-            and (keep_mask is None or type(keep_mask) is torch.Tensor))
-
-
-def _logprob_entropy(
-    logits, target, *, group=None, keep_mask=None, temperature=1.0, with_entropy=True, entropy_grad=True,
-    ignore_index=-100, validate=True, inplace_grad=False, impl=None, label_smoothing: float = 0.0,
-    caller_error: Optional[BaseException] = None,
-) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
-    """:func:`logprob_entropy` outside a compiler, for the drop-ins of :mod:`dualvp_torch.compat` too.
-
-    ``label_smoothing`` (already checked) enters the options and so the
-    cross-rank agreement record; ``caller_error`` is a drop-in's own argument
-    error (``TypeError``/``ValueError`` naming the argument), which then goes
-    through the agreement step like a local check's error: every rank raises,
-    none waits in a collective.
-    """
-    if caller_error is None and not _plain(logits, target, keep_mask) and \
-            _dtensor.involves_dtensor(logits, target, keep_mask):
-        return _dtensor.logprob_entropy(
-            logprob_entropy, logits, target, group=group, keep_mask=keep_mask, temperature=temperature,
-            with_entropy=with_entropy, entropy_grad=entropy_grad, ignore_index=ignore_index, validate=validate,
-            inplace_grad=inplace_grad, impl=impl,
-        )
-    return library.logprob_entropy(
-        logits, target, group=group, keep_mask=keep_mask, temperature=temperature, with_entropy=with_entropy,
-        entropy_grad=entropy_grad, ignore_index=ignore_index, validate=validate, inplace_grad=inplace_grad,
-        impl=impl, label_smoothing=label_smoothing, caller_error=caller_error,
-    )
-
-
-# --- names that other modules imported from here before dualvp_torch.checks -------------
+# --- names that triton_kernels/logits_op.py imported from here before dualvp_torch.checks -------------
 #
-# triton_kernels/logits_op.py and compat.py import these; new code calls
+# Kept only until that module calls dualvp_torch.checks itself; new code calls
 # dualvp_torch.checks (and library.forward / library.grad) instead.
 
 _check_call = checks.check_call
 _checked_options = checks.logits_options
 _dtype_name = checks.dtype_name
 _meta = checks.meta
-_kind = checks.kind
-_one_graph_break = one_graph_break
 
 
 def _validated(
@@ -198,41 +164,3 @@ def _validated(
     if validate:
         checks.agree(call, checks.count_bad_targets(target, call.opt.ignore_index, call.vocab), group, logits, target)
     return call.opt
-
-
-def _forward(logits, target, keep_mask, opt: validation.Options, group, impl):
-    """The spec stages' forward on validated arguments, outside autograd (for ``compat``).
-
-    Returns ``(logprob, entropy, local, owns, valid, comb)``.
-    """
-    compiled = engines.ENGINES[engines.select(impl, logits.device, triton_default=False)].compiled
-    v = logits.shape[-1]
-    z = logits.reshape(-1, v)
-    keep = None if keep_mask is None else keep_mask.reshape(-1, v)
-    rank, _ = collectives.group_rank_world(group)
-    valid, owns, local = spec.target_to_local(engines.xp, target.reshape(-1).to(torch.int64), rank, v,
-                                              opt.ignore_index)
-    tau = torch.full((), opt.temperature, dtype=engines.compute_dtype(logits.dtype), device=z.device)
-    stats = engines.shard_stats(z, local, owns, keep, tau, with_entropy=opt.with_entropy, compiled=compiled,
-                                temperature=opt.temperature)
-    all_stats = stats[None] if group is None else collectives.gather_stats(stats, group)
-    res, logprob, entropy = engines.merge(all_stats, valid, tau, compiled=compiled)
-    comb = spec.Combined(*res.unbind(0), zy=None)
-    return logprob.reshape(target.shape), entropy.reshape(target.shape), local, owns, valid, comb
-
-
-def _grad(logits, keep_mask, local, owns, valid, M, log_s, c, mk, log_sk, grad_logprob, grad_entropy,
-          opt: validation.Options, impl):
-    """The spec stages' gradient from :func:`_forward`'s residuals (for ``compat``); ``c`` may be ``None``."""
-    compiled = engines.ENGINES[engines.select(impl, logits.device, triton_default=False)].compiled
-    v = logits.shape[-1]
-    z = logits.reshape(-1, v)
-    keep = None if keep_mask is None else keep_mask.reshape(-1, v)
-    cdt = engines.compute_dtype(logits.dtype)
-    gl = grad_logprob.reshape(-1).to(cdt).contiguous()
-    ge = grad_entropy.reshape(-1).to(cdt).contiguous() if opt.need_entropy_grad else None
-    res = torch.stack([M, log_s, torch.zeros_like(M) if c is None else c, mk, log_sk])
-    tau = torch.full((), opt.temperature, dtype=cdt, device=z.device)
-    g = engines.shard_grad(z, local, owns, keep, res, valid, gl, ge, tau, inplace=opt.inplace_grad,
-                           compiled=compiled, temperature=opt.temperature)
-    return g.view(logits.shape)

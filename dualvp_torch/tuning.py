@@ -43,7 +43,7 @@ class Tuning:
 
     Attributes:
       float64_sums_devices: device types ("cpu", "cuda") whose compiled
-        kernels sum rows in float64 (:func:`dualvp_torch.kernels.accumulation_dtype`);
+        kernels sum rows in float64 (:func:`dualvp_torch.engines.accumulation_dtype`);
         without a device its compiled sums are float32
         (docs/decisions.md, "float64 row sums in compiled kernels").
       static_vocab_devices: device types on which the shard stages are
