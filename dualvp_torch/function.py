@@ -6,7 +6,8 @@ One call, whatever the engine (``group`` with ``W`` ranks; ``T`` rows; shard ``V
     library.logprob_entropy  checks.logits_call: local checks (cached per call metadata), the
                              engine (engines.select)
     library._fwd             the custom op: engine stats [T, V_local] -> [T, 6]; validate=True:
-                             the agreement ([W, 10] int64, 1 host sync); all-gather -> [W, T, 6];
+                             the agreement ([W, 13] int64: options, shapes, target
+                             fingerprints; 1 host sync); all-gather -> [W, T, 6];
                              merge -> logprob, entropy, res [5, T] (identical on every rank)
     library._bwd             (autograd) engine grad [T, V_local] -> gradient (no collective)
 
@@ -23,9 +24,7 @@ from typing import TYPE_CHECKING, Optional
 
 import torch
 
-from dualvp import validation
-
-from . import checks, library
+from . import library
 from . import dtensor as _dtensor
 from .engines import Engine
 
@@ -138,29 +137,3 @@ def logprob_entropy(
         logits, target, group=group, keep_mask=keep_mask, temperature=temperature, with_entropy=with_entropy,
         entropy_grad=entropy_grad, ignore_index=ignore_index, validate=validate, inplace_grad=inplace_grad, impl=impl,
     )
-
-
-# --- names that triton_kernels/logits_op.py imported from here before dualvp_torch.checks -------------
-#
-# Kept only until that module calls dualvp_torch.checks itself; new code calls
-# dualvp_torch.checks (and library.forward / library.grad) instead.
-
-_check_call = checks.check_call
-_checked_options = checks.logits_options
-_dtype_name = checks.dtype_name
-_meta = checks.meta
-
-
-def _validated(
-    logits, target, *, group, keep_mask, temperature, with_entropy, entropy_grad, ignore_index, validate,
-    inplace_grad, impl, label_smoothing: float = 0.0, caller_error: Optional[BaseException] = None,
-) -> validation.Options:
-    """The checks of a call and, with ``validate=True``, the agreement and the target range; the options."""
-    call = checks.logits_call(
-        logits, target, keep_mask, group=group, temperature=temperature, with_entropy=with_entropy,
-        entropy_grad=entropy_grad, ignore_index=ignore_index, validate=validate, inplace_grad=inplace_grad,
-        impl=impl, label_smoothing=label_smoothing, caller_error=caller_error,
-    )
-    if validate:
-        checks.agree(call, checks.count_bad_targets(target, call.opt.ignore_index, call.vocab), group, logits, target)
-    return call.opt
