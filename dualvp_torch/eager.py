@@ -99,6 +99,12 @@ _lock = threading.Lock()
 
 
 def _set_threads(n: int, barrier: Optional[threading.Barrier] = None) -> None:
+    # ATen's OpenMP backend initialises a thread's team size from the
+    # process-wide count at the thread's first parallel op (a thread-local
+    # lazy init); a set_num_threads before that init is undone by it (the
+    # workers then ran every op on the caller's thread count, and a row split
+    # between threads got other bits). get_num_threads() runs the init first.
+    torch.get_num_threads()
     torch.set_num_threads(n)
     if barrier is not None:
         barrier.wait()
@@ -130,6 +136,18 @@ def _executor(workers: int) -> ThreadPoolExecutor:
         return ex
 
 
+def _split_rows_possible(z: torch.Tensor) -> bool:
+    # Batch invariance: a CPU reduction over a few rows with more than one
+    # intra-op thread splits each row between the threads (TensorIterator
+    # parallelises the reduced dimension when the outputs are fewer than the
+    # threads' grain), so a row of a small call was summed in another order
+    # than the same row in a large one (V_local = 40000: entropy 2 ulp
+    # apart). On CPU with several intra-op threads every chunk therefore runs
+    # on the single-threaded workers, one chunk included: each row is summed
+    # in one thread, in the order the row's length alone decides.
+    return z.device.type == "cpu" and torch.get_num_threads() > 1
+
+
 def _map_chunks(
     fn: Callable, z: torch.Tensor, fraction: float, scratch_bytes: int, setting: tuning.Tuning,
     release: bool = False,
@@ -147,7 +165,7 @@ def _map_chunks(
             return fn(*c)
 
     try:
-        if workers == 1 or len(chunks) == 1:
+        if not _split_rows_possible(z):
             return [fn(i, j) for i, j in chunks]
         return list(_executor(min(workers, len(chunks))).map(run, chunks))
     finally:
@@ -219,5 +237,13 @@ def redo_marked_rows(out, z, local, owns, keep, tau, with_entropy: bool, setting
         return
     setting = setting or tuning.current()
     step = chunk_rows(z.shape[0], z.shape[1], z.element_size(), cap_bytes=_cap(z, setting))
+    def redo(idx):
+        with torch.no_grad():
+            out[idx] = stages.stats_stage(z[idx], local[idx], owns[idx], keep[idx], tau, None,
+                                          with_entropy).to(out.dtype)
+
     for idx in rows.split(step):
-        out[idx] = stages.stats_stage(z[idx], local[idx], owns[idx], keep[idx], tau, None, with_entropy).to(out.dtype)
+        if _split_rows_possible(z):  # on a single-threaded worker (see _split_rows_possible)
+            _executor(1).submit(redo, idx).result()
+        else:
+            redo(idx)
