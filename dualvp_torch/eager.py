@@ -136,7 +136,7 @@ def _executor(workers: int) -> ThreadPoolExecutor:
         return ex
 
 
-def _split_rows_possible(z: torch.Tensor) -> bool:
+def _split_rows_possible(z: torch.Tensor, setting: tuning.Tuning) -> bool:
     # Batch invariance: a CPU reduction over a few rows with more than one
     # intra-op thread splits each row between the threads (TensorIterator
     # parallelises the reduced dimension when the outputs are fewer than the
@@ -145,7 +145,10 @@ def _split_rows_possible(z: torch.Tensor) -> bool:
     # apart). On CPU with several intra-op threads every chunk therefore runs
     # on the single-threaded workers, one chunk included: each row is summed
     # in one thread, in the order the row's length alone decides.
-    return z.device.type == "cpu" and torch.get_num_threads() > 1
+    # ``Tuning(max_eager_workers=1)`` keeps the chunks in the calling thread
+    # (where the profiler sees their allocations: tests/torch/test_logits_memory.py),
+    # and with it this guarantee only for rows narrower than ATen's grain.
+    return z.device.type == "cpu" and torch.get_num_threads() > 1 and setting.max_eager_workers > 1
 
 
 def _map_chunks(
@@ -165,7 +168,7 @@ def _map_chunks(
             return fn(*c)
 
     try:
-        if not _split_rows_possible(z):
+        if not _split_rows_possible(z, setting):
             return [fn(i, j) for i, j in chunks]
         return list(_executor(min(workers, len(chunks))).map(run, chunks))
     finally:
@@ -243,7 +246,7 @@ def redo_marked_rows(out, z, local, owns, keep, tau, with_entropy: bool, setting
                                           with_entropy).to(out.dtype)
 
     for idx in rows.split(step):
-        if _split_rows_possible(z):  # on a single-threaded worker (see _split_rows_possible)
+        if _split_rows_possible(z, setting):  # on a single-threaded worker (see _split_rows_possible)
             _executor(1).submit(redo, idx).result()
         else:
             redo(idx)
