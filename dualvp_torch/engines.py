@@ -174,11 +174,6 @@ def _eager_tau(tau, temperature):
     return 1 if temperature == 1 else tau
 
 
-# A shard of one row runs the eager path even when the compiled one is
-# selected: dynamo specialises a size of 1, so a one-row call would compile a
-# graph of its own per stage variant for a call that costs microseconds.
-
-
 def shard_stats(
     z, local, owns, keep, tau, *, with_entropy: bool = True, compiled: bool = True,
     temperature: Optional[float] = None,
@@ -195,7 +190,7 @@ def shard_stats(
     n = z.shape[0]
     if n == 0:
         return torch.zeros((0, spec.N_STATS), dtype=tau.dtype, device=z.device)
-    if compiled and n > 1:  # one row: eager (see above)
+    if compiled:  # one row: as two (compiled._run_one_row: batch invariance)
         shift = _stages.kept_shift(z, keep)
         full = with_entropy or (z.device.type == "cpu" and z.dtype in tuning.current().full_stats_cpu_dtypes)
         args = (z, local, owns, _stages.mask_arg(keep, z), tau, accumulation_dtype(z), full, shift)
@@ -250,7 +245,7 @@ def shard_grad(
     if n == 0:
         return z if inplace else torch.empty_like(z, memory_format=torch.contiguous_format)
     args = (z, local, owns, keep, *_unpack(res, ge is not None), valid, gl, ge, tau)
-    if compiled and n > 1:  # one row: eager (see above)
+    if compiled:  # one row: as two (compiled._run_one_row: batch invariance)
         stage_args = (z, local, owns, _stages.mask_arg(keep, z)) + args[4:]
         if inplace:
             _, ok = _compiled_path.run(_stages.grad_inplace_stage, stage_args, ge is not None)
