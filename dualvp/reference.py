@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import numpy as np
 
-__all__ = ["logprob_entropy", "logprob_entropy_grad", "sum_squared_probs", "linear_logprob_entropy", "linear_logprob_entropy_grad"]
+__all__ = ["logprob_entropy", "logprob_entropy_grad", "sum_squared_probs", "sum_squared_probs_grad", "linear_logprob_entropy", "linear_logprob_entropy_grad"]
 
 
 def _log_softmax(u: np.ndarray) -> np.ndarray:
@@ -120,6 +120,15 @@ def sum_squared_probs(logits, *, temperature=1.0) -> np.ndarray:
     z = np.asarray(logits, dtype=np.float64)
     logp = _log_softmax(z / _tau_col(_row_tau(z, temperature)))
     return np.sum(np.exp(2.0 * logp), axis=-1)
+
+
+def sum_squared_probs_grad(logits, grad_sum_p2, *, temperature=1.0) -> np.ndarray:
+    """Gradient of ``sum(grad_sum_p2 * sum_v p_v^2)`` w.r.t. the logits: ``2 g p_v (p_v - sum p^2) / tau``."""
+    z = np.asarray(logits, dtype=np.float64)
+    t = _tau_col(_row_tau(z, temperature))
+    p = np.exp(_log_softmax(z / t))
+    s = np.sum(p * p, axis=-1, keepdims=True)
+    return 2.0 * np.asarray(grad_sum_p2, dtype=np.float64)[..., None] * p * (p - s) / t
 
 
 def logprob_entropy_grad(

@@ -676,7 +676,8 @@ def grad_logits(xp, z, local, owns, keep, comb: Combined, valid, g_logprob, g_en
 #
 #     dz_v = sum_k gL_k (1[v = y_k] - q^k_v) / tau + gH dH/dz_v
 #
-# where ``q^k`` is the distribution over target k's kept set. On a kept
+# where ``q^k`` is the distribution over target k's kept set (plus, when the
+# caller differentiates ``sum_p2 = S2 / S^2``, ``gS 2 p_v (p_v - sum_p2) / tau``). On a kept
 # column ``q^k_v = e^((z_v - Mk) / tau) * e^((Mk - Mk_k) / tau - log Sk_k)``,
 # so ``sum_k gL_k q^k_v`` is the column's exponential times one per-row
 # coefficient; a dropped target's own column adds ``-gL_k q^k_(y_k)``.
@@ -855,7 +856,7 @@ def ext_outputs(xp, ec: ExtCombined, valid, temperature=1.0):
 
 
 def ext_block_grad(xp, z, local, owns, keep, ec: ExtCombined, valid, g_logprob, g_entropy, temperature=1.0, *,
-                   start: int = 0, dtype=None):
+                   start: int = 0, dtype=None, g_sum_p2=None):
     """Gradient of ``sum(sum_k gL_k L_k + gH H)`` w.r.t. one column block of logits.
 
     Args:
@@ -864,10 +865,12 @@ def ext_block_grad(xp, z, local, owns, keep, ec: ExtCombined, valid, g_logprob, 
       g_logprob: ``[..., K]``; g_entropy: ``[...]`` or ``None``.
       temperature: as in :func:`ext_block_stats`; a constant (no gradient).
       start, dtype: as in :func:`block_grad`.
+      g_sum_p2: ``[...]`` upstream gradient of ``sum_p2`` or ``None``
+        (needs ``ec.sum_p2``): adds ``gS 2 p_v (p_v - sum_p2) / tau``.
 
     Returns:
-      ``[..., n]`` in the compute dtype: ``(sum_k gL_k (1[v = y_k] - q^k_v) + gH p_v (c - d_v)) / tau``.
-      (``sum_p2`` has no gradient: it is an output for metrics.)
+      ``[..., n]`` in the compute dtype:
+      ``(sum_k gL_k (1[v = y_k] - q^k_v) + gH p_v (c - d_v) + 2 gS p_v (p_v - S2)) / tau``.
     """
     z = _cast(xp, z, dtype)
     tr, tc = row_temperature(xp, temperature, z.dtype if _is_row_array(temperature) else None)
@@ -897,4 +900,8 @@ def ext_block_grad(xp, z, local, owns, keep, ec: ExtCombined, valid, g_logprob, 
         if p is None:
             p = xp.exp(d - comb.log_s[..., None])
         g = g + (g_entropy / tr)[..., None] * (p * (comb.c[..., None] - d))
+    if g_sum_p2 is not None:
+        if p is None:
+            p = xp.exp(d - comb.log_s[..., None])
+        g = g + (2.0 * g_sum_p2 / tr)[..., None] * (p * (p - ec.sum_p2[..., None]))
     return g

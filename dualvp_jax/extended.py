@@ -10,8 +10,9 @@ statistics, then ``s2``, ``zy_k`` and the dropped flags, one array)::
     logprob [..., K], entropy [...], sum_p2 [...] = spec.ext_outputs(ec)
 
 Backward: ``spec.ext_block_grad`` from the saved logits and ``ec``, no
-collective. ``sum_p2`` has no gradient (a metric; its cotangent is ignored)
-and neither has the temperature (a constant: its cotangent is zero).
+collective; ``sum_p2`` is differentiable (``dS/dz_v = 2 p_v (p_v - S) /
+tau``, verl's drop-in differentiates it), the temperature is not (a
+constant: its cotangent is zero).
 
 The :class:`~dualvp.validation.Options` decide the layout: ``n_targets``
 (0: one target ``[...]``, run as K = 1 and squeezed), ``row_temperature``
@@ -145,14 +146,15 @@ def _op_fwd(logits, target, keep, tau, axis_name, opt: Options, tuning: Tuning):
 
 def _op_bwd(axis_name, opt: Options, tuning: Tuning, res, cotangents):
     logits, target, keep, tau, ec = res
-    g_logprob, g_entropy, _ = cotangents  # sum_p2: no gradient (a metric)
+    g_logprob, g_entropy, g_sum_p2 = cotangents
     cdt = _compute_dtype(logits.dtype)
     t = tau.astype(cdt) if opt.row_temperature else opt.temperature
     valid, owns, local, bad = _position(axis_name, opt, target, logits.shape[-1])
     g_entropy = jnp.asarray(g_entropy, cdt) if opt.need_entropy_grad else None
+    g_sum_p2 = jnp.asarray(g_sum_p2, cdt) if opt.with_sum_p2 else None
     g = spec.ext_block_grad(jnp, logits, local, owns, keep, ec, valid, jnp.asarray(g_logprob, cdt), g_entropy, t,
-                            dtype=cdt)
-    g = jnp.where(bad[..., None], jnp.nan, g)
+                            dtype=cdt, g_sum_p2=g_sum_p2)
+    g = jnp.where(bad[..., None], jnp.full_like(g, jnp.nan), g)
     # The temperature is a constant: a zero cotangent.
     return g.astype(logits.dtype), None, None, None if tau is None else jnp.zeros_like(tau)
 
@@ -167,7 +169,7 @@ def ext_apply(logits, target, keep_mask, tau, axis_name, opt: Options, tuning: T
     ``None`` (static ``opt.temperature``) or an array of the rows' shape.
     ``entropy`` is ``None`` without ``opt.with_entropy`` (and under
     ``stop_gradient`` without ``opt.entropy_grad``), ``sum_p2`` ``None``
-    without ``opt.with_sum_p2`` (and always under ``stop_gradient``).
+    without ``opt.with_sum_p2``.
     """
     from .function import _int_dtype
 
@@ -187,7 +189,7 @@ def ext_apply(logits, target, keep_mask, tau, axis_name, opt: Options, tuning: T
         h = None
     elif not opt.entropy_grad:
         h = lax.stop_gradient(h)
-    return lp, h, (lax.stop_gradient(p2) if opt.with_sum_p2 else None)
+    return lp, h, (p2 if opt.with_sum_p2 else None)
 
 
 def uses_extended(opt: Options) -> bool:

@@ -374,7 +374,7 @@ def logprob_entropy(
         gradient is that of the sum of the K log-probs (weighted by their
         cotangents) plus the entropy's.
       with_sum_p2: ``True``: also return ``sum_v p_v^2`` (``[...]``, same
-        collective round), under ``lax.stop_gradient`` (a metric).
+        collective round), differentiable (``2 p_v (p_v - S) / tau``).
       with_entropy: ``False``: the entropy output is ``None``.
       entropy_grad: ``False``: the entropy is returned under
         ``lax.stop_gradient`` and contributes no gradient.

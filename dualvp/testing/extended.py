@@ -18,7 +18,9 @@ Arrays:
 * ``temperature``: with ``row_temperature``, one per row, ``case.temperature``
   times ``e^U(-0.7, 0.7)``, rounded to float32 (float64 for float64 cases), a
   ``[...]`` array; otherwise the base case's number.
-* ``grad_logprob``: ``[..., K]`` (``[...]`` when ``targets`` is 0).
+* ``grad_logprob``: ``[..., K]`` (``[...]`` when ``targets`` is 0); with
+  ``sum_p2`` a ``grad_sum_p2 [...]`` as well: the oracle's gradient is that
+  of ``sum(gL L) + sum(gH H) + sum(gS sum_p2)``.
 
 :data:`EXT_BAD_INPUTS` lists the invalid calls of the new options (same
 :class:`~dualvp.testing.cases.BadInput` format; the base arguments of
@@ -83,6 +85,7 @@ class ExtProblem:
     temperature: Union[float, np.ndarray]  # a number or [...] (float64 values, exact in float32 unless float64)
     grad_logprob: np.ndarray  # like target
     grad_entropy: np.ndarray  # [...]
+    grad_sum_p2: Optional[np.ndarray] = None  # [...] with case.sum_p2
 
     def shard(self, rank: int, world: int):
         """Columns of rank ``rank`` of ``world``: ``(logits, keep_mask)``."""
@@ -124,7 +127,8 @@ def make_ext(case: ExtCase) -> ExtProblem:
     if case.row_temperature:
         t = case.base.temperature * np.exp(rng.uniform(-0.7, 0.7, size=lead))
         tau = t if case.dtype == "float64" else t.astype(np.float32).astype(np.float64)
-    return ExtProblem(case, p.logits, target, p.keep_mask, tau, gl, p.grad_entropy)
+    gs = rng.normal(size=lead) if case.sum_p2 else None
+    return ExtProblem(case, p.logits, target, p.keep_mask, tau, gl, p.grad_entropy, gs)
 
 
 def oracle_ext(problem: ExtProblem, *, entropy_grad: bool = True) -> ExtOutputs:
@@ -134,7 +138,10 @@ def oracle_ext(problem: ExtProblem, *, entropy_grad: bool = True) -> ExtOutputs:
     lp, h = reference.logprob_entropy(problem.logits, problem.target, **kw)
     g = reference.logprob_entropy_grad(problem.logits, problem.target, problem.grad_logprob,
                                        problem.grad_entropy if entropy_grad else None, **kw)
-    p2 = reference.sum_squared_probs(problem.logits, temperature=problem.temperature) if c.sum_p2 else None
+    p2 = None
+    if c.sum_p2:
+        p2 = reference.sum_squared_probs(problem.logits, temperature=problem.temperature)
+        g = g + reference.sum_squared_probs_grad(problem.logits, problem.grad_sum_p2, temperature=problem.temperature)
     return ExtOutputs(lp, h, g, p2)
 
 

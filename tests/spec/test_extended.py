@@ -24,7 +24,7 @@ def _spec_outputs(prob: ext.ExtProblem, world: int) -> ext.ExtOutputs:
         valid = positions[0][0]
         lp, h, p2 = spec.ext_outputs(np, ec, valid, tau)
         g = np.concatenate([spec.ext_block_grad(np, prob.shard(r, world)[0], pos[2], pos[1], prob.shard(r, world)[1],
-                                                ec, valid, gl, prob.grad_entropy, tau)
+                                                ec, valid, gl, prob.grad_entropy, tau, g_sum_p2=prob.grad_sum_p2)
                             for r, pos in enumerate(positions)], axis=-1)
     return ext.ExtOutputs(lp if multi else lp[..., 0], h, g, p2)
 
