@@ -375,6 +375,9 @@ RECORD_FIELDS = (
     "temperature",
     "ignore_index",
     "label_smoothing",
+    "targets per row",
+    "temperature tensor",
+    "with_sum_p2",
     "bad_targets",
 )
 
@@ -383,7 +386,7 @@ RECORD_FIELDS = (
 #: is hidden's, ``label_smoothing`` is 0), then what decides the backward's collectives and the scale
 #: of ``dh``, then ``bad_targets`` last.
 #: Built from :data:`RECORD_FIELDS` because :func:`agreement_record` writes the
-#: same leading ten fields for both ops.
+#: same leading thirteen fields for both ops.
 LINEAR_RECORD_FIELDS = (
     RECORD_FIELDS[:3]
     + ("hidden dtype",)
@@ -463,6 +466,10 @@ def agreement_record(
         tau_bits,
         int(options.ignore_index),
         smoothing_bits,
+        # the width of the gathered statistics depends on these: ranks that differ raise, never hang
+        int(options.n_targets),
+        int(options.row_temperature),
+        int(options.with_sum_p2),
     ]
     if fused:
         record += [
@@ -483,6 +490,7 @@ def _render(field: str, value: int) -> str:
         return FLOAT_DTYPES[value] if 0 <= value < len(FLOAT_DTYPES) else "?"
     if field in (
         "keep_mask present", "with_entropy", "entropy_grad", "reduce_hidden_grad", "sequence_parallel",
+        "temperature tensor", "with_sum_p2",
         "hidden requires grad", "weight requires grad",
     ):
         return str(bool(value))
