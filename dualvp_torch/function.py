@@ -195,7 +195,7 @@ def _plain(logits, target, keep_mask) -> bool:
 def _logprob_entropy(
     logits, target, *, group=None, keep_mask=None, temperature=1.0, with_entropy=True, entropy_grad=True,
     ignore_index=-100, validate=True, inplace_grad=False, impl=None, label_smoothing: float = 0.0,
-    caller_error: Optional[BaseException] = None,
+    caller_error: Optional[BaseException] = None, multi_target: bool = False, with_sum_p2: bool = False,
 ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
     """:func:`logprob_entropy` outside a compiler, for the drop-ins of :mod:`dualvp_torch.compat` too.
 
@@ -203,8 +203,16 @@ def _logprob_entropy(
     cross-rank agreement record; ``caller_error`` is a drop-in's own argument
     error (``TypeError``/``ValueError`` naming the argument), which then goes
     through the agreement step like a local check's error: every rank raises,
-    none waits in a collective.
+    none waits in a collective. ``multi_target``, ``with_sum_p2`` or a
+    temperature tensor: the extended op (three outputs with ``with_sum_p2``).
     """
+    if multi_target is not False or with_sum_p2 is not False or checks.temperature_meta(temperature) is not None:
+        return _extended(
+            logits, target, group=group, keep_mask=keep_mask, temperature=temperature, with_entropy=with_entropy,
+            entropy_grad=entropy_grad, ignore_index=ignore_index, validate=validate, inplace_grad=inplace_grad,
+            impl=impl, multi_target=multi_target, with_sum_p2=with_sum_p2, label_smoothing=label_smoothing,
+            caller_error=caller_error,
+        )
     if caller_error is None and not _plain(logits, target, keep_mask) and \
             _dtensor.involves_dtensor(logits, target, keep_mask):
         return _dtensor.logprob_entropy(
