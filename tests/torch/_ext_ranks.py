@@ -68,8 +68,34 @@ def count_collectives(rank: int, world: int, group, k: int, validate: bool) -> d
     return counts
 
 
+def disagree(rank: int, group) -> dict:
+    """Rank 0 asks for K = 1 target and sum p^2, rank 1 for K = 2 and none (and then a temperature tensor
+    against a number): the statistics would differ in width; every rank must raise instead of hanging."""
+    import time
+
+    z = torch.zeros(3, 4)
+    out = {}
+    calls = {
+        "targets per row": lambda: logprob_entropy(z, torch.zeros(3, 1 + rank, dtype=torch.int64), group=group,
+                                                   multi_target=True, impl="eager"),
+        "with_sum_p2": lambda: logprob_entropy(z, torch.zeros(3, dtype=torch.int64), group=group,
+                                               with_sum_p2=rank == 0, impl="eager"),
+        "temperature tensor": lambda: logprob_entropy(
+            z, torch.zeros(3, dtype=torch.int64), group=group, impl="eager",
+            temperature=torch.ones(3) if rank == 0 else 1.0),
+    }
+    for name, call in calls.items():
+        t0 = time.monotonic()
+        try:
+            call()
+            out[name] = ("no error", "", time.monotonic() - t0)
+        except Exception as exc:  # noqa: BLE001 - the test reads the type and message
+            out[name] = (type(exc).__name__, str(exc), time.monotonic() - t0)
+    return out
+
+
 def rank_suite(rank: int, world: int, names: tuple, impl: str) -> dict:
     group = dist.group.WORLD
     results = {name: run_case(ext.make_ext(ext.ext_case(name)), rank, world, group, impl) for name in names}
     counts = {(k, v): count_collectives(rank, world, group, k, v) for k in (1, 8) for v in (True, False)}
-    return {"results": results, "counts": counts}
+    return {"results": results, "counts": counts, "disagree": disagree(rank, group)}

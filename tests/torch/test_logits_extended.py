@@ -69,6 +69,15 @@ def test_one_statistics_gather_whatever_k(w2):
         assert sum(c[(8, True)].values()) == 2, c
 
 
+@pytest.mark.slow  # gloo ranks spawned
+@pytest.mark.parametrize("field", ["targets per row", "with_sum_p2", "temperature tensor"])
+def test_ranks_that_disagree_on_the_new_options_raise(w2, field):
+    outcomes = [r["disagree"][field] for r in w2]
+    assert {o[0] for o in outcomes} == {"RuntimeError"}, outcomes
+    assert all(field in o[1] for o in outcomes), outcomes
+    assert max(o[2] for o in outcomes) < 10.0, outcomes  # seconds, not a collective timeout
+
+
 @pytest.mark.parametrize("bad", ext.EXT_BAD_INPUTS, ids=lambda b: b.name)
 def test_extended_bad_input_raises(bad):
     from tests.cross.test_bad_inputs import _call
