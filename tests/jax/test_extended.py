@@ -150,3 +150,12 @@ def test_extended_bad_input_raises(backend, bad):
         _call(backend)(kw)
     msg = str(info.value)
     assert f"{bad.arg}:" in msg and "expected" in msg, msg
+
+
+def test_fused_op_refuses_the_new_options_clearly():
+    h = jnp.zeros((3, 4), jnp.float32)
+    w = jnp.zeros((8, 4), jnp.float32)
+    y = jnp.zeros((3,), jnp.int32)
+    for kw in ({"multi_target": True}, {"with_sum_p2": True}):
+        with pytest.raises(NotImplementedError, match=f"{next(iter(kw))}:"):
+            dualvp_jax.linear_logprob_entropy(h, w, y, **kw)

@@ -109,3 +109,12 @@ def test_temperature_tensor_is_a_constant():
         lpi, _ = logprob_entropy(z[i:i + 1], torch.tensor([i + 1]), temperature=float(tau[i].detach()),
                                  impl="eager")
         assert torch.allclose(lp[i], lpi[0], rtol=1e-6, atol=1e-6)
+
+
+def test_fused_op_refuses_the_new_options_clearly():
+    from dualvp_torch import linear_logprob_entropy
+
+    h, w, y = torch.zeros(3, 4), torch.zeros(8, 4), torch.zeros(3, dtype=torch.int64)
+    for kw in ({"multi_target": True}, {"with_sum_p2": True}):
+        with pytest.raises(NotImplementedError, match=f"{next(iter(kw))}:"):
+            linear_logprob_entropy(h, w, y, impl="eager", **kw)
