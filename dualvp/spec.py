@@ -100,6 +100,7 @@ __all__ = [
     "ext_finalize",
     "ext_outputs",
     "ext_block_grad",
+    "ext_target_weights",
 ]
 
 #: ``block_stats(kept_shift="max")`` shifts the kept sum by the overall max,
@@ -855,8 +856,24 @@ def ext_outputs(xp, ec: ExtCombined, valid, temperature=1.0):
     return logprob, ec.comb.log_s - ec.comb.c, ec.sum_p2
 
 
+def ext_target_weights(xp, ec: ExtCombined, valid, g_logprob, temperature=1.0):
+    """``[..., K]``: what :func:`ext_block_grad` adds at target k's column, ``gL_k (1 - [y_k dropped] q^k_(y_k)) / tau``.
+
+    (0 for invalid targets.) A backend with a scatter may add these itself
+    (a scatter-add of K values per row: repeated ids add up) and call
+    :func:`ext_block_grad` with ``target_terms=False``, instead of K
+    compares over the block.
+    """
+    tr, _ = row_temperature(xp, temperature, ec.zy.dtype if _is_row_array(temperature) else None)
+    gl = xp.where(valid, g_logprob, 0.0) / _row_k(tr)
+    if ec.dropped is None:
+        return gl
+    q_y = xp.exp((ec.zy - ec.mk) / _row_k(tr) - ec.log_sk)
+    return xp.where(ec.dropped, gl * (1.0 - q_y), gl)
+
+
 def ext_block_grad(xp, z, local, owns, keep, ec: ExtCombined, valid, g_logprob, g_entropy, temperature=1.0, *,
-                   start: int = 0, dtype=None, g_sum_p2=None):
+                   start: int = 0, dtype=None, g_sum_p2=None, target_terms: bool = True):
     """Gradient of ``sum(sum_k gL_k L_k + gH H)`` w.r.t. one column block of logits.
 
     Args:
@@ -867,6 +884,8 @@ def ext_block_grad(xp, z, local, owns, keep, ec: ExtCombined, valid, g_logprob, 
       start, dtype: as in :func:`block_grad`.
       g_sum_p2: ``[...]`` upstream gradient of ``sum_p2`` or ``None``
         (needs ``ec.sum_p2``): adds ``gS 2 p_v (p_v - sum_p2) / tau``.
+      target_terms: ``False`` leaves out the terms at the target columns
+        (:func:`ext_target_weights`, for the caller to scatter-add).
 
     Returns:
       ``[..., n]`` in the compute dtype:
@@ -881,7 +900,6 @@ def ext_block_grad(xp, z, local, owns, keep, ec: ExtCombined, valid, g_logprob, 
     if keep is None:
         p = xp.exp(d - comb.log_s[..., None])
         g = -xp.sum(gl, axis=-1)[..., None] * p
-        coef = gl
     else:
         mk0 = _finite_or_zero(xp, comb.mk)
         # sum_k gL_k e^((Mk - Mk_k) / tau - log Sk_k): a kept column's q-term is its e^((z - Mk) / tau) times it.
@@ -890,12 +908,12 @@ def ext_block_grad(xp, z, local, owns, keep, ec: ExtCombined, valid, g_logprob, 
                    axis=-1)
         eq = xp.exp(_over_tau(z - mk0[..., None], tc))
         g = -xp.where(keep, eq * a[..., None], 0.0)
-        # a dropped target's own column: 1 - q^k_(y_k)
-        q_y = xp.exp((ec.zy - ec.mk) / _row_k(tr) - ec.log_sk)
-        coef = xp.where(ec.dropped, gl * (1.0 - q_y), gl)
-    for k in range(local.shape[-1]):
-        is_y = _target_columns(xp, z, local[..., k], owns[..., k], start)
-        g = g + xp.where(is_y, coef[..., k:k + 1], 0.0)
+    if target_terms:
+        # at target k's column: gL_k (1 - q^k_(y_k) if y_k is dropped, else 1) / tau
+        coef = ext_target_weights(xp, ec, valid, g_logprob, temperature)
+        for k in range(local.shape[-1]):
+            is_y = _target_columns(xp, z, local[..., k], owns[..., k], start)
+            g = g + xp.where(is_y, coef[..., k:k + 1], 0.0)
     if g_entropy is not None:
         if p is None:
             p = xp.exp(d - comb.log_s[..., None])

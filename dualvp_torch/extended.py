@@ -43,8 +43,8 @@ from .stages import as_bool, compute_dtype, mask_arg, xp
 
 __all__ = ["logprob_entropy"]
 
-#: Elements per row chunk of the eager engine's stages (a float32 chunk is 16 MiB).
-CHUNK_ELEMENTS = 1 << 22
+#: Elements per row chunk of the eager engine's stages (a float32 chunk is 256 KiB: its temporaries stay in cache).
+CHUNK_ELEMENTS = 1 << 16
 
 
 def _layout(opt) -> spec.ExtLayout:
@@ -66,7 +66,10 @@ def ext_grad_stage(z, local, owns, keep: Optional[torch.Tensor], red, valid, gl,
     lay = spec.ExtLayout(k, has_mask, with_sum_p2)
     ec = spec.ext_finalize(xp, red, lay, tau)
     g = spec.ext_block_grad(xp, z, local, owns, as_bool(keep), ec, valid, gl, ge, tau,
-                            dtype=compute_dtype(z.dtype), g_sum_p2=gs)
+                            dtype=compute_dtype(z.dtype), g_sum_p2=gs, target_terms=False)
+    # the K target terms as one scatter-add per row (repeated ids add up), not K compares over the shard
+    w = spec.ext_target_weights(xp, ec, valid, gl, tau)
+    g = g.scatter_add(-1, torch.where(owns, local, 0), torch.where(owns, w, 0.0))
     return xp.astype(g, z.dtype)
 
 
