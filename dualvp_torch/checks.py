@@ -254,7 +254,7 @@ def logits_call(
         try:
             # an explicit engine is checked by the cached call (check_call); None and "compiled" (which falls
             # back to "eager" once compiling failed) are resolved at each call
-            engine = (impl if impl is not None and impl != "compiled"
+            engine = (impl if impl in engines.FIXED
                       else engines.select(impl, logits.device, triton_default=not (multi_target or with_sum_p2)))
             return _cached_logits_call(
                 group, validate, engine,

@@ -36,7 +36,7 @@ import torch
 
 from dualvp import spec
 
-from . import checks, collectives
+from . import checks, collectives, engines
 from . import compiled as _compiled_path
 from .engines import accumulation_dtype
 from .stages import as_bool, compute_dtype, mask_arg, xp
@@ -129,7 +129,7 @@ class _ExtOp(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits, target, keep_mask, tau, call, group):
         opt = call.opt
-        compiled = call.engine == "compiled"
+        compiled = engines.ENGINES[call.engine].compiled
         v = call.v_local
         z = logits.detach().reshape(-1, v)
         k = max(opt.n_targets, 1)
@@ -176,7 +176,7 @@ class _ExtOp(torch.autograd.Function):
             out = z
         else:
             out = torch.empty(z.shape, dtype=z.dtype, device=z.device)
-        _grad(z, local, owns, keep, red, valid, gl, ge, gs, tau, opt, call.engine == "compiled", out)
+        _grad(z, local, owns, keep, red, valid, gl, ge, gs, tau, opt, engines.ENGINES[call.engine].compiled, out)
         return out.view(logits.shape), None, None, None, None, None
 
 
