@@ -116,7 +116,9 @@ def test_peak_memory(dtype, mode, impl, serial_eager):
     assert _peak(sizes) <= 1.1 * B, _peak(sizes) / B
 
 
-@pytest.mark.parametrize("impl,mode,dtype", _cases(["lp+ent+grad", "lp+ent+grad.keep"], fast_dtypes=("bfloat16",)))
+# slow: 1-row chunks at this size (INPLACE_FRACTION), ~500 profiled chunks, the fast tier's costliest
+# test; the fast tier's memory bound is test_peak_memory's (the same chunk loop, fresh gradient)
+@pytest.mark.parametrize("impl,mode,dtype", _cases(["lp+ent+grad", "lp+ent+grad.keep"], fast_dtypes=()))
 def test_inplace_grad_memory(dtype, mode, impl, serial_eager):
     # compiled: one fused kernel reads each element and writes its gradient
     # over it; eager: row chunks of bounded scratch. Goal: <= 0.05 B.
