@@ -74,7 +74,6 @@ weight row poisons every token's row.
 
 from __future__ import annotations
 
-import contextlib
 from typing import TYPE_CHECKING, Optional
 
 import array_api_compat.torch as xp
@@ -105,20 +104,6 @@ def _ycol(local, owns, valid):
     # [T] int64 for the Triton kernels: the target's column where this shard owns it, -1 for a
     # valid row whose target lies elsewhere, -2 for an ignored row
     return torch.where(owns, local, torch.where(valid, -1, -2))
-
-
-@contextlib.contextmanager
-def _matmul_precision(x: torch.Tensor, allow_tf32: bool):
-    """float32 matmuls on CUDA in IEEE float32 (``allow_tf32=False``) or TF32, whatever torch's global flag."""
-    if x.device.type != "cuda" or x.dtype != torch.float32:
-        yield
-        return
-    prev = torch.backends.cuda.matmul.allow_tf32
-    torch.backends.cuda.matmul.allow_tf32 = allow_tf32
-    try:
-        yield
-    finally:
-        torch.backends.cuda.matmul.allow_tf32 = prev
 
 
 def _up(x: torch.Tensor, cdt: torch.dtype) -> torch.Tensor:
@@ -341,7 +326,7 @@ class LinearLogProbEntropyFunction(torch.autograd.Function):
         elif fused:
             stats = linear_triton.stats(h2, weight, _ycol(local, owns, valid), keep, tau, opt.temperature, allow_tf32)
         else:
-            with _matmul_precision(h2, allow_tf32):
+            with linear_triton.matmul_precision(h2, allow_tf32):
                 stats = _stats(h2, weight, local, owns, keep, tau, tiles, eng.compiled)
         all_stats = collectives.gather_stats(stats, group) if group is not None else stats[None]
         # (the fused Triton kernels: the O(T) merge runs as impl=None would run it)
@@ -387,7 +372,7 @@ class LinearLogProbEntropyFunction(torch.autograd.Function):
                 need_dh, need_dw, ctx.allow_tf32, tuning.current().split_gradient, ctx.budget,
             )
         else:
-            with _matmul_precision(h2, ctx.allow_tf32):
+            with linear_triton.matmul_precision(h2, ctx.allow_tf32):
                 dh, dw = _grads(
                     h2, weight, local, owns, keep, res, valid, gl, ge, tau, ctx.tiles, need_dh, need_dw, eng.compiled,
                 )

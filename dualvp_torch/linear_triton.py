@@ -31,7 +31,7 @@ from dualvp import spec
 
 from . import triton_kernels, tuning
 
-__all__ = ["blocks", "grads", "group_rows", "stats", "unavailable", "DH_GROUP_BYTES"]
+__all__ = ["blocks", "grads", "group_rows", "matmul_precision", "stats", "unavailable", "DH_GROUP_BYTES"]
 
 
 
@@ -126,7 +126,7 @@ def _mm_f32_into(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor, first: boo
     """``acc (+)= a @ b`` with float32 accumulation into the float32 ``acc`` (cuBLAS on CUDA).
 
     16-bit operands: tensor cores with a float32 output (``out_dtype``);
-    float32 operands: IEEE float32 or TF32 as :func:`_tf32` sets it.
+    float32 operands: IEEE float32 or TF32 as :func:`matmul_precision` sets it.
     """
     if a.device.type == "cuda":
         f32 = a.dtype == torch.float32
@@ -141,8 +141,9 @@ def _mm_f32_into(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor, first: boo
 
 
 @contextlib.contextmanager
-def _tf32(x: torch.Tensor, allow_tf32: bool):
-    """cuBLAS float32 products in IEEE float32 (``allow_tf32=False``) or TF32, whatever torch's global flag."""
+def matmul_precision(x: torch.Tensor, allow_tf32: bool):
+    """cuBLAS float32 products on CUDA in IEEE float32 (``allow_tf32=False``) or TF32, whatever torch's global
+    flag (the fused op's tile loop and its Triton backward's products alike)."""
     if x.device.type != "cuda" or x.dtype != torch.float32:
         yield
         return
@@ -224,7 +225,7 @@ def grads(h2, weight, ycol, keep, comb, gl, ge, temperature: float, need_dh: boo
         )
         if gemm:
             parts = [g_hi[:, : j1 - j0]] + ([g_lo[:, : j1 - j0]] if split else [])
-            with _tf32(h2, allow_tf32):
+            with matmul_precision(h2, allow_tf32):
                 if need_dh:
                     for part in parts:
                         _mm_f32_into(dh, part, wj, first=False)

@@ -30,6 +30,7 @@ from dualvp.testing.kl import KLCase, kl_errors, make_kl, run_spec
 from dualvp.testing.metrics import max_errors, pair_tolerance, within_tolerance
 
 from ._proc import child_env, start_python
+from .verify import finish_jax
 
 __all__ = ["run_kl"]
 
@@ -102,19 +103,6 @@ def _start_jax(problem, world: int, tmp: str):
                         stderr=subprocess.PIPE), dst
 
 
-def _finish_jax(started, timeout: float):
-    proc, dst = started
-    try:
-        _, err = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        raise RuntimeError(f"JAX backend did not finish within {timeout:.0f} s") from None
-    if proc.returncode:
-        raise RuntimeError(f"JAX backend failed:\n{err[-4000:]}")
-    with open(dst, "rb") as f:
-        return pickle.load(f)
-
-
 def run_kl(args) -> int:
     """``dualvp verify --op kl``; returns the exit status."""
     world = args.tp or 2
@@ -136,7 +124,7 @@ def run_kl(args) -> int:
         for b in backends:
             try:
                 results[b] = _run_torch(problem, world, args.timeout) if b == "torch" else \
-                    _finish_jax(jax_started, args.timeout)
+                    finish_jax(jax_started, args.timeout)
             except Exception as exc:  # report, and fail the run, instead of a traceback
                 print(f"dualvp verify: {b} backend failed: {exc}", file=sys.stderr)
                 results[b] = None
