@@ -64,11 +64,17 @@ def test_views_and_coincident_sizes_do_not_recompile(monkeypatch, masked):
     for x in offset0:
         step(x)
     assert count() - before == 2, f"{count() - before} graphs for the 2 stages (statistics, gradient)"
-    step(torch.randn(1, V, generator=g))  # one row runs eager: no size-1 specialisation
-    assert count() - before == 2, f"{count() - before - 2} graphs for a one-row call"
+    # One row runs the stages' dynamic-T graphs as two rows (the row twice: compiled._run_one_row, for batch
+    # invariance): at most one graph more, once (a two-row input may meet dynamo's 0/1 rule on a stride),
+    # never one per one-row call.
+    step(torch.randn(1, V, generator=g))
+    one_row = count() - before - 2
+    assert one_row <= 1, f"{one_row} graphs for a one-row call"
+    step(torch.randn(1, V, generator=g))
+    assert count() - before - 2 == one_row, "a second one-row call compiled again"
     for x in offset_rows + offset0 + offset_rows:
         step(x)
-    assert count() - before <= 4, f"{count() - before} graphs for the 2 stages"
+    assert count() - before <= 4 + one_row, f"{count() - before} graphs for the 2 stages"
 
 
 def test_static_vocab_compiles_once_per_width_with_dynamic_rows(monkeypatch):
