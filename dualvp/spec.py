@@ -75,6 +75,8 @@ __all__ = [
     "STATS", "N_STATS", "KEPT_GAP", "Combined", "target_to_local", "block_stats", "block_sums",
     "stats_from_sums", "marked_rows", "redo_marked", "reduce_stats", "merge_stats", "finalize",
     "combine_stats", "outputs", "block_grad", "shard_stats", "grad_logits",
+    "kept_columns", "columns_in_block", "gather_columns", "kept_pair", "with_kept_pair", "block_grad_base",
+    "kept_grad", "add_at_columns",
 ]
 
 #: ``block_stats(kept_shift="max")`` shifts the kept sum by the overall max,
@@ -489,3 +491,155 @@ def shard_stats(xp, z, local, owns, keep=None, temperature=1.0, **kw):
 def grad_logits(xp, z, local, owns, keep, comb: Combined, valid, g_logprob, g_entropy, temperature=1.0, **kw):
     """:func:`block_grad` of a whole shard (the block ``start=0``)."""
     return block_grad(xp, z, local, owns, keep, comb, valid, g_logprob, g_entropy, temperature, **kw)
+
+
+# --- the kept set as token ids (keep_ids) -------------------------------------------
+#
+# ``keep_ids [..., K]``: the sampler's kept set as *global* token ids, padded
+# with -1, the alternative to a ``[..., V_r]`` keep mask with the same
+# semantics (the target is always kept, the entropy ignores the kept set).
+# Nothing of size ``[..., V_r]`` is built from the ids: each shard takes the
+# ids in its columns ``[r*V_r, (r+1)*V_r)``, gathers the logits there
+# (``[..., K+1]`` with the target) and forms the kept pair ``(mk, sk)`` from
+# them, in the form :func:`block_stats` gives it with ``kept_shift="kept"``;
+# the unmasked statistics ``(m, s, t, zy)`` are those of the block without a
+# mask. In the gradient, ``q`` is nonzero on the kept columns only, so the
+# gradient is the unmasked one without its ``q`` term (:func:`block_grad_base`)
+# plus ``-gL q_v / tau`` added at the ``K + 1`` kept columns
+# (:func:`kept_grad`, :func:`add_at_columns`): O(T K) beyond the dense pass.
+# Ids outside ``[0, V)`` (padding -1 or not) lie in no shard and are ignored;
+# an id repeated in a row counts once.
+
+
+def _concat(xp, arrays, axis=-1):
+    # The array API's concat; NumPy before 2.0 has only concatenate.
+    f = getattr(xp, "concat", None) or xp.concatenate
+    return f(arrays, axis=axis)
+
+
+def kept_columns(xp, keep_ids, target, shard_index, v_local: int, ignore_index: int):
+    """This shard's columns of each row's kept set: ``(cols, use)``, each ``[..., K+1]``.
+
+    The kept set of a row is its ids ``keep_ids [..., K]`` plus its target
+    (unless the row is ignored); this shard's part is the ids in ``[lo, lo +
+    v_local)``, ``lo = shard_index * v_local``, as columns within the shard.
+    The candidates are sorted so that a repeated column is used once
+    (``use`` is false on the repeats and on ids outside the shard; their
+    ``cols`` are 0, a valid column to gather from). O(K log K) per row.
+
+    Args:
+      keep_ids: ``[..., K]`` integer global ids (padding -1; any id outside
+        ``[0, W * v_local)`` lies in no shard and is ignored).
+      target: ``[...]`` integer global ids, ``ignore_index`` for ignored rows.
+      shard_index: ``r``, a Python int or a 0-d integer array.
+    """
+    lo = shard_index * v_local
+    y = xp.where(target != ignore_index, target, xp.full_like(target, -1))
+    cand = _concat(xp, [y[..., None], _astype(xp, keep_ids, target.dtype)], axis=-1)
+    inside = (cand >= lo) & (cand < lo + v_local)
+    # Outside the shard: v_local, which sorts after every column.
+    key = xp.sort(xp.where(inside, cand - lo, xp.full_like(cand, v_local)), axis=-1)
+    prev = _concat(xp, [xp.full_like(key[..., :1], -1), key[..., :-1]], axis=-1)
+    use = (key < v_local) & (key != prev)
+    return xp.where(use, key, xp.zeros_like(key)), use
+
+
+def columns_in_block(xp, cols, use, start, n: int):
+    """``(cols - start, use & in block)``: the kept columns of the block ``[start, start + n)`` of the shard.
+
+    ``start`` may be a traced scalar; the columns outside the block are 0 and unused.
+    """
+    inside = use & (cols >= start) & (cols < start + n)
+    return xp.where(inside, cols - start, xp.zeros_like(cols)), inside
+
+
+def gather_columns(xp, z, cols, use, prev=None, dtype=None):
+    """``[..., K+1]``: ``z`` at ``cols`` where ``use``, else ``prev`` (``None``: 0), in ``dtype``.
+
+    ``prev`` carries the values of the kept columns of earlier blocks (the
+    fused op gathers block by block).
+    """
+    zk = _cast(xp, xp.take_along_axis(z, cols, axis=-1), dtype)
+    return xp.where(use, zk, xp.zeros_like(zk) if prev is None else prev)
+
+
+def kept_pair(xp, zk, use, temperature=1.0):
+    """``(mk, sk)``, each ``[...]``: max and ``sum e^((z - mk) / tau)`` over the used columns of ``zk``.
+
+    The kept pair of :func:`block_stats` (``kept_shift="kept"``) for the kept
+    set given by ids: ``(-inf, 0)`` when no column is used.
+    """
+    tau = _tau(xp, temperature, zk.dtype)
+    mk = xp.max(xp.where(use, zk, -xp.inf), axis=-1)
+    ek = xp.exp(_over_tau(zk - _finite_or_zero(xp, mk)[..., None], tau))
+    return mk, xp.sum(xp.where(use, ek, 0.0), axis=-1)
+
+
+def with_kept_pair(xp, stats, mk, sk):
+    """``stats [..., N_STATS]`` (unmasked, from :func:`block_stats` with ``keep=None``) with ``(mk, sk)`` replaced."""
+    m, s, t, _, _, zy = (stats[..., i] for i in range(N_STATS))
+    return xp.stack([m, s, t, _astype(xp, mk, m.dtype), _astype(xp, sk, m.dtype), zy], axis=-1)
+
+
+def block_grad_base(xp, z, local, owns, comb: Combined, valid, g_logprob, g_entropy, temperature=1.0, *,
+                    start: int = 0, dtype=None, indicator: str = "compare"):
+    """:func:`block_grad` under a kept set given by ids, without the ``q`` term: ``[..., n]``.
+
+    ``(gL 1[v=y] + gH p_v (c - d_v)) / tau``; the term ``-gL q_v / tau``,
+    nonzero on the kept columns only, is :func:`kept_grad`, added at those
+    columns with :func:`add_at_columns`. ``comb`` holds the kept pair of the
+    ids. A valid row whose kept set has no mass (``log_sk = -inf``: log-prob
+    ``-inf``) or holds NaN is NaN on every column, as with a mask (and in the
+    oracle, 0 * -inf). Arguments as in :func:`block_grad`.
+    """
+    if indicator not in ("compare", "arith"):
+        raise ValueError(f"indicator: expected 'compare' or 'arith', got {indicator!r}")
+    z = _cast(xp, z, dtype)
+    tau = _tau(xp, temperature, z.dtype)
+    one_y = (_astype(xp, _target_columns(xp, z, local, owns, start), z.dtype) if indicator == "compare"
+             else _target_indicator(xp, z, local, owns, start))
+    gl = (xp.where(valid, g_logprob, xp.zeros_like(g_logprob)) / tau)[..., None]
+    # 0 * log_sk: 0 for a kept set of finite mass, NaN for none or NaN.
+    g = xp.where(valid[..., None], gl * (one_y + (0.0 * comb.log_sk)[..., None]), 0.0)
+    if g_entropy is not None:
+        d = _shifted(xp, z, comb.M, tau, products=True)
+        p = xp.exp(d - comb.log_s[..., None])
+        g = g + (g_entropy / tau)[..., None] * (p * (comb.c[..., None] - d))
+    return g
+
+
+def kept_grad(xp, zk, use, comb: Combined, valid, g_logprob, temperature=1.0):
+    """``[..., K+1]``: ``-gL q_v / tau`` at the kept columns ``zk`` (0 where not ``use`` or not ``valid``).
+
+    ``q_v = e^((z_v - Mk) / tau - log Sk)``, the kept distribution, as in
+    :func:`block_grad`; ``comb`` the combined statistics over all shards.
+    """
+    tau = _tau(xp, temperature, zk.dtype)
+    q = xp.exp(_over_tau(zk - _finite_or_zero(xp, comb.mk)[..., None], tau) - comb.log_sk[..., None])
+    gl = (xp.where(valid, g_logprob, xp.zeros_like(g_logprob)) / tau)[..., None]
+    return xp.where(use & valid[..., None], -gl * q, 0.0)
+
+
+def add_at_columns(xp, g, cols, vals):
+    """``g [..., n]`` with ``vals [..., K]`` added at ``cols [..., K]`` of each row (repeats add up).
+
+    The one scatter of the spec; the array API has none, so it is done per
+    array type: ``.at[].add`` (JAX, functional), ``scatter_add`` (torch),
+    ``np.add.at`` (NumPy, on a copy). Unused entries carry 0 at column 0.
+    """
+    mod = type(g).__module__
+    n = g.shape[-1]
+    if mod.startswith("jax"):
+        rows = xp.arange(math.prod(g.shape[:-1]))[:, None]
+        g2 = g.reshape(-1, n).at[rows, cols.reshape(rows.shape[0], -1)].add(_astype(xp, vals, g.dtype).reshape(
+            rows.shape[0], -1))
+        return g2.reshape(g.shape)
+    if mod.startswith("torch"):
+        return g.scatter_add(-1, _astype(xp, cols, xp.int64), _astype(xp, vals, g.dtype))
+    import numpy as np
+
+    g2 = np.array(g, copy=True).reshape(-1, n)
+    k = cols.shape[-1]
+    np.add.at(g2, (np.arange(g2.shape[0])[:, None], np.asarray(cols).reshape(-1, k)),
+              np.asarray(vals, g2.dtype).reshape(-1, k))
+    return g2.reshape(g.shape)
