@@ -39,7 +39,7 @@ def mask_from_ids(keep_ids, vocab_size: int) -> np.ndarray:
     ids = np.asarray(keep_ids)
     lead, k = ids.shape[:-1], ids.shape[-1]
     mask = np.zeros((int(np.prod(lead, dtype=np.int64)), int(vocab_size)), dtype=bool)
-    for i, row in enumerate(ids.reshape(-1, k)):
+    for i, row in enumerate(ids.reshape(mask.shape[0], k)):
         for v in row.tolist():
             if 0 <= v < vocab_size:
                 mask[i, v] = True

@@ -58,8 +58,8 @@ def over_shards(
         (instead of ``keep_mask``): each shard's unmasked statistics with the
         kept pair of :func:`dualvp.spec.kept_columns` /
         :func:`dualvp.spec.kept_pair`, and the gradient
-        :func:`dualvp.spec.block_grad_base` plus :func:`dualvp.spec.kept_grad`
-        added at the kept columns, block by block.
+        :func:`dualvp.spec.block_grad_base` with :func:`dualvp.spec.kept_grad`
+        written at the kept columns, block by block.
 
     Returns:
       ``(logprob, entropy, grad)`` with ``grad`` ``[..., V]`` or ``None``.
@@ -112,8 +112,9 @@ def over_shards(
         g = spec.block_grad_base(np, z, locs[r][2], locs[r][1], comb, valid, gl, ge, temperature, start=s0,
                                  indicator=indicator)
         c, u = spec.columns_in_block(np, *kept[r], s0, z.shape[-1])
-        return spec.add_at_columns(np, g, c, spec.kept_grad(np, spec.gather_columns(np, z, c, u), u, comb, valid, gl,
-                                                            temperature))
+        vals = spec.kept_grad(np, spec.gather_columns(np, z, c, u), kept[r][0], u, locs[r][2], locs[r][1], comb,
+                              valid, gl, ge, temperature)
+        return spec.set_at_columns(np, g, c, vals, u)
 
     with np.errstate(invalid="ignore", over="ignore", divide="ignore"):
         stats = np.stack([stats_of(r) for r in range(world_size)])

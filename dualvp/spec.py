@@ -76,7 +76,7 @@ __all__ = [
     "stats_from_sums", "marked_rows", "redo_marked", "reduce_stats", "merge_stats", "finalize",
     "combine_stats", "outputs", "block_grad", "shard_stats", "grad_logits",
     "kept_columns", "columns_in_block", "gather_columns", "kept_pair", "with_kept_pair", "block_grad_base",
-    "kept_grad", "add_at_columns",
+    "kept_grad", "set_at_columns",
 ]
 
 #: ``block_stats(kept_shift="max")`` shifts the kept sum by the overall max,
@@ -505,8 +505,9 @@ def grad_logits(xp, z, local, owns, keep, comb: Combined, valid, g_logprob, g_en
 # the unmasked statistics ``(m, s, t, zy)`` are those of the block without a
 # mask. In the gradient, ``q`` is nonzero on the kept columns only, so the
 # gradient is the unmasked one without its ``q`` term (:func:`block_grad_base`)
-# plus ``-gL q_v / tau`` added at the ``K + 1`` kept columns
-# (:func:`kept_grad`, :func:`add_at_columns`): O(T K) beyond the dense pass.
+# everywhere but at the ``K + 1`` kept columns, whose values (:func:`kept_grad`,
+# from the gathered logits) are written over it (:func:`set_at_columns`):
+# O(T K) beyond the dense pass.
 # Ids outside ``[0, V)`` (padding -1 or not) lie in no shard and are ignored;
 # an id repeated in a row counts once.
 
@@ -583,14 +584,16 @@ def with_kept_pair(xp, stats, mk, sk):
 
 def block_grad_base(xp, z, local, owns, comb: Combined, valid, g_logprob, g_entropy, temperature=1.0, *,
                     start: int = 0, dtype=None, indicator: str = "compare"):
-    """:func:`block_grad` under a kept set given by ids, without the ``q`` term: ``[..., n]``.
+    """:func:`block_grad` under a kept set given by ids, right on every column but the kept ones: ``[..., n]``.
 
-    ``(gL 1[v=y] + gH p_v (c - d_v)) / tau``; the term ``-gL q_v / tau``,
-    nonzero on the kept columns only, is :func:`kept_grad`, added at those
-    columns with :func:`add_at_columns`. ``comb`` holds the kept pair of the
-    ids. A valid row whose kept set has no mass (``log_sk = -inf``: log-prob
-    ``-inf``) or holds NaN is NaN on every column, as with a mask (and in the
-    oracle, 0 * -inf). Arguments as in :func:`block_grad`.
+    ``(gL 1[v=y] + gH p_v (c - d_v)) / tau``: the unmasked gradient without
+    its ``q`` term, which is nonzero on the kept columns only; their values
+    are :func:`kept_grad`, written over these with :func:`set_at_columns`
+    (after any cast to the output dtype: one rounding per element). ``comb``
+    holds the kept pair of the ids. A valid row whose kept set has no mass
+    (``log_sk = -inf``: log-prob ``-inf``) or holds NaN is NaN on every
+    column, as with a mask (and in the oracle, 0 * -inf). Arguments as in
+    :func:`block_grad`.
     """
     if indicator not in ("compare", "arith"):
         raise ValueError(f"indicator: expected 'compare' or 'arith', got {indicator!r}")
@@ -608,38 +611,67 @@ def block_grad_base(xp, z, local, owns, comb: Combined, valid, g_logprob, g_entr
     return g
 
 
-def kept_grad(xp, zk, use, comb: Combined, valid, g_logprob, temperature=1.0):
-    """``[..., K+1]``: ``-gL q_v / tau`` at the kept columns ``zk`` (0 where not ``use`` or not ``valid``).
+def kept_grad(xp, zk, cols, use, local, owns, comb: Combined, valid, g_logprob, g_entropy, temperature=1.0):
+    """``[..., K+1]``: the gradient (:func:`block_grad`'s value) at the kept columns, 0 where not ``use``.
 
-    ``q_v = e^((z_v - Mk) / tau - log Sk)``, the kept distribution, as in
-    :func:`block_grad`; ``comb`` the combined statistics over all shards.
+    ``zk``: the logits at the shard columns ``cols`` (:func:`gather_columns`,
+    in the compute dtype); ``local``, ``owns``: the target's column as from
+    :func:`target_to_local`; ``comb`` the combined statistics over all
+    shards. Every used column is kept, so ``q_v = e^((z_v - Mk) / tau - log
+    Sk)`` there: ``(gL (1[v=y] - q_v) + gH p_v (c - d_v)) / tau``.
     """
     tau = _tau(xp, temperature, zk.dtype)
     q = xp.exp(_over_tau(zk - _finite_or_zero(xp, comb.mk)[..., None], tau) - comb.log_sk[..., None])
+    one_y = _astype(xp, use & owns[..., None] & (cols == local[..., None]), zk.dtype)
     gl = (xp.where(valid, g_logprob, xp.zeros_like(g_logprob)) / tau)[..., None]
-    return xp.where(use & valid[..., None], -gl * q, 0.0)
+    g = xp.where(valid[..., None], gl * (one_y - q), 0.0)
+    if g_entropy is not None:
+        d = _shifted(xp, zk, comb.M, tau, products=True)
+        p = xp.exp(d - comb.log_s[..., None])
+        g = g + (g_entropy / tau)[..., None] * (p * (comb.c[..., None] - d))
+    return xp.where(use, g, 0.0)
 
 
-def add_at_columns(xp, g, cols, vals):
-    """``g [..., n]`` with ``vals [..., K]`` added at ``cols [..., K]`` of each row (repeats add up).
+def set_at_columns(xp, g, cols, vals, use):
+    """``g [..., n]`` with ``vals [..., K]`` written at ``cols [..., K]`` where ``use`` (used columns are distinct).
 
     The one scatter of the spec; the array API has none, so it is done per
-    array type: ``.at[].add`` (JAX, functional), ``scatter_add`` (torch),
-    ``np.add.at`` (NumPy, on a copy). Unused entries carry 0 at column 0.
+    array type: ``.at[].set(mode="drop")`` (JAX, functional; the unused
+    entries point past the row; 16-bit floats as their uint16 bits), ``scatter`` (torch; each unused entry
+    repeats its row's first used entry, or rewrites column 0 with its own
+    value, so every write to a column writes one value), boolean indexing
+    (NumPy, on a copy). ``vals`` is cast to ``g``'s dtype.
     """
     mod = type(g).__module__
     n = g.shape[-1]
     if mod.startswith("jax"):
+        from jax import lax
+
         rows = xp.arange(math.prod(g.shape[:-1]))[:, None]
-        g2 = g.reshape(-1, n).at[rows, cols.reshape(rows.shape[0], -1)].add(_astype(xp, vals, g.dtype).reshape(
-            rows.shape[0], -1))
+        c = xp.where(use, cols, n).reshape(rows.shape[0], -1)
+        v = _astype(xp, vals, g.dtype).reshape(c.shape)
+        if xp.finfo(g.dtype).bits == 16:
+            # A set moves bits: done on uint16, because XLA:CPU scatters 16-bit
+            # floats through a float32 copy of the whole operand.
+            u16 = lax.bitcast_convert_type(g.reshape(-1, n), xp.uint16)
+            g2 = lax.bitcast_convert_type(u16.at[rows, c].set(lax.bitcast_convert_type(v, xp.uint16), mode="drop"),
+                                          g.dtype)
+        else:
+            g2 = g.reshape(-1, n).at[rows, c].set(v, mode="drop")
         return g2.reshape(g.shape)
     if mod.startswith("torch"):
-        return g.scatter_add(-1, _astype(xp, cols, xp.int64), _astype(xp, vals, g.dtype))
+        import torch
+
+        cols, vals = cols.to(torch.int64), vals.to(g.dtype)
+        # The row's first used entry (0 when none), and its column and value.
+        first = torch.argmax(use.to(torch.int8), dim=-1, keepdim=True)
+        c0 = torch.where(use.any(-1, keepdim=True), cols.gather(-1, first), torch.zeros_like(first))
+        v0 = torch.where(use.any(-1, keepdim=True), vals.gather(-1, first), g.gather(-1, c0))
+        return g.scatter(-1, torch.where(use, cols, c0), torch.where(use, vals, v0))
     import numpy as np
 
-    g2 = np.array(g, copy=True).reshape(-1, n)
-    k = cols.shape[-1]
-    np.add.at(g2, (np.arange(g2.shape[0])[:, None], np.asarray(cols).reshape(-1, k)),
-              np.asarray(vals, g2.dtype).reshape(-1, k))
-    return g2.reshape(g.shape)
+    g2 = np.array(g, copy=True)
+    u = np.asarray(use)
+    lead = np.nonzero(u)
+    g2[lead[:-1] + (np.asarray(cols)[u],)] = np.asarray(vals, g2.dtype)[u]
+    return g2

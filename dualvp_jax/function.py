@@ -340,16 +340,19 @@ def _op_bwd(axis_name, opt: Options, tuning: Tuning, res, cotangents):
     g_logprob = jnp.asarray(g_logprob, cdt)
     g_entropy = jnp.asarray(g_entropy, cdt) if opt.need_entropy_grad else None
     if opt.has_ids:
-        # The unmasked gradient without its q term, then -gL q / tau added at
-        # the kept columns (an O(T K) scatter into the gradient).
+        # The unmasked gradient without its q term, cast to the logits' dtype
+        # (fused into the dense pass), then the kept columns' values, from the
+        # K + 1 gathered logits, written over it (an O(T K) scatter in place).
         g = spec.block_grad_base(jnp, logits, local, owns, comb, valid, g_logprob, g_entropy, opt.temperature,
                                  dtype=cdt, indicator=INDICATOR)
         cols, use = _kept_columns(keep, target, axis_name, opt, logits.shape[-1])
         zk = spec.gather_columns(jnp, logits, cols, use, dtype=cdt)
-        g = spec.add_at_columns(jnp, g, cols, spec.kept_grad(jnp, zk, use, comb, valid, g_logprob, opt.temperature))
-    else:
-        g = spec.block_grad(jnp, logits, local, owns, keep, comb, valid, g_logprob, g_entropy, opt.temperature,
-                            dtype=cdt, indicator=INDICATOR)
+        vals = spec.kept_grad(jnp, zk, cols, use, local, owns, comb, valid, g_logprob, g_entropy, opt.temperature)
+        g = jnp.where(bad[..., None], jnp.full_like(g, jnp.nan), g).astype(logits.dtype)
+        vals = jnp.where(bad[..., None], jnp.full_like(vals, jnp.nan), vals)
+        return spec.set_at_columns(jnp, g, cols, vals, use), None, None
+    g = spec.block_grad(jnp, logits, local, owns, keep, comb, valid, g_logprob, g_entropy, opt.temperature,
+                        dtype=cdt, indicator=INDICATOR)
     g = jnp.where(bad[..., None], jnp.full_like(g, jnp.nan), g)
     return g.astype(logits.dtype), None, None
 
