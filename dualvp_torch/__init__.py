@@ -15,7 +15,7 @@ without the ``[T, V_local]`` logits ever existing.
 W gloo ranks.
 """
 
-from . import compat, library  # noqa: F401 - library: the op as custom ops for callers' fullgraph torch.compile
+from . import compat  # noqa: F401
 from .function import logprob_entropy
 from .linear import linear_logprob_entropy
 from .kl import kl_divergence

@@ -192,8 +192,8 @@ def gather_checked(
 ) -> None:
     """The agreement step: one all-gather of record + fingerprints, one host sync, then the checks.
 
-    Replaces ``collectives.gather_records`` followed by
-    ``validation.check_agreement`` (same arguments): the record is extended
+    The record (with ``bad_targets``, the 0-d device count of out-of-range
+    targets, written into its last field on the device) is extended
     by :func:`fingerprint` of ``target`` (and, ``fused=True``, ``hidden``) in
     the same int64 tensor, so the collective count and the single ``.tolist()``
     are unchanged. Raises on every rank alike: the record's errors first

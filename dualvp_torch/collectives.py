@@ -10,10 +10,10 @@ compiled kernels:
   in the forward, and the backward has none. It is issued for every call with
   a group, whatever ``with_entropy``, ``entropy_grad``, ``keep_mask`` or
   ``temperature`` are.
-* :func:`gather_records`: the agreement step of ``validate=True``: one int64
-  record of :data:`dualvp.validation.RECORD_FIELDS` per rank, gathered into
-  ``[W, len(RECORD_FIELDS)]`` and copied to the host with one ``.tolist()``:
-  the only host-device synchronisation of the op.
+* the agreement step of ``validate=True`` (:func:`dualvp_torch.agreement.gather_checked`,
+  through :func:`all_gather_rows`): one int64 record of the options, shapes and
+  input fingerprints per rank, copied to the host with one ``.tolist()``: the only
+  host-device synchronisation of the op.
 
 On NCCL (and other backends that support it) ``all_gather_into_tensor`` is
 used; on gloo, which does not implement it for every build, the list form of
@@ -22,12 +22,12 @@ used; on gloo, which does not implement it for every build, the list form of
 
 from __future__ import annotations
 
-from typing import Optional, Sequence
+from typing import Optional
 
 import torch
 import torch.distributed as dist
 
-__all__ = ["is_process_group", "group_rank_world", "all_gather_rows", "gather_stats", "gather_records", "comm_device"]
+__all__ = ["is_process_group", "group_rank_world", "all_gather_rows", "gather_stats", "comm_device"]
 
 
 def is_process_group(group) -> bool:
@@ -75,22 +75,6 @@ def all_gather_rows(x: torch.Tensor, group) -> torch.Tensor:
 def gather_stats(stats: torch.Tensor, group) -> torch.Tensor:
     """``[T, 6]`` shard statistics of every rank -> ``[W, T, 6]``."""
     return all_gather_rows(stats, group)
-
-
-def gather_records(
-    record: Sequence[int], bad_targets: Optional[torch.Tensor], group, device: torch.device
-) -> list[list[int]]:
-    """All-gather the agreement records; returns them on the host, rank order.
-
-    ``bad_targets`` (a 0-d int64 device tensor, or ``None`` when this rank
-    failed validation) is written into the record's last field on the device,
-    so the range check of the targets needs no synchronisation of its own: the
-    single ``.tolist()`` here is the validation step's only host sync.
-    """
-    rec = torch.tensor(list(record), dtype=torch.int64).to(device, non_blocking=True)
-    if bad_targets is not None:
-        rec[-1:].copy_(bad_targets.reshape(1).to(device=device, dtype=torch.int64))
-    return all_gather_rows(rec, group).tolist()
 
 
 # --- collectives of the fused LM-head op (dualvp_torch/linear.py) -----------------------

@@ -10,6 +10,9 @@ temperature never recompiles. If compiling fails (the exception types in
 :func:`failed` is ``True`` for the rest of the process. A runtime error of a
 compiled kernel (an out-of-memory error included, even one raised while
 compiling) propagates.
+
+:func:`one_graph_break` is how an op meets a caller's ``torch.compile``
+when it is not a custom op of :mod:`dualvp_torch.library`: one graph break.
 """
 
 from __future__ import annotations
@@ -25,7 +28,7 @@ import torch
 
 from . import stages, tuning
 
-__all__ = ["COMPILE_ERRORS", "failed", "run"]  # noqa: F822 - COMPILE_ERRORS: module __getattr__
+__all__ = ["COMPILE_ERRORS", "failed", "run", "one_graph_break"]  # noqa: F822 - COMPILE_ERRORS: module __getattr__
 
 # The compile cache and the fallback flag (tests reset it with a fresh dict).
 _state: dict = {"failed": False}
@@ -176,3 +179,23 @@ def run(fn: Callable, args: tuple, has_entropy: bool, has_keep: Optional[bool] =
                 stacklevel=4,
             )
         return None, False
+
+
+def one_graph_break(fn: Callable) -> Callable:
+    """``fn``, run as one graph break when a caller's ``torch.compile`` traces it.
+
+    Under dynamo the call goes through ``torch.compiler.disable(fn)``: the op
+    runs as it runs eagerly (its own compiled kernels included, bit for bit).
+    Traced into, an op would split the caller into many graphs around its
+    validation and thread pool. The disabled wrapper is made at trace time,
+    not here: ``torch.compiler.disable`` imports ``torch._dynamo`` (a second),
+    which an eager-only process never pays.
+    """
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        if torch.compiler.is_compiling():
+            return torch.compiler.disable(fn)(*args, **kwargs)
+        return fn(*args, **kwargs)
+
+    return wrapper

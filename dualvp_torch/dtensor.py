@@ -191,10 +191,12 @@ def _contiguous_stride(shape: tuple) -> tuple:
     return tuple(reversed(stride))
 
 
-def logprob_entropy(logits, target, *, group=None, keep_mask=None, inplace_grad=False, **options):
+def logprob_entropy(local_op, logits, target, *, group=None, keep_mask=None, inplace_grad=False, **options):
     """:func:`dualvp_torch.logprob_entropy` for DTensor logits (see the module docstring for the rules).
 
     Args:
+      local_op: the op on local tensors (``dualvp_torch.logprob_entropy``),
+        called once with this rank's shard and the vocab mesh dim's group.
       logits: DTensor ``[..., V]``, vocabulary ``Shard(-1)`` over at most one
         mesh dim (``V`` divisible by its size), other placements ``Shard`` of a
         leading dim or ``Replicate``.
@@ -216,8 +218,6 @@ def logprob_entropy(logits, target, *, group=None, keep_mask=None, inplace_grad=
       like the logits' rows elsewhere. Gradients reach ``logits`` as a DTensor
       with the logits' placements.
     """
-    from .function import logprob_entropy as local_op
-
     if not is_dtensor(logits):
         which = "target" if is_dtensor(target) else "keep_mask"
         raise TypeError(

@@ -36,6 +36,8 @@ __all__ = [
     "GRAD_FRACTION",
     "INPLACE_FRACTION",
     "MIN_CHUNK_ELEMENTS",
+    "SMALL_SHARD_ELEMENTS",
+    "SMALL_CHUNK_ELEMENTS",
     "chunk_rows",
     "stats",
     "grad",
@@ -58,6 +60,15 @@ INPLACE_FRACTION = 0.04
 GRAD_FRACTION = 0.09
 #: ... but a chunk has at least this many elements (or all rows).
 MIN_CHUNK_ELEMENTS = 1 << 12
+#: A shard of at most this many elements runs in the calling thread in
+#: chunks of :data:`SMALL_CHUNK_ELEMENTS`, whatever the fractions above: its
+#: scratch is cache-sized (at most 5.5 MiB), and at such sizes the per-chunk
+#: cost (a thread hand-off, some 25 small ops) of 2-row chunks dominated the
+#: call (docs/decisions.md, "Small shards in the calling thread").
+SMALL_SHARD_ELEMENTS = 1 << 17
+#: ... chunks whose temporaries (256 KiB in float32) glibc recycles
+#: without faulting their pages in again, where a whole-shard chunk's did.
+SMALL_CHUNK_ELEMENTS = 1 << 16
 
 
 def chunk_rows(
@@ -70,9 +81,13 @@ def chunk_rows(
     * itemsize`` (the temporaries of the chunks in flight are that fraction
     of the shard's bytes) and, when ``cap_bytes`` is given (on CPU:
     ``Tuning.cpu_chunk_scratch_bytes``), ``scratch_bytes * rows * v_local <=
-    cap_bytes``; but at least :data:`MIN_CHUNK_ELEMENTS` elements per chunk.
+    cap_bytes``; but at least :data:`MIN_CHUNK_ELEMENTS` elements per chunk;
+    for a shard of at most :data:`SMALL_SHARD_ELEMENTS` elements,
+    :data:`SMALL_CHUNK_ELEMENTS` per chunk instead.
     """
     v = max(1, v_local)
+    if n_rows * v <= SMALL_SHARD_ELEMENTS:
+        return max(1, min(n_rows, SMALL_CHUNK_ELEMENTS // v))
     budget = int(fraction * n_rows * itemsize / (scratch_bytes * max(1, workers)))
     if cap_bytes is not None:
         budget = min(budget, cap_bytes // (scratch_bytes * v))
@@ -105,8 +120,8 @@ def _set_threads(n: int, barrier: Optional[threading.Barrier] = None) -> None:
 
 
 def _workers(z: torch.Tensor, n_chunks_max: int, setting: tuning.Tuning) -> int:
-    if z.device.type != "cpu":
-        return 1  # kernel launches are asynchronous; one host thread suffices
+    if z.device.type != "cpu" or z.numel() <= SMALL_SHARD_ELEMENTS:
+        return 1  # kernel launches are asynchronous; one host thread suffices (a small shard: see above)
     return max(1, min(torch.get_num_threads(), setting.max_eager_workers, n_chunks_max))
 
 

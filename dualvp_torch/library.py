@@ -1,33 +1,37 @@
-"""The op as two ``torch.library`` custom ops, for callers that ``torch.compile`` with ``fullgraph=True``.
+"""The logits op as a ``torch.library`` custom-op pair: the one primitive of every engine.
 
-Eagerly :func:`dualvp_torch.logprob_entropy` is a ``torch.autograd.Function``,
-and inside a caller's ``torch.compile`` it is one graph break
-(``torch.compiler.disable``), which ``fullgraph=True`` refuses. While dynamo
-traces, an eligible call (plain tensors, options of their documented Python
-types, no ``inplace_grad``) instead becomes one node of the caller's graph::
+::
 
-    dualvp::logprob_entropy_fwd(logits, target, keep_mask, group_name, options...)
-        -> logprob, entropy, and the O(T) residuals (local, owns, valid, M, log_s, c, mk, log_sk)
-    dualvp::logprob_entropy_bwd(logits, keep_mask, residuals..., grad_logprob, grad_entropy, options...)
+    dualvp::logprob_entropy_fwd(logits, target, keep_mask, group_name, options..., impl)
+        -> logprob, entropy, res [5, T] (the row statistics M, log S, c, Mk, log Sk)
+    dualvp::logprob_entropy_bwd(logits, target, keep_mask, res, grad_logprob, grad_entropy, ...)
         -> the gradient of the logits
+    dualvp::logprob_entropy_bwd_(...)   the same written into the logits (inplace_grad=True)
 
-with the backward registered through ``register_autograd``. Each runs the
-eager op's own code: ``function._validated`` (the checks and, with a group,
-the agreement step), ``function._forward`` and ``function._grad``. Values,
-gradients, errors and collectives are those of an eager call, and the
-compiler sees the ops as opaque. The group goes by name (a custom op takes
-no ``ProcessGroup``) and is resolved in the op; the residuals are O(T)
-copies (the outputs of a custom op may not alias one another). Anything
-else (DTensor, ``inplace_grad=True``, arguments of other types, which the
-eager checks then reject with their usual errors) keeps the graph break.
+with the backward registered through ``register_autograd``. An eager call
+(:func:`dualvp_torch.logprob_entropy`), a caller's ``torch.compile(fullgraph=True)``
+(the ops are opaque nodes of its graph) and a CUDA-graph capture
+(``mode="reduce-overhead"``; with ``validate=False`` neither op synchronises
+or allocates by data on the Triton engine) all run this one object. Each op
+body takes the checked call from :func:`dualvp_torch.checks.logits_call`
+(cached per call metadata), then the engine's steps
+(:data:`dualvp_torch.engines.ENGINES`)::
 
-On the Triton path (``impl="triton"``, or ``None`` on the device types of
-``tuning.Tuning.triton_default_devices``) the call becomes ``dualvp::logprob_entropy_triton_fwd``
-(-> logprob, entropy, the merge kernel's residuals ``[5, T]``) and its
-backward ``dualvp::logprob_entropy_triton_bwd`` (one launch) instead: the
-same cached checks and kernels as the eager call; with ``validate=False``
-no synchronisation and no data-dependent allocation, so a caller's CUDA
-graph (``mode="reduce-overhead"``) can capture them.
+    stats   [T, V_local] -> [T, 6] (+ the out-of-range count)      engine
+    agree   validate=True: the agreement record / the count         checks.agree (1 host sync)
+    gather  [T, 6] -> [W, T, 6]                                     collectives (1 all-gather)
+    merge   [W, T, 6] -> logprob, entropy, res [5, T]               engine (identical on every rank)
+    grad    [T, V_local] -> gradient (backward; no collective)      engine
+
+The group goes by name (a custom op takes no ``ProcessGroup``) and is
+resolved in the op.
+
+Memory (``B`` = bytes of the logits shard): the forward allocates only O(T)
+tensors (plus bounded row-chunk scratch on the eager engine); autograd saves
+the logits by reference, the target, the keep mask (by reference) and the
+O(T) statistics; the backward allocates the gradient (input dtype) and O(T)
+(or chunk) scratch. With ``inplace_grad=True`` the gradient is written into
+the saved logits' storage instead.
 """
 
 from __future__ import annotations
@@ -38,160 +42,161 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from dualvp import validation
+from . import checks, collectives, engines
+from .stages import compute_dtype
 
-from . import collectives, kernels
-from . import function as _function
-
-__all__ = ["eligible", "logprob_entropy"]
+__all__ = ["eligible", "logprob_entropy", "in_graph", "forward", "grad"]
 
 
 def _group(name: str):
-    if not name:
-        return None
     return torch.distributed.distributed_c10d._resolve_process_group(name)
+
+
+def forward(logits: Tensor, target: Tensor, keep_mask: Optional[Tensor], call: checks.Call,
+            group) -> tuple[Tensor, Tensor, Tensor]:
+    """``(logprob, entropy, res [5, T])`` of a checked call: the engine's stats, the agreement, gather, merge.
+
+    The outputs come in the target's shape; every rank enters the same
+    collectives (with ``validate=True`` and a group the agreement all-gather,
+    then the statistics' all-gather).
+    """
+    eng = engines.ENGINES[call.engine]
+    v = call.v_local
+    z = logits.reshape(-1, v)
+    y = target.reshape(-1)
+    keep = None if keep_mask is None else keep_mask.reshape(-1, v)
+    stats, bad, rows = eng.stats(z, y, keep, call)
+    if call.validate:
+        if bad is None:
+            bad = checks.count_bad_targets(y, call.opt.ignore_index, call.vocab)
+        checks.agree(call, bad, group, z, y)
+    all_stats = stats[None] if group is None else collectives.gather_stats(stats, group)
+    logprob, entropy, res = eng.merge(all_stats, y, rows, call)
+    return logprob.view(target.shape), entropy.view(target.shape), res
+
+
+def grad(logits: Tensor, target: Tensor, keep_mask: Optional[Tensor], res: Tensor, grad_logprob: Tensor,
+         grad_entropy: Optional[Tensor], call: checks.Call, inplace: bool = False) -> Tensor:
+    """The gradient w.r.t. the logits (their shape) from :func:`forward`'s ``res``; no collective.
+
+    ``grad_entropy`` is read only when ``call.opt.need_entropy_grad``;
+    ``inplace=True`` writes it into the logits' storage and returns them.
+    """
+    eng = engines.ENGINES[call.engine]
+    v = call.v_local
+    z = logits.reshape(-1, v)
+    keep = None if keep_mask is None else keep_mask.reshape(-1, v)
+    ge = grad_entropy.reshape(-1) if call.opt.need_entropy_grad else None
+    g = eng.grad(z, target.reshape(-1), keep, res, grad_logprob.reshape(-1), ge, call, out=z if inplace else None)
+    return g.view(logits.shape)
 
 
 @torch.library.custom_op("dualvp::logprob_entropy_fwd", mutates_args=())
 def _fwd(
     logits: Tensor, target: Tensor, keep_mask: Optional[Tensor], group_name: str, temperature: float,
-    with_entropy: bool, entropy_grad: bool, ignore_index: int, validate: bool, impl: str,
-) -> list[Tensor]:
-    group = _group(group_name)
-    opt = _function._validated(
-        logits, target, group=group, keep_mask=keep_mask, temperature=temperature, with_entropy=with_entropy,
-        entropy_grad=entropy_grad, ignore_index=ignore_index, validate=validate, inplace_grad=False,
-        impl=impl or None,
+    with_entropy: bool, entropy_grad: bool, ignore_index: int, validate: bool, inplace_grad: bool, impl: str,
+    label_smoothing: float,
+) -> tuple[Tensor, Tensor, Tensor]:
+    group = _group(group_name) if group_name else None
+    call = checks.logits_call(
+        logits, target, keep_mask, group=group, temperature=temperature, with_entropy=with_entropy,
+        entropy_grad=entropy_grad, ignore_index=ignore_index, validate=validate, inplace_grad=inplace_grad,
+        impl=impl or None, label_smoothing=label_smoothing,
     )
-    logprob, entropy, local, owns, valid, comb = _function._forward(logits, target, keep_mask, opt, group, impl or None)
-    # O(T) each; cloned because the statistics are views of one tensor
-    return [t.clone() for t in (logprob, entropy, local, owns, valid, *comb[:5])]
+    return forward(logits, target, keep_mask, call, group)
 
 
 @_fwd.register_fake
 def _fwd_fake(logits, target, keep_mask, group_name, temperature, with_entropy, entropy_grad, ignore_index,
-              validate, impl):
-    cdt = kernels.compute_dtype(logits.dtype)
-    rows = (target.numel(),)
-    return [logits.new_empty(target.shape, dtype=cdt), logits.new_empty(target.shape, dtype=cdt),
-            logits.new_empty(rows, dtype=torch.int64), logits.new_empty(rows, dtype=torch.bool),
-            logits.new_empty(rows, dtype=torch.bool)] + [logits.new_empty(rows, dtype=cdt) for _ in range(5)]
+              validate, inplace_grad, impl, label_smoothing):
+    cdt = compute_dtype(logits.dtype)
+    return (logits.new_empty(target.shape, dtype=cdt), logits.new_empty(target.shape, dtype=cdt),
+            logits.new_empty((5, target.numel()), dtype=cdt))
+
+
+def _bwd_call(logits, target, keep_mask, group_name, temperature, with_entropy, entropy_grad, ignore_index, impl):
+    # the forward's call again (its options and engine), from the cache: no agreement, no sync
+    return checks.logits_call(
+        logits, target, keep_mask, group=_group(group_name) if group_name else None, temperature=temperature,
+        with_entropy=with_entropy, entropy_grad=entropy_grad, ignore_index=ignore_index, validate=False,
+        impl=impl or None,
+    )
 
 
 @torch.library.custom_op("dualvp::logprob_entropy_bwd", mutates_args=())
 def _bwd(
-    logits: Tensor, keep_mask: Optional[Tensor], local: Tensor, owns: Tensor, valid: Tensor, M: Tensor,
-    log_s: Tensor, c: Tensor, mk: Tensor, log_sk: Tensor, grad_logprob: Tensor, grad_entropy: Tensor,
-    temperature: float, with_entropy: bool, entropy_grad: bool, impl: str,
+    logits: Tensor, target: Tensor, keep_mask: Optional[Tensor], res: Tensor, grad_logprob: Tensor,
+    grad_entropy: Tensor, group_name: str, temperature: float, with_entropy: bool, entropy_grad: bool,
+    ignore_index: int, impl: str,
 ) -> Tensor:
-    opt = validation.Options(temperature=temperature, with_entropy=with_entropy, entropy_grad=entropy_grad)
-    return _function._grad(logits, keep_mask, local, owns, valid, M, log_s, c, mk, log_sk, grad_logprob,
-                           grad_entropy, opt, impl or None)
+    return grad(logits, target, keep_mask, res, grad_logprob, grad_entropy,
+                _bwd_call(logits, target, keep_mask, group_name, temperature, with_entropy, entropy_grad,
+                          ignore_index, impl))
 
 
 @_bwd.register_fake
 def _bwd_fake(logits, *rest):
-    return torch.empty_like(logits)
+    return torch.empty_like(logits, memory_format=torch.contiguous_format)
+
+
+@torch.library.custom_op("dualvp::logprob_entropy_bwd_", mutates_args=("logits",))
+def _bwd_inplace(
+    logits: Tensor, target: Tensor, keep_mask: Optional[Tensor], res: Tensor, grad_logprob: Tensor,
+    grad_entropy: Tensor, group_name: str, temperature: float, with_entropy: bool, entropy_grad: bool,
+    ignore_index: int, impl: str,
+) -> None:
+    call = _bwd_call(logits, target, keep_mask, group_name, temperature, with_entropy, entropy_grad, ignore_index,
+                     impl)
+    grad(logits, target, keep_mask, res, grad_logprob, grad_entropy, call, inplace=True)
+
+
+@_bwd_inplace.register_fake
+def _bwd_inplace_fake(logits, *rest):
+    return None
 
 
 def _setup_context(ctx, inputs, output):
-    logits, _, keep_mask, _, temperature, with_entropy, entropy_grad, _, _, impl = inputs
-    ctx.save_for_backward(logits, keep_mask, *output[2:])
-    ctx.options = (temperature, with_entropy, entropy_grad, impl)
+    (logits, target, keep_mask, group_name, temperature, with_entropy, entropy_grad, ignore_index, _, inplace_grad,
+     impl, _) = inputs
+    ctx.save_for_backward(logits, target, keep_mask, output[2])
+    ctx.options = (group_name, temperature, with_entropy, entropy_grad, ignore_index, impl)
+    ctx.need_entropy_grad = with_entropy and entropy_grad
+    ctx.inplace = inplace_grad
 
 
-def _upstream(grads) -> tuple:
-    # (g_logprob, g_entropy): an output that does not reach the loss arrives as None, a zero here
-    g_logprob, g_entropy = grads[0], grads[1]
-    g_logprob = torch.zeros_like(g_entropy) if g_logprob is None else g_logprob
-    g_entropy = torch.zeros_like(g_logprob) if g_entropy is None else g_entropy
-    return g_logprob, g_entropy
+_UNMATERIALISED = (
+    "dualvp_torch.logprob_entropy: the gradient of the {} arrived as None in backward. Autograd passes zeros "
+    "for an output that does not reach the loss; a None here means a caller or wrapper disabled gradient "
+    "materialisation. Computing the gradient without it would silently drop that term, so the op refuses."
+)
 
 
-def _backward(ctx, grads):
-    g = _bwd(*ctx.saved_tensors, *_upstream(grads), *ctx.options)
-    return (g,) + (None,) * 9
+def _backward(ctx, grad_logprob, grad_entropy, grad_res):
+    if grad_logprob is None:
+        raise RuntimeError(_UNMATERIALISED.format("log-prob"))
+    if ctx.need_entropy_grad and grad_entropy is None:
+        raise RuntimeError(_UNMATERIALISED.format("entropy"))
+    none = (None,) * 11
+    if not ctx.needs_input_grad[0]:
+        return (None,) + none
+    logits, target, keep_mask, res = ctx.saved_tensors
+    if grad_entropy is None:  # not read without the entropy gradient
+        grad_entropy = grad_logprob
+    if ctx.inplace:
+        _bwd_inplace(logits, target, keep_mask, res, grad_logprob, grad_entropy, *ctx.options)
+        return (logits,) + none
+    return (_bwd(logits, target, keep_mask, res, grad_logprob, grad_entropy, *ctx.options),) + none
 
 
 _fwd.register_autograd(_backward, setup_context=_setup_context)
 
 
-# --- the Triton path (impl="triton"; impl=None on Tuning.triton_default_devices) ----------------
-#
-# dualvp::logprob_entropy_triton_fwd -> logprob, entropy, res [5, T] (the merge kernel's residuals)
-# dualvp::logprob_entropy_triton_bwd -> the gradient of the logits (one launch)
-# Each runs triton_kernels.logits_op: the cached checks and plan, the kernels, with a group its
-# collectives. With validate=False neither synchronises nor allocates by data: a caller's CUDA graph
-# can capture them.
-
-
-def _triton_plan(logits, target, keep_mask, group, temperature, with_entropy, entropy_grad, ignore_index, validate):
-    from .triton_kernels import logits_op
-
-    return logits_op.checked_plan(logits, target, keep_mask, group, temperature, with_entropy, entropy_grad,
-                                  ignore_index, validate, False, "triton")
-
-
-@torch.library.custom_op("dualvp::logprob_entropy_triton_fwd", mutates_args=())
-def _tfwd(
-    logits: Tensor, target: Tensor, keep_mask: Optional[Tensor], group_name: str, temperature: float,
-    with_entropy: bool, entropy_grad: bool, ignore_index: int, validate: bool,
-) -> list[Tensor]:
-    from .triton_kernels import logits_op
-
-    group = _group(group_name)
-    plan = _triton_plan(logits, target, keep_mask, group, temperature, with_entropy, entropy_grad, ignore_index,
-                        validate)
-    logprob, entropy, res = logits_op.forward(logits, target, keep_mask, plan, group)
-    return [logprob.view(target.shape), entropy.view(target.shape), res]
-
-
-@_tfwd.register_fake
-def _tfwd_fake(logits, target, keep_mask, group_name, temperature, with_entropy, entropy_grad, ignore_index,
-               validate):
-    cdt = kernels.compute_dtype(logits.dtype)
-    return [logits.new_empty(target.shape, dtype=cdt), logits.new_empty(target.shape, dtype=cdt),
-            logits.new_empty((5, target.numel()), dtype=cdt)]
-
-
-@torch.library.custom_op("dualvp::logprob_entropy_triton_bwd", mutates_args=())
-def _tbwd(
-    logits: Tensor, target: Tensor, keep_mask: Optional[Tensor], res: Tensor, grad_logprob: Tensor,
-    grad_entropy: Tensor, group_name: str, temperature: float, with_entropy: bool, entropy_grad: bool,
-    ignore_index: int,
-) -> Tensor:
-    from .triton_kernels import logits_op
-
-    plan = _triton_plan(logits, target, keep_mask, _group(group_name), temperature, with_entropy, entropy_grad,
-                        ignore_index, False)
-    z = logits.reshape(-1, plan.V)
-    keep = None if keep_mask is None else keep_mask.reshape(-1, plan.V).view(torch.uint8)
-    ge = grad_entropy.reshape(-1) if plan.need_entropy_grad else None
-    return logits_op.grad(z, target.reshape(-1), keep, res, grad_logprob.reshape(-1), ge, plan).view(logits.shape)
-
-
-@_tbwd.register_fake
-def _tbwd_fake(logits, *rest):
-    return torch.empty_like(logits, memory_format=torch.contiguous_format)
-
-
-def _tsetup_context(ctx, inputs, output):
-    logits, target, keep_mask, group_name, temperature, with_entropy, entropy_grad, ignore_index, _ = inputs
-    ctx.save_for_backward(logits, target, keep_mask, output[2])
-    ctx.options = (group_name, temperature, with_entropy, entropy_grad, ignore_index)
-
-
-def _tbackward(ctx, grads):
-    g = _tbwd(*ctx.saved_tensors, *_upstream(grads), *ctx.options)
-    return (g,) + (None,) * 8
-
-
-_tfwd.register_autograd(_tbackward, setup_context=_tsetup_context)
-
-
-def eligible(logits, target, *, group=None, keep_mask=None, temperature=1.0, with_entropy=True,
-             entropy_grad=True, ignore_index=-100, validate=True, inplace_grad=False, impl=None) -> bool:
-    """Whether :func:`logprob_entropy` can take this call (else: one graph break, the eager op)."""
+def eligible(logits: object, target: object, *, group: object = None, keep_mask: object = None,
+             temperature: object = 1.0, with_entropy: object = True, entropy_grad: object = True,
+             ignore_index: object = -100, validate: object = True, inplace_grad: object = False,
+             impl: object = None) -> bool:
+    """Whether a call's arguments fit the custom op's schema as they are (plain tensors, options of their
+    documented Python types); else the caller's ``torch.compile`` runs the op as one graph break."""
     return (
         type(logits) is Tensor and type(target) is Tensor and (keep_mask is None or type(keep_mask) is Tensor)
         and (group is None or collectives.is_process_group(group))
@@ -202,19 +207,44 @@ def eligible(logits, target, *, group=None, keep_mask=None, temperature=1.0, wit
     )
 
 
-def logprob_entropy(logits, target, *, group=None, keep_mask=None, temperature=1.0, with_entropy=True,
-                    entropy_grad=True, ignore_index=-100, validate=True, inplace_grad=False, impl=None):
-    """:func:`dualvp_torch.logprob_entropy` through the custom ops (an :func:`eligible` call)."""
-    if impl == "triton" or impl is None and _function._triton_by_default(logits):
-        out = _tfwd(logits, target, keep_mask, "" if group is None else group.group_name, float(temperature),
-                    with_entropy, entropy_grad, ignore_index, validate)
-    else:
-        out = _fwd(logits, target, keep_mask, "" if group is None else group.group_name, float(temperature),
-                   with_entropy, entropy_grad, ignore_index, validate, impl or "")
-    logprob, entropy = out[0], out[1]
+def logprob_entropy(
+    logits: Tensor, target: Tensor, *, group: object = None, keep_mask: Optional[Tensor] = None,
+    temperature: object = 1.0, with_entropy: object = True, entropy_grad: object = True, ignore_index: object = -100,
+    validate: object = True, inplace_grad: object = False, impl: object = None, label_smoothing: float = 0.0,
+    caller_error: Optional[BaseException] = None,
+) -> tuple[Tensor, Optional[Tensor]]:
+    """:func:`dualvp_torch.logprob_entropy` on plain tensors outside a compiler: the checks, then the custom op.
+
+    :func:`dualvp_torch.checks.logits_call` checks the call (every rank
+    returns or every rank raises; ``label_smoothing`` and ``caller_error`` as
+    there) and the op gets the checked values and the chosen engine.
+    """
+    call = checks.logits_call(
+        logits, target, keep_mask, group=group, temperature=temperature, with_entropy=with_entropy,
+        entropy_grad=entropy_grad, ignore_index=ignore_index, validate=validate, inplace_grad=inplace_grad,
+        impl=impl, label_smoothing=label_smoothing, caller_error=caller_error,
+    )
+    opt = call.opt
+    logprob, entropy, _ = _fwd(logits, target, keep_mask, "" if group is None else group.group_name, opt.temperature,
+                               opt.with_entropy, opt.entropy_grad, opt.ignore_index, validate, opt.inplace_grad,
+                               call.engine, opt.label_smoothing)
+    if not opt.with_entropy:
+        return logprob, None
+    return logprob, (entropy if opt.entropy_grad else entropy.detach())
+
+
+def in_graph(
+    logits: Tensor, target: Tensor, *, group=None, keep_mask: Optional[Tensor] = None, temperature: float = 1.0,
+    with_entropy: bool = True, entropy_grad: bool = True, ignore_index: int = -100, validate: bool = True,
+    inplace_grad: bool = False, impl: Optional[str] = None,
+) -> tuple[Tensor, Optional[Tensor]]:
+    """The call that a caller's ``torch.compile`` traces (an :func:`eligible` call): the custom op as is.
+
+    Its body runs the checks (from the cache), so errors are an eager call's.
+    """
+    logprob, entropy, _ = _fwd(logits, target, keep_mask, "" if group is None else group.group_name,
+                               float(temperature), with_entropy, entropy_grad, ignore_index, validate, inplace_grad,
+                               impl or "", 0.0)
     if not with_entropy:
         return logprob, None
     return logprob, (entropy if entropy_grad else entropy.detach())
-
-
-_function._IN_GRAPH[_function.logprob_entropy.__wrapped__] = (eligible, logprob_entropy)

@@ -5,7 +5,7 @@
 holding the ``[T, V_local]`` logits (or their gradient). The math is
 :mod:`dualvp.spec` over vocabulary blocks of ``z = h W^T`` (see its module
 docstring); this module only chooses the tiles, runs the two matmuls per tile
-and the spec stages of :mod:`dualvp_torch.kernels` on each tile.
+and the spec stages of :mod:`dualvp_torch.engines` on each tile.
 
 Data flow of one call (``group`` with ``W`` ranks; ``T`` rows, this rank's
 ``V_local`` weight rows, hidden size ``H``)::
@@ -13,12 +13,12 @@ Data flow of one call (``group`` with ``W`` ranks; ``T`` rows, this rank's
     validate=True:  local checks -> agreement all-gather ([W, 16] int64) -> 1 host sync
     forward:        (sequence_parallel: all-gather hidden [T/W, H] -> [T, H])
                     per tile (rows i, columns j): z = h_i W_j^T (float32 [tc, vc])
-                        -> kernels.block_stats(start=j0) -> [tc, 6]
+                        -> engines.block_stats(start=j0) -> [tc, 6]
                     spec.reduce_stats over the blocks -> [T, 6]
                     collectives.gather_stats -> [W, T, 6]      (1 all-gather, as the logits op)
                     spec.reduce_stats, spec.finalize, spec.outputs
     backward:       (sequence_parallel: all-gather hidden again)
-                    per tile: z = h_i W_j^T recomputed, kernels.block_grad_ writes G over z (float32),
+                    per tile: z = h_i W_j^T recomputed, engines.block_grad_ writes G over z (float32),
                         dh_i += G W_j,  dW_j += G^T h_i        (float32 accumulators)
                     dh: all-reduce (reduce_hidden_grad) or reduce-scatter (sequence_parallel), float32
 
@@ -31,7 +31,7 @@ Tiles and memory
 ----------------
 ``B`` = ``T * V_local * itemsize`` (the logits shard the unfused path would
 hold in the caller's dtype). One tile is a float32 block ``[tc, vc]``; its
-bytes (4 per element, plus :data:`dualvp_torch.kernels.BLOCK_SCRATCH_BYTES` per
+bytes (4 per element, plus :data:`dualvp_torch.engines.BLOCK_SCRATCH_BYTES` per
 element on the eager path, whose spec temporaries are tile-sized) stay within
 ``memory_budget``, default ``max(B / 16, 1 MiB)`` (``B / 4`` on CUDA). The loop order keeps the
 float32 accumulator that must span the whole loop small:
@@ -75,7 +75,7 @@ weight row poisons every token's row.
 from __future__ import annotations
 
 import contextlib
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 import array_api_compat.torch as xp
 import torch
@@ -83,18 +83,21 @@ from torch.autograd.function import once_differentiable
 
 from dualvp import spec, validation
 
-from . import collectives, kernels, linear_checks, linear_triton, tuning
+from . import checks, collectives, engines, linear_triton, tuning
+from .compiled import one_graph_break
 from .linear_tiles import (  # noqa: F401 (re-exported)
     BUDGET_FRACTION,
     CUDA_BUDGET_FRACTION,
     MIN_BUDGET,
     MIN_SIDE,
-    _ranges,
-    _TileBuffer,
+    TileBuffer,
     default_budget,
+    ranges,
     tile_shape,
 )
-from .function import _check_materialised, _merge, _one_graph_break, _save_residuals
+
+if TYPE_CHECKING:
+    from torch.distributed import ProcessGroup
 
 __all__ = ["linear_logprob_entropy", "tile_shape", "default_budget", "MIN_SIDE", "MIN_BUDGET", "BUDGET_FRACTION"]
 
@@ -177,7 +180,7 @@ def _fwd_operand(x: torch.Tensor, cdt: torch.dtype) -> torch.Tensor:
 def _logits_block(h_i: torch.Tensor, w_j: torch.Tensor, cdt: torch.dtype, out: Optional[torch.Tensor] = None):
     """``h_i W_j^T`` as a contiguous ``cdt`` (float32/float64) block, from operands of any float dtype.
 
-    ``out``: a contiguous ``[rows, cols]`` ``cdt`` tensor to form it in (see :class:`_TileBuffer`).
+    ``out``: a contiguous ``[rows, cols]`` ``cdt`` tensor to form it in (see :class:`TileBuffer`).
     """
     if h_i.dtype == w_j.dtype and _native_out_dtype(h_i, cdt):
         try:  # a float32-output matmul of the 16-bit operands (float32 accumulation)
@@ -189,32 +192,34 @@ def _logits_block(h_i: torch.Tensor, w_j: torch.Tensor, cdt: torch.dtype, out: O
     return torch.mm(_up(h_i, cdt), _up(w_j, cdt).t(), out=out)
 
 
-def _stats(h2, weight, local, owns, keep, tau, tiles, impl):
+def _stats(h2, weight, local, owns, keep, tau, tiles, compiled: bool):
     """``[T, 6]`` statistics of this rank's logits ``h2 weight^T``, tile by tile."""
     n, v = h2.shape[0], weight.shape[0]
     tc, vc = tiles
     cdt = tau.dtype
-    buf = _TileBuffer(min(tc, n), min(vc, v), cdt, h2.device)
+    buf = TileBuffer(min(tc, n), min(vc, v), cdt, h2.device)
     parts = []
-    for i0, i1 in _ranges(n, tc):
+    for i0, i1 in ranges(n, tc):
         h_i = _fwd_operand(h2[i0:i1], cdt)  # upcast once per token chunk, not once per tile
         blocks = []
-        for j0, j1 in _ranges(v, vc):
+        for j0, j1 in ranges(v, vc):
             z = _logits_block(h_i, weight[j0:j1], cdt, buf.take(i1 - i0, j1 - j0))
             kb = None if keep is None else keep[i0:i1, j0:j1]
-            blocks.append(kernels.block_stats(z, local[i0:i1], owns[i0:i1], kb, tau, start=j0, impl=impl))
+            blocks.append(engines.block_stats(z, local[i0:i1], owns[i0:i1], kb, tau, start=j0, compiled=compiled))
             del z  # the tile is not needed once its statistics are taken (off the CPU: freed here)
         parts.append(blocks[0] if len(blocks) == 1 else spec.reduce_stats(xp, torch.stack(blocks), 0, tau))
     return parts[0] if len(parts) == 1 else torch.cat(parts)
 
 
-def _grads(h2, weight, local, owns, keep, stats, valid, gl, ge, tau, tiles, need_dh, need_dw, impl):
-    """``(dh [T, H] float32 or None, dW [V_local, H] in weight's dtype or None)``: the local partial sums."""
+def _grads(h2, weight, local, owns, keep, res, valid, gl, ge, tau, tiles, need_dh, need_dw, compiled: bool):
+    """``(dh [T, H] float32 or None, dW [V_local, H] in weight's dtype or None)``: the local partial sums.
+
+    ``res``: the ``[5, T]`` row statistics (``engines.merge``).
+    """
     n, hsz = h2.shape
     v = weight.shape[0]
     tc, vc = tiles
     cdt = tau.dtype
-    M, log_s, c, mk, log_sk = stats
     vocab_major = n <= v
     dev = h2.device
     dh = torch.zeros((n, hsz), dtype=cdt, device=dev) if need_dh else None
@@ -229,9 +234,9 @@ def _grads(h2, weight, local, owns, keep, stats, valid, gl, ge, tau, tiles, need
             dw_out = torch.empty((v, hsz), dtype=weight.dtype, device=dev)
         else:
             dw_full = torch.zeros((v, hsz), dtype=cdt, device=dev)
-    rows, cols = _ranges(n, tc), _ranges(v, vc)
+    rows, cols = ranges(n, tc), ranges(v, vc)
     outer, inner = (cols, rows) if vocab_major else (rows, cols)
-    buf = _TileBuffer(min(tc, n), min(vc, v), cdt, dev)
+    buf = TileBuffer(min(tc, n), min(vc, v), cdt, dev)
     # 16-bit operands on CUDA: products of G's 16-bit parts with the rows as
     # they are (tensor cores, float32 accumulation), no float32 copies.
     native = _native_out_dtype(h2, cdt)
@@ -262,10 +267,9 @@ def _grads(h2, weight, local, owns, keep, stats, valid, gl, ge, tau, tiles, need
                 z = _logits_block(h_i, w_j, cdt, buf.take(i1 - i0, j1 - j0))
             kb = None if keep is None else keep[i0:i1, j0:j1]
             ge_i = None if ge is None else ge[i0:i1]
-            c_i = None if c is None else c[i0:i1]
-            kernels.block_grad_(
-                z, local[i0:i1], owns[i0:i1], kb, M[i0:i1], log_s[i0:i1], c_i, mk[i0:i1], log_sk[i0:i1],
-                valid[i0:i1], gl[i0:i1], ge_i, tau, start=j0, impl=impl,
+            engines.block_grad_(
+                z, local[i0:i1], owns[i0:i1], kb, res[:, i0:i1], valid[i0:i1], gl[i0:i1], ge_i, tau, start=j0,
+                compiled=compiled,
             )  # z holds G now (float32)
             if native:
                 for q, g in enumerate(_g_parts(z, h2.dtype)):
@@ -302,72 +306,90 @@ _UNMATERIALISED = (
 )
 
 
+def _check_materialised(opt: validation.Options, grad_logprob, grad_entropy) -> None:
+    if grad_logprob is None:
+        raise RuntimeError(_UNMATERIALISED.format("log-prob"))
+    if opt.need_entropy_grad and grad_entropy is None:
+        raise RuntimeError(_UNMATERIALISED.format("entropy"))
+
+
 class LinearLogProbEntropyFunction(torch.autograd.Function):
-    """``(hidden, weight, target, keep_mask, options, group, impl, budget, allow_tf32) -> (logprob, entropy)``."""
+    """``(hidden, weight, target, keep_mask, options, group, engine, budget, allow_tf32) -> (logprob, entropy)``.
+
+    ``engine``: a name of :data:`dualvp_torch.engines.ENGINES`; its
+    ``spec_stages`` run the tile loop here, else the fused Triton kernels.
+    """
 
     @staticmethod
-    def forward(ctx, hidden, weight, target, keep_mask, opt: validation.Options, group, impl, budget, allow_tf32):
+    def forward(ctx, hidden, weight, target, keep_mask, opt: validation.Options, group, engine, budget, allow_tf32):
         rank, world = collectives.group_rank_world(group)
+        eng = engines.ENGINES[engine]
         h = hidden
         if opt.sequence_parallel and group is not None and world > 1:
             h = collectives.all_gather_cat(hidden, group)
         hsz, v = weight.shape[1], weight.shape[0]
         h2 = h.reshape(-1, hsz)
         n = h2.shape[0]
-        cdt = kernels.compute_dtype(hidden.dtype)
+        cdt = engines.compute_dtype(hidden.dtype)
         valid, owns, local = spec.target_to_local(xp, target.reshape(-1).to(torch.int64), rank, v, opt.ignore_index)
         keep = None if keep_mask is None else keep_mask.reshape(-1, v)
         tau = torch.full((), opt.temperature, dtype=cdt, device=hidden.device)
-        fused = impl == "triton"
-        spec_impl = None if fused else impl  # how the O(T) merge runs
-        elem = 4 + (kernels.BLOCK_SCRATCH_BYTES if not fused and kernels.select(impl) == "eager" else 0)
-        tiles = tile_shape(n, v, budget, elem)
+        fused = not eng.spec_stages
+        tiles = tile_shape(n, v, budget, 4 + eng.tile_scratch_bytes)
         if not n:
             stats = torch.zeros((0, spec.N_STATS), dtype=cdt, device=hidden.device)
         elif fused:
             stats = linear_triton.stats(h2, weight, _ycol(local, owns, valid), keep, tau, opt.temperature, allow_tf32)
         else:
             with _matmul_precision(h2, allow_tf32):
-                stats = _stats(h2, weight, local, owns, keep, tau, tiles, impl)
-        comb, logprob, entropy = _merge(stats, group, valid, tau, tuple(target.shape), spec_impl)
-        ctx.opt, ctx.group, ctx.impl, ctx.tiles = opt, group, impl, tiles
+                stats = _stats(h2, weight, local, owns, keep, tau, tiles, eng.compiled)
+        all_stats = collectives.gather_stats(stats, group) if group is not None else stats[None]
+        # (the fused Triton kernels: the O(T) merge runs as impl=None would run it)
+        merge_compiled = engines.ENGINES[engine if eng.spec_stages else engines.select(None)].compiled
+        res, logprob, entropy = engines.merge(all_stats, valid, tau, compiled=merge_compiled)
+        logprob, entropy = logprob.reshape(target.shape), entropy.reshape(target.shape)
+        ctx.opt, ctx.group, ctx.engine, ctx.tiles = opt, group, engine, tiles
         ctx.budget, ctx.allow_tf32 = budget, allow_tf32
-        _save_residuals(ctx, opt, (hidden, weight, keep_mask), local, owns, valid, comb, entropy)
+        ctx.save_for_backward(hidden, weight, keep_mask, local, owns, valid, res)
+        if not opt.need_entropy_grad:
+            ctx.mark_non_differentiable(entropy)
         return logprob, entropy
 
     @staticmethod
     @once_differentiable
     def backward(ctx, grad_logprob, grad_entropy):
         opt, group = ctx.opt, ctx.group
-        _check_materialised(_UNMATERIALISED, opt, grad_logprob, grad_entropy)
+        _check_materialised(opt, grad_logprob, grad_entropy)
         need_dh, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         none = (None,) * 7
         if not (need_dh or need_dw):
             return (None, None) + none
-        hidden, weight, keep_mask, local, owns, valid, M, log_s, c, mk, log_sk = ctx.saved_tensors
+        hidden, weight, keep_mask, local, owns, valid, res = ctx.saved_tensors
+        eng = engines.ENGINES[ctx.engine]
         _, world = collectives.group_rank_world(group)
         sp = opt.sequence_parallel and group is not None and world > 1
         # Gathered again rather than kept from the forward: [T, H] less between the two.
         h = collectives.all_gather_cat(hidden, group) if sp else hidden
         hsz, v = weight.shape[1], weight.shape[0]
         h2 = h.reshape(-1, hsz)
-        cdt = kernels.compute_dtype(hidden.dtype)
+        cdt = engines.compute_dtype(hidden.dtype)
         keep = None if keep_mask is None else keep_mask.reshape(-1, v)
         # Contiguous O(T) vectors (upstream gradients often arrive expanded).
         gl = grad_logprob.reshape(-1).to(cdt).contiguous()
         ge = grad_entropy.reshape(-1).to(cdt).contiguous() if opt.need_entropy_grad else None
         tau = torch.full((), opt.temperature, dtype=cdt, device=hidden.device)
         n = h2.shape[0]
-        if ctx.impl == "triton" and n:
+        if not eng.spec_stages and n:
+            M, log_s, c, mk, log_sk = res.unbind(0)
             dh, dw = linear_triton.grads(
-                h2, weight, _ycol(local, owns, valid), keep, (M, log_s, c, mk, log_sk), gl, ge, opt.temperature,
+                h2, weight, _ycol(local, owns, valid), keep, (M, log_s, c if ge is not None else None, mk, log_sk),
+                gl, ge, opt.temperature,
                 need_dh, need_dw, ctx.allow_tf32, tuning.current().split_gradient, ctx.budget,
             )
         else:
             with _matmul_precision(h2, ctx.allow_tf32):
                 dh, dw = _grads(
-                    h2, weight, local, owns, keep, (M, log_s, c, mk, log_sk), valid, gl, ge, tau, ctx.tiles,
-                    need_dh, need_dw, None if ctx.impl == "triton" else ctx.impl,
+                    h2, weight, local, owns, keep, res, valid, gl, ge, tau, ctx.tiles, need_dh, need_dw, eng.compiled,
                 )
         if need_dh:
             if sp:
@@ -378,15 +400,15 @@ class LinearLogProbEntropyFunction(torch.autograd.Function):
         return (dh, dw) + none
 
 
-@_one_graph_break
+@one_graph_break
 def linear_logprob_entropy(
     hidden: torch.Tensor,
     weight: torch.Tensor,
     target: torch.Tensor,
     *,
-    group=None,
+    group: Optional[ProcessGroup] = None,
     keep_mask: Optional[torch.Tensor] = None,
-    temperature=1.0,
+    temperature: float = 1.0,
     with_entropy: bool = True,
     entropy_grad: bool = True,
     ignore_index: int = -100,
@@ -394,7 +416,7 @@ def linear_logprob_entropy(
     sequence_parallel: bool = False,
     validate: bool = True,
     memory_budget: Optional[int] = None,
-    impl: Optional[str] = None,
+    impl: Optional[engines.Engine] = None,
     allow_tf32: bool = False,
 ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
     """Log-prob of the target and entropy of ``softmax(hidden @ weight_full.T / tau)``, fused.
@@ -440,7 +462,7 @@ def linear_logprob_entropy(
         (``B / 4`` for the tile path on CUDA) with ``B = T * V_local *
         itemsize``. Need not agree across ranks (it changes no collective).
       impl: ``None``, ``"compiled"`` or ``"eager"``: how the spec stages of
-        each tile run (:func:`dualvp_torch.kernels.select`); ``"triton"``:
+        each tile run (:func:`dualvp_torch.engines.select`); ``"triton"``:
         the fused Triton kernels (CUDA, or CPU tensors under
         ``TRITON_INTERPRET=1``; float32, bfloat16 and float16).
       allow_tf32: ``True`` lets float32 inputs multiply in TF32 on CUDA
@@ -456,19 +478,30 @@ def linear_logprob_entropy(
       TypeError / ValueError naming the argument for invalid input (with a
       group and ``validate=True``, on every rank, or ``RuntimeError`` on every
       rank when the ranks disagree).
+
+    Example:
+      >>> import torch
+      >>> from dualvp_torch import linear_logprob_entropy
+      >>> hidden = torch.eye(2)  # logits = hidden @ weight.T = [[2, 0, 0, 0], [0, 0, 0, 0]]
+      >>> weight = torch.tensor([[2.0, 0.0], [0.0, 0.0], [0.0, 0.0], [0.0, 0.0]])
+      >>> lp, h = linear_logprob_entropy(hidden, weight, torch.tensor([0, 1]), impl="eager")
+      >>> [round(v, 4) for v in lp.tolist()], [round(v, 4) for v in h.tolist()]
+      ([-0.3408, -1.3863], [0.9183, 1.3863])
     """
     kw = dict(
         temperature=temperature, ignore_index=ignore_index, with_entropy=with_entropy, entropy_grad=entropy_grad,
         reduce_hidden_grad=reduce_hidden_grad, sequence_parallel=sequence_parallel, memory_budget=memory_budget,
     )
-    opt = linear_checks.checked_options(
+    call = checks.linear_call(
         hidden, weight, target, keep_mask, group=group, validate=validate, impl=impl, allow_tf32=allow_tf32, kw=kw
     )
+    if validate:
+        checks.agree(call, checks.count_bad_targets(target, ignore_index, call.vocab), group, hidden, target, hidden)
     n_rows = target.numel()
     budget = memory_budget if memory_budget is not None else default_budget(
-        n_rows, weight.shape[0], hidden.element_size(), hidden.device.type, impl
+        n_rows, weight.shape[0], hidden.element_size(), hidden.device.type, engines.ENGINES[call.engine].spec_stages
     )
     logprob, entropy = LinearLogProbEntropyFunction.apply(
-        hidden, weight, target, keep_mask, opt, group, impl, budget, allow_tf32
+        hidden, weight, target, keep_mask, call.opt, group, call.engine, budget, allow_tf32
     )
     return logprob, (entropy if with_entropy else None)

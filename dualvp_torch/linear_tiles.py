@@ -6,7 +6,10 @@ from typing import Optional
 
 import torch
 
-__all__ = ["tile_shape", "default_budget", "MIN_SIDE", "MIN_BUDGET", "BUDGET_FRACTION", "CUDA_BUDGET_FRACTION"]
+__all__ = [
+    "tile_shape", "default_budget", "ranges", "TileBuffer", "MIN_SIDE", "MIN_BUDGET", "BUDGET_FRACTION",
+    "CUDA_BUDGET_FRACTION",
+]
 
 #: Default budget of one tile, as a fraction of ``B`` ...
 BUDGET_FRACTION = 1 / 16
@@ -18,13 +21,13 @@ MIN_BUDGET = 1 << 20
 MIN_SIDE = 128
 
 
-def default_budget(n_rows: int, v_local: int, itemsize: int, device_type: str = "cpu", impl=None) -> int:
+def default_budget(n_rows: int, v_local: int, itemsize: int, device_type: str = "cpu", tile_loop: bool = True) -> int:
     """``max(fraction * B, MIN_BUDGET)`` bytes, ``B = n_rows * v_local * itemsize``.
 
-    ``fraction``: :data:`CUDA_BUDGET_FRACTION` for the tile path on CUDA, else
-    :data:`BUDGET_FRACTION` (``impl="triton"``: one float32 ``dW`` chunk).
+    ``fraction``: :data:`CUDA_BUDGET_FRACTION` for the tile loop on CUDA, else
+    :data:`BUDGET_FRACTION` (``tile_loop=False``, the fused Triton kernels: one float32 ``dW`` chunk).
     """
-    fraction = CUDA_BUDGET_FRACTION if device_type == "cuda" and impl != "triton" else BUDGET_FRACTION
+    fraction = CUDA_BUDGET_FRACTION if device_type == "cuda" and tile_loop else BUDGET_FRACTION
     return max(int(fraction * n_rows * v_local * itemsize), MIN_BUDGET)
 
 
@@ -45,11 +48,12 @@ def tile_shape(n_rows: int, v_local: int, budget: int, elem_bytes: int) -> tuple
     return max(1, rows), max(1, cols)
 
 
-def _ranges(n: int, step: int):
+def ranges(n: int, step: int) -> list[tuple[int, int]]:
+    """``[(start, stop), ...]`` covering ``[0, n)`` in steps of ``step`` (the last one shorter)."""
     return [(i, min(n, i + step)) for i in range(0, n, step)]
 
 
-class _TileBuffer:
+class TileBuffer:
     """One pass's tiles, formed one after another in a single buffer of the largest tile's size.
 
     A fresh tile per step costs nothing on CUDA (the caching allocator hands the

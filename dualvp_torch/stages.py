@@ -16,9 +16,7 @@ import torch
 
 from dualvp import spec
 
-from . import tuning
-
-__all__ = ["xp", "compute_dtype", "accumulation_dtype"]
+__all__ = ["xp", "compute_dtype"]
 
 
 def _take_along_axis(x: torch.Tensor, indices: torch.Tensor, /, *, axis: int = -1) -> torch.Tensor:
@@ -39,20 +37,6 @@ xp.take_along_axis = _take_along_axis
 def compute_dtype(dtype: torch.dtype) -> torch.dtype:
     """float64 for float64 input, float32 for every 16/32-bit float."""
     return torch.float64 if dtype == torch.float64 else torch.float32
-
-
-def accumulation_dtype(z: torch.Tensor, impl: str = "compiled") -> Optional[torch.dtype]:
-    """float64 row sums for compiled kernels on ``Tuning.float64_sums_devices`` (CPU and CUDA), else ``None``.
-
-    Inductor's kernels sum a row sequentially in a few vector lanes, so a
-    float32 sum over ~1e5 columns drifts by about sqrt(V) eps; summing in
-    float64 costs one conversion per element inside the fused loop
-    (docs/decisions.md, "float64 row sums in compiled kernels"). Eager torch
-    sums are cascaded (as precise as the float64 path here), and there a
-    float64 sum would cost a float64 copy of the chunk and two more passes.
-    """
-    devices = tuning.current().float64_sums_devices
-    return torch.float64 if impl == "compiled" and z.device.type in devices else None
 
 
 def kept_shift(z: torch.Tensor, keep: Optional[torch.Tensor]) -> str:

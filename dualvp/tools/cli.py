@@ -47,7 +47,8 @@ def _parser() -> argparse.ArgumentParser:
                    "W NCCL ranks, one GPU each; fails at once without enough GPUs); JAX stays on CPU host devices")
     v.add_argument("--no-compile", dest="compile", action="store_false",
                    help="torch: use the eager row-chunked path instead of torch.compile")
-    v.add_argument("--timeout", type=float, default=300.0, help="seconds before a backend run is killed (under a launcher: the process-group timeout)")
+    v.add_argument("--timeout", type=float, default=300.0,
+                   help="seconds before a backend run is killed (under a launcher: the process-group timeout)")
     b = sub.add_parser("bench", help="speed, memory and precision of every implementation against baselines")
     from .bench import add_arguments
 

@@ -401,7 +401,7 @@ def analyse(launch: Launch, rerun_ptxas: bool = False) -> dict:
         kernel=launch.kernel, label=launch.label, grid=launch.grid, constexprs=launch.constexprs,
         warps=warps, stages=getattr(md, "num_stages", None), registers=reg, stack=stack, local=local,
         spill_bytes=local, ptxas_rerun_spill_bytes=spill,
-        ptxas=" ".join(l.strip() for l in ptxas.splitlines() if "Used" in l or "spill" in l),
+        ptxas=" ".join(ln.strip() for ln in ptxas.splitlines() if "Used" in ln or "spill" in ln),
         shared=smem, ctas_per_sm=ctas, loops=len(loops), has_loop=main is not None,
         loop=body, whole=whole, each_loop=[loop_figures(ins, lo, hi) for lo, hi in loops],
         div64=bool(re.search(r"\b(div|rem)\.[su]64", ptx)),

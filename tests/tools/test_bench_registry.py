@@ -159,8 +159,8 @@ def test_an_impl_this_dualvp_lacks_is_unavailable_not_a_failure(monkeypatch):
     with pytest.raises(impls.Unavailable, match="^impl='hugetlb': ValueError"):
         impls._dualvp_impl("hugetlb")(impls.Context(torch))
     impls.IMPLS["dualvp-torch-eager"].build(impls.Context(torch))  # one it has builds
-    # the Triton kernels: logprob_entropy takes impl="triton" (dualvp_torch.kernels.select does not:
-    # the bench once asked it and skipped the Triton kernels on every device); on a CPU only interpreted
+    # the Triton kernels: logprob_entropy takes impl="triton" (the bench once asked the old
+    # dualvp_torch.kernels.select, which did not, and skipped them on every device); on a CPU only interpreted
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     impls.IMPLS["dualvp-torch-triton"].build(impls.Context(torch))
     monkeypatch.setenv("TRITON_INTERPRET", "0")

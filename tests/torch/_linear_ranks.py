@@ -13,12 +13,12 @@ import time
 import numpy as np
 import torch
 
-from dualvp_torch import kernels, linear_logprob_entropy
+from dualvp_torch import engines, linear_logprob_entropy
 
 T, H, V_LOCAL, TAU = 12, 8, 37, 0.8  # T divisible by 2 and 4; V_local not a multiple of the tile
-# bytes: eager tiles (4 + kernels.BLOCK_SCRATCH_BYTES per element) of 1 row x 20 columns
+# bytes: eager tiles (4 + engines.BLOCK_SCRATCH_BYTES per element) of 1 row x 20 columns
 # -> 2 vocab blocks, 12 token chunks
-BUDGET = (4 + kernels.BLOCK_SCRATCH_BYTES) * 20
+BUDGET = (4 + engines.BLOCK_SCRATCH_BYTES) * 20
 
 
 def problem(world: int, seed: int = 0) -> dict:

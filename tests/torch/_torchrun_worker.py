@@ -196,7 +196,7 @@ def torchrun_cases(rank: int) -> dict:
     within = [dist.new_group([0, 1]), dist.new_group([2, 3])]
     across = [dist.new_group([0, 2]), dist.new_group([1, 3])]
     tp_in, dp_across = within[rank // 2], across[rank % 2]  # TP within a node x DP across nodes
-    tp_across, dp_in = across[rank % 2], within[rank // 2]  # TP across nodes x DP within a node
+    tp_across = across[rank % 2]  # TP across nodes x DP within a node
     dp_of_in, dp_of_across = rank // 2, rank % 2  # the DP index (replica) of each layout: TP within, across
     c: dict = {}
     p4 = make_problem(1, T, 4 * V_LOCAL)

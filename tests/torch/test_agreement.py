@@ -11,7 +11,6 @@ results within tolerance of the float64 oracle; ``validate=False``: no
 agreement step at all.
 """
 
-import numpy as np
 import pytest
 
 torch = pytest.importorskip("torch")

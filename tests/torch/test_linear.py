@@ -22,7 +22,7 @@ from ._alloc import allocations, peak as peak_of  # noqa: E402
 from dualvp import reference  # noqa: E402
 from dualvp.testing.cases import round_to_dtype  # noqa: E402
 from dualvp.testing.metrics import max_errors, tolerance, within_tolerance  # noqa: E402
-from dualvp_torch import kernels, linear_logprob_entropy  # noqa: E402
+from dualvp_torch import engines, linear_logprob_entropy  # noqa: E402
 from dualvp_torch import linear as linear_mod  # noqa: E402
 from dualvp_torch.linear import tile_shape  # noqa: E402
 from dualvp_torch.testing import run_ranks  # noqa: E402
@@ -102,7 +102,7 @@ def _budget(elements, impl):
     """memory_budget (bytes) for tiles of ``elements`` elements on ``impl``."""
     if elements is None:
         return None
-    return elements * (4 + (kernels.BLOCK_SCRATCH_BYTES if impl == "eager" else 0))
+    return elements * (4 + (engines.BLOCK_SCRATCH_BYTES if impl == "eager" else 0))
 
 
 SHAPES = {
@@ -190,7 +190,7 @@ def test_frozen_input_skips_its_matmul(frozen):
     products = lambda fn: _count("aten::mm", fn) + _count("aten::addmm_", fn)  # noqa: E731
     both = products(lambda: _run(p, impl="eager", memory_budget=budget))
     one = products(lambda: _run(p, **kw))
-    r, c = tile_shape(16, 100, budget, 4 + kernels.BLOCK_SCRATCH_BYTES)
+    r, c = tile_shape(16, 100, budget, 4 + engines.BLOCK_SCRATCH_BYTES)
     n_tiles = -(-16 // r) * -(-100 // c)
     assert n_tiles >= 4
     # per tile: the forward block, its recomputation, and one product per trainable input
@@ -200,7 +200,7 @@ def test_frozen_input_skips_its_matmul(frozen):
 @pytest.mark.parametrize("shape", ["v1001_tiles", pytest.param("token_major", marks=pytest.mark.slow)])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_cpu_tiles_share_one_buffer_per_pass(monkeypatch, shape, dtype):
-    # Every CPU tile of a pass is formed in one buffer (dualvp_torch.linear._TileBuffer): a fresh
+    # Every CPU tile of a pass is formed in one buffer (dualvp_torch.linear.TileBuffer): a fresh
     # tile per step faults in all its pages again. Ragged last tiles included; values: the oracle's.
     lead, H, V, elements = SHAPES[shape]
     p = _problem(lead, H, V, dtype)

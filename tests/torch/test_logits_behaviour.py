@@ -13,8 +13,7 @@ torch = pytest.importorskip("torch")
 
 from dualvp import reference  # noqa: E402
 from dualvp.testing import cases  # noqa: E402
-from dualvp_torch import compiled, kernels, logprob_entropy  # noqa: E402
-from dualvp_torch.function import LogProbEntropyFunction  # noqa: E402
+from dualvp_torch import compiled, engines, library, logprob_entropy  # noqa: E402
 
 from .test_logits_conformance import _problem  # noqa: E402
 
@@ -67,13 +66,12 @@ def test_unmaterialised_grad_raises():
     from dualvp.validation import Options
 
     ctx = Ctx()
-    ctx.opt = Options()
-    ctx.impl = None
-    ctx.needs_input_grad = (True, False, False, False, False, False)
+    ctx.need_entropy_grad = Options().need_entropy_grad
+    ctx.needs_input_grad = (True,) + (False,) * 11
     with pytest.raises(RuntimeError, match="arrived as None"):
-        LogProbEntropyFunction.backward(ctx, None, torch.zeros(3))
+        library._backward(ctx, None, torch.zeros(3), None)
     with pytest.raises(RuntimeError, match="entropy arrived as None"):
-        LogProbEntropyFunction.backward(ctx, torch.zeros(3), None)
+        library._backward(ctx, torch.zeros(3), None, None)
 
 
 def test_no_grad_leading_dims_noncontiguous_and_empty():
@@ -172,8 +170,8 @@ def test_import_does_not_load_the_compiler():
     import sys
 
     code = ("import sys, dualvp_torch; assert 'torch._dynamo' not in sys.modules, 'imported'; "
-            "from dualvp_torch import kernels; import torch._dynamo.exc as e; "
-            "assert e.TorchDynamoException in kernels.COMPILE_ERRORS")
+            "from dualvp_torch import engines; import torch._dynamo.exc as e; "
+            "assert e.TorchDynamoException in engines.COMPILE_ERRORS")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-2000:]
 
@@ -226,7 +224,7 @@ def test_only_compile_failures_fall_back(monkeypatch, error):
         with pytest.raises((torch.OutOfMemoryError, RuntimeError)):
             logprob_entropy(z, y)
         assert not compiled._state["failed"]
-        assert kernels.select() == "compiled"
+        assert engines.select() == "compiled"
     finally:
         compiled._state.clear()
         compiled._state.update(state)
@@ -234,9 +232,9 @@ def test_only_compile_failures_fall_back(monkeypatch, error):
 
 def test_impl_argument_selects_and_is_checked(monkeypatch):
     monkeypatch.setenv("DUALVP_COMPILE", "1")
-    assert kernels.select("eager") == "eager"
+    assert engines.select("eager") == "eager"
     monkeypatch.setenv("DUALVP_COMPILE", "0")
-    assert kernels.select() == "eager" and kernels.select("compiled") in ("compiled", "eager")
+    assert engines.select() == "eager" and engines.select("compiled") in ("compiled", "eager")
     z, y, _ = _problem(T=6, V=16)
     with pytest.raises(ValueError, match="^impl: expected"):
         logprob_entropy(z, y, impl="fast")

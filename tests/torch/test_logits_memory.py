@@ -10,7 +10,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from dualvp.testing.modes import MODES  # noqa: E402
-from dualvp_torch import kernels, logprob_entropy, tuning  # noqa: E402
+from dualvp_torch import eager, logprob_entropy, tuning  # noqa: E402
 
 from ._alloc import allocations as _allocations, peak as _peak  # noqa: E402
 
@@ -81,7 +81,7 @@ def serial_eager():
     On worker threads (the default on CPU) the allocation trace misses the
     chunks' scratch, so a test of it there would pass whatever it allocated.
     One worker gets chunks ``workers`` times larger than each of ``workers``
-    parallel ones (``kernels.chunk_rows`` divides the budget by the worker
+    parallel ones (``eager.chunk_rows`` divides the budget by the worker
     count), so the scratch measured here is the whole in-flight budget.
     """
     with tuning.using(tuning.Tuning(max_eager_workers=1)):
@@ -92,23 +92,23 @@ def _chunk_bytes(dtype, fraction, scratch_bytes):
     # one float32 [rows, V] temporary of an eager chunk (the spec's shifted logits, say)
     size = torch.empty((), dtype=dtype).element_size()
     cap = tuning.DEFAULT.cpu_chunk_scratch_bytes
-    return kernels.chunk_rows(T, V, size, fraction, scratch_bytes, cap_bytes=cap) * V * 4
+    return eager.chunk_rows(T, V, size, fraction, scratch_bytes, cap_bytes=cap) * V * 4
 
 
 @pytest.mark.parametrize("impl,mode,dtype", _cases(_MODES))
 def test_peak_memory(dtype, mode, impl, serial_eager):
     B, fwd_sizes, sizes = _measure(dtype, mode, impl=impl)
     # forward: nothing of [T, V_local] size; compiled: O(T) only; eager: row
-    # chunks of bounded scratch (kernels.STATS_FRACTION of B)
+    # chunks of bounded scratch (eager.STATS_FRACTION of B)
     if impl == "compiled":
         assert max(fwd_sizes, default=0) < 0.05 * B, [s for s in fwd_sizes if s > 0.01 * B]
         assert _peak(fwd_sizes) < 0.05 * B
     else:
         # the trace sees the chunks (else the bounds below would hold vacuously)
-        assert max(fwd_sizes) >= _chunk_bytes(dtype, kernels.STATS_FRACTION, kernels.STATS_SCRATCH_BYTES)
-        assert max(sizes) >= _chunk_bytes(dtype, kernels.GRAD_FRACTION, kernels.GRAD_SCRATCH_BYTES)
+        assert max(fwd_sizes) >= _chunk_bytes(dtype, eager.STATS_FRACTION, eager.STATS_SCRATCH_BYTES)
+        assert max(sizes) >= _chunk_bytes(dtype, eager.GRAD_FRACTION, eager.GRAD_SCRATCH_BYTES)
         assert max(fwd_sizes, default=0) < 0.1 * B, [s for s in fwd_sizes if s > 0.01 * B]
-        assert _peak(fwd_sizes) <= kernels.STATS_FRACTION * B + 0.01 * B
+        assert _peak(fwd_sizes) <= eager.STATS_FRACTION * B + 0.01 * B
     # forward + backward: about one gradient buffer (in the input dtype) at the peak
     big = [s for s in sizes if s >= 0.5 * B]
     assert big == [B], big
@@ -121,7 +121,7 @@ def test_inplace_grad_memory(dtype, mode, impl, serial_eager):
     # over it; eager: row chunks of bounded scratch. Goal: <= 0.05 B.
     B, _, sizes = _measure(dtype, mode, inplace=True, impl=impl)
     if impl == "eager":  # the trace sees the chunks
-        assert max(sizes) >= _chunk_bytes(dtype, kernels.INPLACE_FRACTION, kernels.GRAD_SCRATCH_BYTES)
+        assert max(sizes) >= _chunk_bytes(dtype, eager.INPLACE_FRACTION, eager.GRAD_SCRATCH_BYTES)
     assert _peak(sizes) <= 0.05 * B, _peak(sizes) / B
 
 

@@ -10,7 +10,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from dualvp_torch import compiled, kernels, logprob_entropy, tuning  # noqa: E402
+from dualvp_torch import compiled, engines, logprob_entropy, tuning  # noqa: E402
 
 from .test_logits_memory import _measure  # noqa: E402
 
@@ -27,7 +27,7 @@ def test_new_shapes_do_not_recompile_into_the_eager_fallback():
         x = torch.randn(t, 96 + t, generator=g).requires_grad_(True)
         lp, h = logprob_entropy(x, torch.randint(0, 96, (t,), generator=g), impl="compiled")
         (lp.sum() + h.sum()).backward()
-    assert kernels.select("compiled") == "compiled"  # no fallback
+    assert engines.select("compiled") == "compiled"  # no fallback
     B, fwd_sizes, sizes = _measure(torch.float32, "lp+ent+grad", impl="compiled")
     assert max(fwd_sizes, default=0) < 0.05 * B, [s for s in fwd_sizes if s > 0.01 * B]
     assert [s for s in sizes if s >= 0.5 * B] == [B]

@@ -6,7 +6,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from dualvp_torch import kernels, tuning  # noqa: E402
+from dualvp_torch import engines, tuning  # noqa: E402
 
 
 def test_frozen_with_the_documented_defaults():
@@ -36,14 +36,14 @@ def test_bad_fields_name_the_field(field, value, error):
 def test_using_nests_and_restores():
     outer, inner = tuning.Tuning(float64_sums_devices=()), tuning.Tuning(max_eager_workers=1)
     z = torch.zeros(2, 3)
-    assert kernels.accumulation_dtype(z) == torch.float64
+    assert engines.accumulation_dtype(z) == torch.float64
     with tuning.using(outer):
-        assert tuning.current() is outer and kernels.accumulation_dtype(z) is None
+        assert tuning.current() is outer and engines.accumulation_dtype(z) is None
         with pytest.raises(RuntimeError), tuning.using(inner):
             assert tuning.current() is inner
             raise RuntimeError
         assert tuning.current() is outer
-    assert tuning.current() is tuning.DEFAULT and kernels.accumulation_dtype(z) == torch.float64
+    assert tuning.current() is tuning.DEFAULT and engines.accumulation_dtype(z) == torch.float64
     with pytest.raises(TypeError, match="^setting: expected"):
         with tuning.using({"glibc_heap": True}):
             pass

@@ -118,12 +118,12 @@ def _dualvp_torch(ctx: Context, **fixed) -> Forward:
 
 
 def _check_impl(torch, logprob_entropy, impl: str, device: str) -> None:
-    """Raise if dualvp_torch cannot run ``impl``: the op's own list of ``impl`` names where it has one
+    """Raise if dualvp_torch cannot run ``impl``: the op's engine registry's names where it has one
     (no compile), else a call on a 2 x 4 problem."""
     if impl == "triton" and device == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
         raise ValueError("impl='triton' runs on a CPU only under TRITON_INTERPRET=1")
-    try:  # the names logprob_entropy takes (dualvp_torch.kernels.select knows only its own stages)
-        from dualvp_torch.function import IMPLEMENTATIONS as names
+    try:  # the names logprob_entropy takes: the engine registry's
+        from dualvp_torch.engines import NAMES as names
     except ImportError:
         names = None
     if names is not None and isinstance(names, (tuple, list, frozenset, set)):

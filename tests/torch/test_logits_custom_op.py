@@ -1,0 +1,84 @@
+"""The logits op's one primitive, the custom-op pair of ``dualvp_torch.library``: eager and under a caller's
+``torch.compile(fullgraph=True)``, every engine, against the float64 oracle.
+
+Eager calls and compiled callers run the same ``dualvp::logprob_entropy_fwd`` / ``_bwd`` object, so
+both must match the oracle, and each other. Fast tier: the eager and Triton (interpreter) engines on
+dynamo's ``aot_eager`` backend (AOTAutograd traces the op's fake and its autograd registration); slow: the
+compiled engine, and inductor as the caller's backend.
+"""
+
+import os
+
+import numpy as np
+import pytest
+
+os.environ.setdefault("TRITON_INTERPRET", "1")  # (tests/conftest.py sets it where there is no GPU)
+torch = pytest.importorskip("torch")
+
+from dualvp.testing import cases, metrics, oracle  # noqa: E402
+from dualvp_torch import engines, logprob_entropy  # noqa: E402
+
+_ENGINES = [
+    pytest.param("eager", id="eager"),
+    pytest.param("compiled", id="compiled", marks=pytest.mark.slow),
+    pytest.param("triton", id="triton", marks=pytest.mark.skipif(
+        engines.ENGINES["triton"].unavailable(torch.device("cpu")) is not None, reason="no triton interpreter")),
+]
+_CALLERS = [
+    pytest.param("eager", id="eager-caller"),
+    pytest.param("aot_eager", id="fullgraph-aot_eager"),
+    pytest.param("inductor", id="fullgraph-inductor", marks=pytest.mark.slow),
+]
+
+
+def _loss_fn(impl, problem):
+    c = problem.case
+    keep = None if problem.keep_mask is None else torch.from_numpy(problem.keep_mask)
+    y = torch.from_numpy(problem.target)
+    gl = torch.from_numpy(problem.grad_logprob).float()
+    ge = torch.from_numpy(problem.grad_entropy).float()
+
+    def fn(z):
+        lp, h = logprob_entropy(z, y, keep_mask=keep, temperature=c.temperature, ignore_index=c.ignore_index,
+                                impl=impl)
+        return lp, h, (lp * gl).sum() + (h * ge).sum()
+
+    return fn
+
+
+@pytest.mark.parametrize("caller", _CALLERS)
+@pytest.mark.parametrize("impl", _ENGINES)
+def test_eager_and_fullgraph_match_the_oracle(impl, caller):
+    p = cases.make(cases.case("nucleus", lead=(2, 3), vocab=72))
+    fn = _loss_fn(impl, p)
+    if caller != "eager":
+        torch._dynamo.reset()
+        fn = torch.compile(fn, fullgraph=True, backend=caller)  # fullgraph: a graph break raises
+    z = torch.tensor(p.logits, dtype=torch.float32, requires_grad=True)
+    lp, h, loss = fn(z)
+    loss.backward()
+    if caller == "eager":  # the op's autograd node is the custom op's
+        assert "dualvp_logprob_entropy_fwd" in type(lp.grad_fn).__name__
+    ref = oracle(p)
+    for q, got in (("logprob", lp), ("entropy", h), ("grad", z.grad)):
+        want = getattr(ref, q)
+        assert metrics.within_tolerance(got.detach().double().numpy(), want, metrics.tolerance("float32", q)), (
+            q, metrics.max_errors(got.detach().double().numpy(), want))
+
+
+def test_compiled_caller_equals_eager_caller_bit_for_bit():
+    """The same op object either way: the compiled caller's outputs and gradient equal the eager caller's."""
+    p = cases.make(cases.case("random_mask_temp", lead=(5,), vocab=40))
+    outs = []
+    for caller in ("eager", "aot_eager"):
+        fn = _loss_fn("eager", p)
+        if caller != "eager":
+            torch._dynamo.reset()
+            fn = torch.compile(fn, fullgraph=True, backend=caller)
+        z = torch.tensor(p.logits, dtype=torch.float32, requires_grad=True)
+        lp, h, loss = fn(z)
+        loss.backward()
+        outs.append((lp.detach(), h.detach(), z.grad))
+    for a, b in zip(*outs):
+        assert torch.equal(a, b)
+    assert np.isfinite(outs[0][2].numpy()).all()
