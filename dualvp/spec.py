@@ -802,7 +802,8 @@ def set_at_columns(xp, g, cols, vals, use):
 
     The one scatter of the spec; the array API has none, so it is done per
     array type: ``.at[].set(mode="drop")`` (JAX, functional; the unused
-    entries point past the row; 16-bit floats as their uint16 bits), ``scatter`` (torch; each unused entry
+    entries point past the row; 16-bit floats as their uint16 bits),
+    ``scatter_`` (torch, *in place*, returns ``g``; each unused entry
     repeats its row's first used entry, or rewrites column 0 with its own
     value, so every write to a column writes one value), boolean indexing
     (NumPy, on a copy). ``vals`` is cast to ``g``'s dtype.
@@ -830,9 +831,10 @@ def set_at_columns(xp, g, cols, vals, use):
         cols, vals = cols.to(torch.int64), vals.to(g.dtype)
         # The row's first used entry (0 when none), and its column and value.
         first = torch.argmax(use.to(torch.int8), dim=-1, keepdim=True)
-        c0 = torch.where(use.any(-1, keepdim=True), cols.gather(-1, first), torch.zeros_like(first))
-        v0 = torch.where(use.any(-1, keepdim=True), vals.gather(-1, first), g.gather(-1, c0))
-        return g.scatter(-1, torch.where(use, cols, c0), torch.where(use, vals, v0))
+        any_used = use.any(-1, keepdim=True)
+        c0 = torch.where(any_used, cols.gather(-1, first), torch.zeros_like(first))
+        v0 = torch.where(any_used, vals.gather(-1, first), g.gather(-1, c0))
+        return g.scatter_(-1, torch.where(use, cols, c0), torch.where(use, vals, v0))
     import numpy as np
 
     g2 = np.array(g, copy=True)

@@ -111,14 +111,14 @@ def check_call(group: object, validate: object, impl: object) -> tuple[int, int]
 
 
 def _check_tensors(*expected: tuple[str, object, str]) -> None:
-    # TypeError naming the first (name, x, what) whose x is not a tensor (None passes for keep_mask)
+    # TypeError naming the first (name, x, what) whose x is not a tensor (None passes for keep_mask / keep_ids)
     for name, x, what in expected:
-        if not isinstance(x, torch.Tensor) and not (name == "keep_mask" and x is None):
+        if not isinstance(x, torch.Tensor) and not (name in ("keep_mask", "keep_ids") and x is None):
             raise TypeError(f"{name}: expected {what}, got {kind(x)}")
 
 
 def check_target_keep(
-    *leading: tuple[str, object, str], target: object, keep_mask: object
+    *leading: tuple[str, object, str], target: object, keep_mask: object, keep_ids: object = None
 ) -> dict:
     """Type checks of an op's tensors, then the target/keep-mask keywords of ``validation.check_*args``.
 
@@ -126,25 +126,33 @@ def check_target_keep(
     and weight), checked before ``target [...]`` and ``keep_mask [...,
     V_local]`` so that the first wrong argument in signature order is named.
     Returns ``target_shape``, ``target_dtype``, ``keep_shape`` and
-    ``keep_dtype`` (both ``None`` without a mask).
+    ``keep_dtype`` (both ``None`` without a mask), ``ids_shape`` and
+    ``ids_dtype`` (both ``None`` without ``keep_ids``).
     """
     _check_tensors(
         *leading,
         ("target", target, "an integer torch.Tensor [...]"),
         ("keep_mask", keep_mask, "None or a bool torch.Tensor [..., V_local]"),
+        ("keep_ids", keep_ids, _IDS_WHAT),
     )
     return dict(
         target_shape=tuple(target.shape),
         target_dtype=dtype_name(target.dtype),
         keep_shape=None if keep_mask is None else tuple(keep_mask.shape),
         keep_dtype=None if keep_mask is None else dtype_name(keep_mask.dtype),
+        ids_shape=None if keep_ids is None else tuple(keep_ids.shape),
+        ids_dtype=None if keep_ids is None else dtype_name(keep_ids.dtype),
     )
 
 
+_IDS_WHAT = "None or an integer torch.Tensor [..., K] of global token ids (padding -1)"
+
+
 def logits_options(lm: tuple, tm: tuple, km: Optional[tuple], temperature: object, ignore_index: object,
-                   with_entropy: object, entropy_grad: object, inplace_grad: object) -> validation.Options:
+                   with_entropy: object, entropy_grad: object, inplace_grad: object,
+                   im: Optional[tuple] = None) -> validation.Options:
     """The logits op's local checks after the type checks, a pure function of the tensors' :func:`meta`
-    (``tm``, ``km``: its first three fields) and the options."""
+    (``tm``, ``km``, ``im`` (keep_ids): its first three fields) and the options."""
     opt = validation.check_args(
         logits_shape=tuple(lm[0]),
         logits_dtype=dtype_name(lm[1]),
@@ -157,11 +165,15 @@ def logits_options(lm: tuple, tm: tuple, km: Optional[tuple], temperature: objec
         with_entropy=with_entropy,
         entropy_grad=entropy_grad,
         inplace_grad=inplace_grad,
+        ids_shape=None if im is None else tuple(im[0]),
+        ids_dtype=None if im is None else dtype_name(im[1]),
     )
     if tm[2] != lm[2]:
         raise ValueError(f"target: expected a tensor on the logits' device {lm[2]}, got device {tm[2]}")
     if km is not None and km[2] != lm[2]:
         raise ValueError(f"keep_mask: expected a tensor on the logits' device {lm[2]}, got device {km[2]}")
+    if im is not None and im[2] != lm[2]:
+        raise ValueError(f"keep_ids: expected a tensor on the logits' device {lm[2]}, got device {im[2]}")
     if inplace_grad:
         if lm[3] and lm[4]:
             raise ValueError(
@@ -185,14 +197,14 @@ def _engine_available(engine: str, device: torch.device) -> None:
 @functools.lru_cache(maxsize=256, typed=True)
 def _cached_logits_call(group, validate: bool, engine: str, lm: tuple, tm: tuple, km: Optional[tuple],
                         temperature, ignore_index, with_entropy, entropy_grad, inplace_grad,
-                        label_smoothing) -> Call:
+                        label_smoothing, im: Optional[tuple] = None) -> Call:
     """The logits op's :class:`Call` (every check but the agreement), a pure function of its arguments.
 
     Cached (``typed``: ``1`` and ``True`` are different keys); a call that
     fails raises here every time (a cache stores no failure).
     """
     rank, world = check_call(group, validate, engine)
-    opt = logits_options(lm, tm, km, temperature, ignore_index, with_entropy, entropy_grad, inplace_grad)
+    opt = logits_options(lm, tm, km, temperature, ignore_index, with_entropy, entropy_grad, inplace_grad, im)
     if label_smoothing:
         opt = dataclasses.replace(opt, label_smoothing=float(label_smoothing))
     _engine_available(engine, lm[2])
@@ -213,7 +225,7 @@ def logits_call(
     logits: object, target: object, keep_mask: object = None, *, group: object = None, temperature: object = 1.0,
     with_entropy: object = True, entropy_grad: object = True, ignore_index: object = -100, validate: object = True,
     inplace_grad: object = False, impl: object = None, label_smoothing: float = 0.0,
-    caller_error: Optional[BaseException] = None,
+    caller_error: Optional[BaseException] = None, keep_ids: object = None,
 ) -> Call:
     """The checked :class:`Call` of a logits-op call: every rank returns or every rank raises.
 
@@ -226,7 +238,8 @@ def logits_call(
     through the agreement step like a local check's error.
     """
     if (caller_error is None and type(logits) is torch.Tensor and type(target) is torch.Tensor
-            and (keep_mask is None or type(keep_mask) is torch.Tensor) and type(temperature) in (float, int)):
+            and (keep_mask is None or type(keep_mask) is torch.Tensor)
+            and (keep_ids is None or type(keep_ids) is torch.Tensor) and type(temperature) in (float, int)):
         # (meta and _meta3 written out: this runs on every call, up to three times)
         try:
             engine = engines.select(impl, logits.device)
@@ -237,6 +250,7 @@ def logits_call(
                 (target.shape, target.dtype, target.device),
                 None if keep_mask is None else (keep_mask.shape, keep_mask.dtype, keep_mask.device),
                 temperature, ignore_index, with_entropy, entropy_grad, inplace_grad, label_smoothing,
+                None if keep_ids is None else (keep_ids.shape, keep_ids.dtype, keep_ids.device),
             )
         except (TypeError, ValueError):  # (an unhashable argument too) the full checks below name it
             pass
@@ -246,13 +260,14 @@ def logits_call(
             ("logits", logits, "a torch.Tensor [..., V_local] of a floating dtype"),
             ("target", target, "an integer torch.Tensor [...]"),
             ("keep_mask", keep_mask, "None or a bool torch.Tensor [..., V_local]"),
+            ("keep_ids", keep_ids, _IDS_WHAT),
         )
         opt = logits_options(meta(logits), _meta3(target), _meta3(keep_mask), temperature, ignore_index,
-                             with_entropy, entropy_grad, inplace_grad)
+                             with_entropy, entropy_grad, inplace_grad, _meta3(keep_ids))
         engine = engines.select(impl, logits.device)
         return _cached_logits_call(group, validate, engine, meta(logits), _meta3(target), _meta3(keep_mask),
                                    opt.temperature, opt.ignore_index, with_entropy, entropy_grad, inplace_grad,
-                                   label_smoothing)
+                                   label_smoothing, _meta3(keep_ids))
 
     return _checked(local, group, validate, impl, caller_error, logits, fused=False)
 
@@ -330,7 +345,7 @@ def _check_fused_options(hidden: torch.Tensor, engine: str, allow_tf32: object) 
 
 def linear_call(
     hidden: object, weight: object, target: object, keep_mask: object, *, group: object, validate: object,
-    impl: object, allow_tf32: object, kw: dict,
+    impl: object, allow_tf32: object, kw: dict, keep_ids: object = None,
 ) -> Call:
     """The checked :class:`Call` of a fused-op call (see :func:`logits_call`; not cached).
 
@@ -344,6 +359,7 @@ def linear_call(
             ("weight", weight, "a torch.Tensor [V_local, H] of hidden's dtype"),
             target=target,
             keep_mask=keep_mask,
+            keep_ids=keep_ids,
         )
         opt = validation.check_linear_args(
             hidden_shape=tuple(hidden.shape),
@@ -354,11 +370,14 @@ def linear_call(
             world_size=world,
             **kw,
         )
-        for name, x in (("weight", weight), ("target", target), ("keep_mask", keep_mask)):
+        for name, x in (("weight", weight), ("target", target), ("keep_mask", keep_mask), ("keep_ids", keep_ids)):
             if x is not None and x.device != hidden.device:
                 raise ValueError(f"{name}: expected a tensor on hidden's device {hidden.device}, got device {x.device}")
         engine = engines.select(impl, hidden.device, triton_default=False)
         _check_fused_options(hidden, engine, allow_tf32)
+        if keep_ids is not None and not engines.ENGINES[engine].spec_stages:
+            raise ValueError(f"keep_ids: expected None with impl={engine!r} (the fused Triton kernels take a "
+                             "keep_mask); the tile loop (impl=None, 'compiled' or 'eager') takes keep_ids")
         record = None
         if validate and group is not None:
             grad_on = torch.is_grad_enabled()

@@ -48,6 +48,7 @@ def logprob_entropy(
     validate: bool = True,
     inplace_grad: bool = False,
     impl: Optional[Engine] = None,
+    keep_ids: Optional[torch.Tensor] = None,
 ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
     """Log-prob of the target and entropy from vocab-sharded logits.
 
@@ -63,6 +64,16 @@ def logprob_entropy(
       keep_mask: ``[..., V_local]`` bool, the tokens the sampler kept (top-p /
         top-k replay). The log-prob is under the distribution renormalised over
         ``keep_mask`` plus the target (always kept); the entropy is unmasked.
+      keep_ids: ``[..., K]`` integer *global* token ids (padding -1), the
+        kept set as the sampler returns it: the alternative to ``keep_mask``
+        with its semantics (never both). The same tensor on every rank; each
+        rank uses the ids in its shard; a repeated id counts once. Memory
+        O(T K): no ``[..., V_local]`` mask is built (every engine runs
+        unmasked, the kept set's part is a gather and a scatter of ``K + 1``
+        columns per row beside it, :mod:`dualvp_torch.keep_ids`). With
+        ``validate=True`` ids outside ``[0, V)`` other than -1 raise
+        ``ValueError`` on every rank (one host sync more); with
+        ``validate=False`` they lie in no shard and are ignored.
       temperature: ``tau > 0``; the op uses ``softmax(logits / tau)`` without
         an extra buffer.
       with_entropy: ``False`` returns ``None`` for the entropy (it costs
@@ -114,29 +125,31 @@ def logprob_entropy(
     if torch.compiler.is_compiling():
         if library.eligible(logits, target, group=group, keep_mask=keep_mask, temperature=temperature,
                             with_entropy=with_entropy, entropy_grad=entropy_grad, ignore_index=ignore_index,
-                            validate=validate, inplace_grad=inplace_grad, impl=impl):
+                            validate=validate, inplace_grad=inplace_grad, impl=impl, keep_ids=keep_ids):
             # one node of the caller's graph; the op's body runs the checks
             return library.in_graph(
                 logits, target, group=group, keep_mask=keep_mask, temperature=temperature,
                 with_entropy=with_entropy, entropy_grad=entropy_grad, ignore_index=ignore_index, validate=validate,
-                inplace_grad=inplace_grad, impl=impl,
+                inplace_grad=inplace_grad, impl=impl, keep_ids=keep_ids,
             )
         return torch.compiler.disable(_logprob_entropy)(
             logits, target, group=group, keep_mask=keep_mask, temperature=temperature, with_entropy=with_entropy,
             entropy_grad=entropy_grad, ignore_index=ignore_index, validate=validate, inplace_grad=inplace_grad,
-            impl=impl,
+            impl=impl, keep_ids=keep_ids,
         )
     if not (type(logits) is torch.Tensor and type(target) is torch.Tensor
-            and (keep_mask is None or type(keep_mask) is torch.Tensor)) and \
-            _dtensor.involves_dtensor(logits, target, keep_mask):
+            and (keep_mask is None or type(keep_mask) is torch.Tensor)
+            and (keep_ids is None or type(keep_ids) is torch.Tensor)) and \
+            _dtensor.involves_dtensor(logits, target, keep_mask, keep_ids):
         return _dtensor.logprob_entropy(  # torch tensor parallelism: see dtensor.py
             logprob_entropy, logits, target, group=group, keep_mask=keep_mask, temperature=temperature,
             with_entropy=with_entropy, entropy_grad=entropy_grad, ignore_index=ignore_index, validate=validate,
-            inplace_grad=inplace_grad, impl=impl,
+            inplace_grad=inplace_grad, impl=impl, keep_ids=keep_ids,
         )
     return library.logprob_entropy(
         logits, target, group=group, keep_mask=keep_mask, temperature=temperature, with_entropy=with_entropy,
         entropy_grad=entropy_grad, ignore_index=ignore_index, validate=validate, inplace_grad=inplace_grad, impl=impl,
+        keep_ids=keep_ids,
     )
 
 
@@ -148,7 +161,7 @@ def _plain(logits, target, keep_mask) -> bool:
 def _logprob_entropy(
     logits, target, *, group=None, keep_mask=None, temperature=1.0, with_entropy=True, entropy_grad=True,
     ignore_index=-100, validate=True, inplace_grad=False, impl=None, label_smoothing: float = 0.0,
-    caller_error: Optional[BaseException] = None,
+    caller_error: Optional[BaseException] = None, keep_ids=None,
 ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
     """:func:`logprob_entropy` outside a compiler, for the drop-ins of :mod:`dualvp_torch.compat` too.
 
@@ -158,17 +171,18 @@ def _logprob_entropy(
     through the agreement step like a local check's error: every rank raises,
     none waits in a collective.
     """
-    if caller_error is None and not _plain(logits, target, keep_mask) and \
-            _dtensor.involves_dtensor(logits, target, keep_mask):
+    if caller_error is None and not (_plain(logits, target, keep_mask)
+                                     and (keep_ids is None or type(keep_ids) is torch.Tensor)) and \
+            _dtensor.involves_dtensor(logits, target, keep_mask, keep_ids):
         return _dtensor.logprob_entropy(
             logprob_entropy, logits, target, group=group, keep_mask=keep_mask, temperature=temperature,
             with_entropy=with_entropy, entropy_grad=entropy_grad, ignore_index=ignore_index, validate=validate,
-            inplace_grad=inplace_grad, impl=impl,
+            inplace_grad=inplace_grad, impl=impl, keep_ids=keep_ids,
         )
     return library.logprob_entropy(
         logits, target, group=group, keep_mask=keep_mask, temperature=temperature, with_entropy=with_entropy,
         entropy_grad=entropy_grad, ignore_index=ignore_index, validate=validate, inplace_grad=inplace_grad,
-        impl=impl, label_smoothing=label_smoothing, caller_error=caller_error,
+        impl=impl, label_smoothing=label_smoothing, caller_error=caller_error, keep_ids=keep_ids,
     )
 
 

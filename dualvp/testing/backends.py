@@ -124,7 +124,8 @@ def torch_rank_outputs(rank: int, world: int, problems: Sequence[Problem], impl:
         zs, ks = p.shard(rank, world)
         z = put(zs, getattr(torch, c.dtype)).requires_grad_(True)
         keep = None if ks is None else put(ks)
-        lp, h = logprob_entropy(z, put(p.target), group=group, keep_mask=keep,
+        ids = None if p.keep_ids is None else put(p.keep_ids)  # global ids: the same on every rank
+        lp, h = logprob_entropy(z, put(p.target), group=group, keep_mask=keep, keep_ids=ids,
                                 temperature=c.temperature, ignore_index=c.ignore_index, impl=impl)
         torch.autograd.backward([lp, h], [put(p.grad_logprob, lp.dtype), put(p.grad_entropy, h.dtype)])
         outs.append(Outputs(*(x.detach().double().cpu().numpy() for x in (lp, h, z.grad))))
@@ -146,7 +147,8 @@ def _torch_linear(p: LinearProblem, rank: int, world: int, group, impl: Optional
     h = put(p.hidden, dt).requires_grad_(True)
     w = put(ws, dt).requires_grad_(True)
     keep = None if ks is None else put(ks)
-    lp, en = linear_logprob_entropy(h, w, put(p.target), group=group, keep_mask=keep,
+    ids = None if p.keep_ids is None else put(p.keep_ids)
+    lp, en = linear_logprob_entropy(h, w, put(p.target), group=group, keep_mask=keep, keep_ids=ids,
                                     temperature=c.temperature, ignore_index=c.ignore_index,
                                     reduce_hidden_grad=True, impl=impl)
     torch.autograd.backward([lp, en], [put(p.grad_logprob, lp.dtype), put(p.grad_entropy, en.dtype)])
