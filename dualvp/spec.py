@@ -803,7 +803,8 @@ def set_at_columns(xp, g, cols, vals, use):
     The one scatter of the spec; the array API has none, so it is done per
     array type: ``.at[].set(mode="drop")`` (JAX, functional; the unused
     entries point past the row; 16-bit floats as their uint16 bits),
-    ``scatter_`` (torch, *in place*, returns ``g``; each unused entry
+    ``scatter_`` (torch, *in place*, returns ``g``; 16-bit floats as their
+    int16 bits; each unused entry
     repeats its row's first used entry, or rewrites column 0 with its own
     value, so every write to a column writes one value), boolean indexing
     (NumPy, on a copy). ``vals`` is cast to ``g``'s dtype.
@@ -834,7 +835,13 @@ def set_at_columns(xp, g, cols, vals, use):
         any_used = use.any(-1, keepdim=True)
         c0 = torch.where(any_used, cols.gather(-1, first), torch.zeros_like(first))
         v0 = torch.where(any_used, vals.gather(-1, first), g.gather(-1, c0))
-        return g.scatter_(-1, torch.where(use, cols, c0), torch.where(use, vals, v0))
+        idx, src = torch.where(use, cols, c0), torch.where(use, vals, v0)
+        if g.element_size() == 2:
+            # A set moves bits: on int16 views, because torch's CPU scatter
+            # of 16-bit floats goes through a float32 copy of the whole tensor.
+            g.view(torch.int16).scatter_(-1, idx, src.view(torch.int16))
+            return g
+        return g.scatter_(-1, idx, src)
     import numpy as np
 
     g2 = np.array(g, copy=True)
