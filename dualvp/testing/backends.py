@@ -90,8 +90,9 @@ def _compute_dtype(dtype: str):
 def _spec(p: Problem, world: int) -> Outputs:
     c = p.case
     lp, h, g = simulate.over_shards(
-        p.logits, p.target, world, keep_mask=p.keep_mask, keep_ids=p.keep_ids, temperature=c.temperature, ignore_index=c.ignore_index,
-        grad_logprob=p.grad_logprob, grad_entropy=p.grad_entropy, dtype=_compute_dtype(c.dtype))
+        p.logits, p.target, world, keep_mask=p.keep_mask, keep_ids=p.keep_ids, temperature=c.temperature,
+        ignore_index=c.ignore_index, grad_logprob=p.grad_logprob, grad_entropy=p.grad_entropy,
+        dtype=_compute_dtype(c.dtype))
     return Outputs(*(np.asarray(x, np.float64) for x in (lp, h, g)))
 
 

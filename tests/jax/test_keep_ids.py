@@ -107,9 +107,9 @@ def test_modes_without_the_entropy_gradient(with_entropy, entropy_grad):
     k = jnp.asarray(p.keep_ids)
 
     def f(z):
-        lp, h = dualvp_jax.sharded_logprob_entropy(z, y, mesh_1d(2, "auto"), "tp", keep_ids=k, temperature=c.temperature,
-                                                   ignore_index=c.ignore_index, with_entropy=with_entropy,
-                                                   entropy_grad=entropy_grad)
+        lp, h = dualvp_jax.sharded_logprob_entropy(z, y, mesh_1d(2, "auto"), "tp", keep_ids=k,
+                                                   temperature=c.temperature, ignore_index=c.ignore_index,
+                                                   with_entropy=with_entropy, entropy_grad=entropy_grad)
         return jnp.sum(lp * jnp.asarray(p.grad_logprob, jnp.float32)) + (
             jnp.sum(h * jnp.asarray(p.grad_entropy, jnp.float32)) if with_entropy else 0.0)
 
