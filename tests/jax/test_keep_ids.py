@@ -45,6 +45,7 @@ def test_keep_ids_whole_table(c):
         _check(p, backends.run("jax", p, world))
 
 
+@pytest.mark.slow
 def test_keep_ids_match_the_backends_own_mask_result():
     """The op with ids and the op with the mask made from them agree within TOLERANCES (W = 4)."""
     c = cases.case("random_mask_temp_ids")
@@ -99,7 +100,8 @@ def test_traced_ids_skip_the_range_check():
     assert testing.within_tolerance(np.asarray(lp, np.float64), want, testing.tolerance("float32", "logprob"))
 
 
-@pytest.mark.parametrize("with_entropy,entropy_grad", [(False, False), (True, False)])
+@pytest.mark.parametrize("with_entropy,entropy_grad",
+                         [(False, False), pytest.param(True, False, marks=pytest.mark.slow)])
 def test_modes_without_the_entropy_gradient(with_entropy, entropy_grad):
     p = cases.make(cases.case("everything_ids"))
     c = p.case
