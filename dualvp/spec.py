@@ -815,7 +815,7 @@ def set_at_columns(xp, g, cols, vals, use):
         from jax import lax
 
         rows = xp.arange(math.prod(g.shape[:-1]))[:, None]
-        c = xp.where(use, cols, n).reshape(rows.shape[0], -1)
+        c = xp.where(use, cols, n).reshape(rows.shape[0], cols.shape[-1])
         v = _astype(xp, vals, g.dtype).reshape(c.shape)
         if xp.finfo(g.dtype).bits == 16:
             # A set moves bits: done on uint16, because XLA:CPU scatters 16-bit

@@ -206,3 +206,13 @@ def test_compiled_scratch_at_the_bench_size(dtype):
     bound = 0.05 * B if dtype == "float32" else 1.05 * B
     assert ma.temp_size_in_bytes <= bound, ma.temp_size_in_bytes / B
     assert ma.output_size_in_bytes <= 1.001 * B
+
+
+def test_no_rows():
+    """T = 0 (ids ``[0, K]``): empty outputs and gradients, as without ids."""
+    y, k = jnp.zeros((0,), jnp.int32), jnp.zeros((0, 3), jnp.int32)
+    g = jax.grad(lambda z: dualvp_jax.logprob_entropy(z, y, keep_ids=k)[0].sum())(jnp.zeros((0, 8)))
+    assert g.shape == (0, 8)
+    dh = jax.grad(lambda h: dualvp_jax.linear_logprob_entropy(h, jnp.ones((8, 4)), y, keep_ids=k)[0].sum())(
+        jnp.zeros((0, 4)))
+    assert dh.shape == (0, 4)

@@ -269,3 +269,11 @@ def test_peak_memory_has_no_mask_sized_buffer(impl, dtype):
     big = [s for s in sizes if s >= B // 4]
     assert big == [B], [s / B for s in big]
     assert peak(sizes) <= 1.1 * B, peak(sizes) / B
+
+
+def test_no_rows():
+    z = torch.zeros(0, 8, requires_grad=True)
+    lp, h = dualvp_torch.logprob_entropy(z, torch.zeros(0, dtype=torch.long), keep_ids=torch.zeros(0, 3,
+                                         dtype=torch.long), impl="eager")
+    (lp.sum() + h.sum()).backward()
+    assert lp.shape == (0,) and z.grad.shape == (0, 8)
