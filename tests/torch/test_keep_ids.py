@@ -277,3 +277,22 @@ def test_no_rows():
                                          dtype=torch.long), impl="eager")
     (lp.sum() + h.sum()).backward()
     assert lp.shape == (0,) and z.grad.shape == (0, 8)
+
+
+@pytest.mark.slow
+def test_inside_a_callers_fullgraph_compile():
+    """keep_ids through the custom op: one node of a caller's ``torch.compile(fullgraph=True)`` graph."""
+    p = cases.make(cases.case("everything_ids"))
+    c = p.case
+    z0, y, ids = _tensors(p)
+    gl, ge = (torch.from_numpy(x).float() for x in (p.grad_logprob, p.grad_entropy))
+
+    def loss(z):
+        lp, h = dualvp_torch.logprob_entropy(z, y, keep_ids=ids, temperature=c.temperature,
+                                             ignore_index=c.ignore_index, impl="eager")
+        return (lp * gl).sum() + (h * ge).sum()
+
+    z = z0.clone().requires_grad_(True)
+    torch.compile(loss, fullgraph=True)(z).backward()
+    want = testing.oracle(p)
+    assert testing.within_tolerance(z.grad.double().numpy(), want.grad, testing.tolerance("float32", "grad"))
