@@ -39,7 +39,12 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-__all__ = ["CHUNK_BYTES", "COLUMN_BLOCK", "chunk_rows", "column_blocks", "map_row_chunks"]
+__all__ = ["CHUNK_BYTES", "COLUMN_BLOCK", "MIN_ROWS", "chunk_rows", "column_blocks", "map_row_chunks"]
+
+#: Fewest rows of one reduction block: :func:`map_row_chunks` pads a call of
+#: fewer rows to this many (batch invariance, docs/decisions.md "Batch
+#: invariance: one reduction order per row").
+MIN_ROWS = 8
 
 #: Default budget, in bytes, of one float32 ``[rows, V_local]`` intermediate
 #: of a chunk. A chunk of the op's statistics holds two or three such buffers
@@ -108,6 +113,15 @@ def map_row_chunks(fn: Callable, arrays: Sequence[Optional[jnp.ndarray]], rows: 
     """
     present = [a for a in arrays if a is not None]
     n = present[0].shape[0]
+    if n < MIN_ROWS:
+        # Batch invariance: XLA:CPU reduces a block of at most 4 rows along
+        # another path, whose float32 rounding differs from a larger block's
+        # (measured: entropy and gradient 1-2 ulp apart). A call of fewer than
+        # MIN_ROWS rows runs as MIN_ROWS rows (zero rows appended, a copy of at
+        # most MIN_ROWS rows), so a row gets the same bits alone as in any T.
+        pad = MIN_ROWS - n
+        padded = [None if a is None else jnp.pad(a, [(0, pad)] + [(0, 0)] * (a.ndim - 1)) for a in arrays]
+        return jax.tree_util.tree_map(lambda y: y[:n], fn(*padded))
     if rows >= n:
         return fn(*arrays)
     k = -(-n // rows)  # chunks; the last one starts at n - rows (overlap, no padding)

@@ -242,7 +242,9 @@ def logits_call(
             and (keep_ids is None or type(keep_ids) is torch.Tensor) and type(temperature) in (float, int)):
         # (meta and _meta3 written out: this runs on every call, up to three times)
         try:
-            engine = engines.select(impl, logits.device)
+            # an explicit engine is checked by the cached call (check_call); None and "compiled" (which falls
+            # back to "eager" once compiling failed) are resolved at each call
+            engine = impl if impl is not None and impl != "compiled" else engines.select(impl, logits.device)
             return _cached_logits_call(
                 group, validate, engine,
                 (logits.shape, logits.dtype, logits.device, logits.requires_grad, logits.is_leaf,

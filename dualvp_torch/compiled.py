@@ -151,6 +151,8 @@ def run(fn: Callable, args: tuple, has_entropy: bool, has_keep: Optional[bool] =
     # (tests/torch/test_recompile.py).
     args = tuple((a.contiguous() if a.ndim == 1 else a).detach() if isinstance(a, torch.Tensor) else a
                  for a in args)
+    if fn in stages.SHARD_STAGES and args[0].shape[0] == 1:
+        return _run_one_row(fn, args, has_entropy, has_keep)
     try:
         keep = args[3] is not None if has_keep is None else has_keep
         compiled = _compiled(fn, args[0], keep, has_entropy)
@@ -199,3 +201,20 @@ def one_graph_break(fn: Callable) -> Callable:
         return fn(*args, **kwargs)
 
     return wrapper
+
+
+def _run_one_row(fn: Callable, args: tuple, has_entropy: bool, has_keep: Optional[bool]):
+    # Batch invariance: dynamo specialises a row count of 1, and the graph it
+    # compiles for one row may block or split the row's reductions otherwise
+    # than the dynamic-T graph every other row count shares. A one-row shard
+    # runs as two rows (the row twice: the shard's [T] and [T, V_local]
+    # arguments repeated, a copy of one row) through that shared graph, and
+    # row 0 of the result is kept; the in-place stage's row is copied back.
+    two = tuple(torch.cat([a, a]) if isinstance(a, torch.Tensor) and a.ndim >= 1 else a for a in args)
+    out, ok = run(fn, two, has_entropy, has_keep)
+    if not ok:
+        return None, False
+    if fn is stages.grad_inplace_stage:
+        args[0].copy_(two[0][:1])
+        return out, True
+    return out[:1], True

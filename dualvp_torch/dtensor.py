@@ -56,10 +56,10 @@ import torch
 # it has been imported, so nothing here imports it before a DTensor is seen.
 _DT_MODULES = ("torch.distributed.tensor", "torch.distributed._tensor")
 
-__all__ = ["is_dtensor", "involves_dtensor", "logprob_entropy"]
+__all__ = ["dtensor_module", "is_dtensor", "involves_dtensor", "logprob_entropy"]
 
 
-def _dt():
+def dtensor_module():
     """The module defining DTensor, Shard, Replicate, Partial (public on torch >= 2.5)."""
     try:
         import torch.distributed.tensor as dt
@@ -86,7 +86,7 @@ def involves_dtensor(logits, target, keep_mask, keep_ids=None) -> bool:
 
 def _norm(placements, ndim: int) -> tuple:
     """Placements with ``Shard(d)`` dims made non-negative (``Shard(-1)`` == ``Shard(ndim-1)``)."""
-    Shard = _dt().Shard
+    Shard = dtensor_module().Shard
     out = []
     for p in placements:
         if type(p) is Shard and p.dim < 0:
@@ -102,7 +102,7 @@ def _mesh_dim_name(mesh, i: int) -> str:
 
 def _vocab_mesh_dim(logits) -> Optional[int]:
     """The mesh dim that shards the vocabulary (None: not sharded); raises on unsupported layouts."""
-    dt = _dt()
+    dt = dtensor_module()
     Shard, Replicate, Partial = dt.Shard, dt.Replicate, dt.Partial
     ndim = logits.ndim
     if ndim < 1:
@@ -233,7 +233,7 @@ def logprob_entropy(local_op, logits, target, *, group=None, keep_mask=None, inp
             "group: expected None for DTensor logits (the group is the vocab mesh dim's, "
             f"mesh.get_group(dim)), got a {type(group).__name__}"
         )
-    dt = _dt()
+    dt = dtensor_module()
     DTensor, Replicate = dt.DTensor, dt.Replicate
     mesh = logits.device_mesh
     ndim = logits.ndim

@@ -66,6 +66,9 @@ MIN_CHUNK_ELEMENTS = 1 << 12
 #: cost (a thread hand-off, some 25 small ops) of 2-row chunks dominated the
 #: call (docs/decisions.md, "Small shards in the calling thread").
 SMALL_SHARD_ELEMENTS = 1 << 17
+#: ATen's grain (``at::internal::GRAIN_SIZE``): a CPU reduction splits a row between threads only when
+#: the row is longer than this (see :func:`_split_rows_possible`).
+ATEN_GRAIN = 32768
 #: ... chunks whose temporaries (256 KiB in float32) glibc recycles
 #: without faulting their pages in again, where a whole-shard chunk's did.
 SMALL_CHUNK_ELEMENTS = 1 << 16
@@ -114,6 +117,12 @@ _lock = threading.Lock()
 
 
 def _set_threads(n: int, barrier: Optional[threading.Barrier] = None) -> None:
+    # ATen's OpenMP backend initialises a thread's team size from the
+    # process-wide count at the thread's first parallel op (a thread-local
+    # lazy init); a set_num_threads before that init is undone by it (the
+    # workers then ran every op on the caller's thread count, and a row split
+    # between threads got other bits). get_num_threads() runs the init first.
+    torch.get_num_threads()
     torch.set_num_threads(n)
     if barrier is not None:
         barrier.wait()
@@ -145,6 +154,24 @@ def _executor(workers: int) -> ThreadPoolExecutor:
         return ex
 
 
+def _split_rows_possible(z: torch.Tensor, setting: tuning.Tuning) -> bool:
+    # Batch invariance: a CPU reduction over a few rows with more than one
+    # intra-op thread splits each row between the threads (TensorIterator
+    # parallelises the reduced dimension when the outputs are fewer than the
+    # threads' grain), so a row of a small call was summed in another order
+    # than the same row in a large one (V_local = 40000: entropy 2 ulp
+    # apart). On CPU with several intra-op threads every chunk therefore runs
+    # on the single-threaded workers, one chunk included: each row is summed
+    # in one thread, in the order the row's length alone decides.
+    # ATen splits no row narrower than its grain (at::internal::GRAIN_SIZE): such shards (small ones
+    # included: docs/decisions.md, "Small shards in the calling thread") stay in the calling thread.
+    # ``Tuning(max_eager_workers=1)`` keeps the chunks in the calling thread
+    # (where the profiler sees their allocations: tests/torch/test_logits_memory.py),
+    # and with it this guarantee only for rows narrower than ATen's grain.
+    return (z.device.type == "cpu" and z.shape[-1] > ATEN_GRAIN and torch.get_num_threads() > 1
+            and setting.max_eager_workers > 1)
+
+
 def _map_chunks(
     fn: Callable, z: torch.Tensor, fraction: float, scratch_bytes: int, setting: tuning.Tuning,
     release: bool = False,
@@ -162,7 +189,7 @@ def _map_chunks(
             return fn(*c)
 
     try:
-        if workers == 1 or len(chunks) == 1:
+        if not _split_rows_possible(z, setting):
             return [fn(i, j) for i, j in chunks]
         return list(_executor(min(workers, len(chunks))).map(run, chunks))
     finally:
@@ -207,7 +234,7 @@ def grad(z, out, local, owns, keep, *row_args) -> None:
     """Write the shard's gradient into ``out`` (``z`` itself for the in-place gradient), chunk by chunk.
 
     ``row_args``: ``M, log_s, c, mk, log_sk, valid, gl, ge, tau`` as in
-    :func:`dualvp_torch.kernels.shard_grad`.
+    :func:`dualvp_torch.engines.shard_grad`.
     """
     setting = tuning.current()
     *per_row, tau = row_args
@@ -234,5 +261,13 @@ def redo_marked_rows(out, z, local, owns, keep, tau, with_entropy: bool, setting
         return
     setting = setting or tuning.current()
     step = chunk_rows(z.shape[0], z.shape[1], z.element_size(), cap_bytes=_cap(z, setting))
+    def redo(idx):
+        with torch.no_grad():
+            out[idx] = stages.stats_stage(z[idx], local[idx], owns[idx], keep[idx], tau, None,
+                                          with_entropy).to(out.dtype)
+
     for idx in rows.split(step):
-        out[idx] = stages.stats_stage(z[idx], local[idx], owns[idx], keep[idx], tau, None, with_entropy).to(out.dtype)
+        if _split_rows_possible(z, setting):  # on a single-threaded worker (see _split_rows_possible)
+            _executor(1).submit(redo, idx).result()
+        else:
+            redo(idx)

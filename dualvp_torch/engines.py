@@ -174,11 +174,6 @@ def _eager_tau(tau, temperature):
     return 1 if temperature == 1 else tau
 
 
-# A shard of one row runs the eager path even when the compiled one is
-# selected: dynamo specialises a size of 1, so a one-row call would compile a
-# graph of its own per stage variant for a call that costs microseconds.
-
-
 def shard_stats(
     z, local, owns, keep, tau, *, with_entropy: bool = True, compiled: bool = True,
     temperature: Optional[float] = None,
@@ -195,7 +190,7 @@ def shard_stats(
     n = z.shape[0]
     if n == 0:
         return torch.zeros((0, spec.N_STATS), dtype=tau.dtype, device=z.device)
-    if compiled and n > 1:  # one row: eager (see above)
+    if compiled:  # one row: as two (compiled._run_one_row: batch invariance)
         shift = _stages.kept_shift(z, keep)
         full = with_entropy or (z.device.type == "cpu" and z.dtype in tuning.current().full_stats_cpu_dtypes)
         args = (z, local, owns, _stages.mask_arg(keep, z), tau, accumulation_dtype(z), full, shift)
@@ -250,7 +245,7 @@ def shard_grad(
     if n == 0:
         return z if inplace else torch.empty_like(z, memory_format=torch.contiguous_format)
     args = (z, local, owns, keep, *_unpack(res, ge is not None), valid, gl, ge, tau)
-    if compiled and n > 1:  # one row: eager (see above)
+    if compiled:  # one row: as two (compiled._run_one_row: batch invariance)
         stage_args = (z, local, owns, _stages.mask_arg(keep, z)) + args[4:]
         if inplace:
             _, ok = _compiled_path.run(_stages.grad_inplace_stage, stage_args, ge is not None)
@@ -355,45 +350,49 @@ def _spec_stages(compiled: bool) -> tuple:
     return stats, merge_, grad
 
 
-# The Triton engine: a thin adapter over the launchers of
-# dualvp_torch/triton_kernels/logits_op.py (imported at the first call:
-# triton is optional). Its plan is logits_op.Plan, made once per call
-# metadata; the checks and the agreement are the op's own (dualvp_torch.checks).
+# The Triton engine: a thin adapter over the launchers of dualvp_torch/logits_triton.py (imported at the
+# first call: triton is optional). Its plan is logits_triton.Plan, made once per call metadata with the
+# call's checks; the checks, the agreement and the bad-target count are the op's own (dualvp_torch.checks),
+# so the plan is a validate=False one (no counter in the kernels). At W = 1 with one column split
+# (plan.finalize) the statistics kernel writes the outputs itself: stats passes them to merge in ``rows``.
 
 
 def _triton_plan(call):
-    from .triton_kernels import logits_op
+    from . import logits_triton
 
-    return logits_op.make_plan(call.opt, call.rank, call.world, call.rows, call.v_local, call.dtype,
-                               call.device_type, False, None)
-
-
-def _unit_columns(x: torch.Tensor) -> torch.Tensor:
-    # [T, v] with unit column stride: the kernels' layout (a view when it already is)
-    return x if x.stride(1) == 1 or x.shape[1] == 1 else x.contiguous()
-
-
-def _triton_keep(keep: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
-    return None if keep is None else _unit_columns(keep).view(torch.uint8)
+    return logits_triton.make_plan(call.opt, call.rank, call.world, call.rows, call.v_local, call.dtype,
+                                   call.device_type, False, None)
 
 
 def _triton_stats(z, y, keep, call):
-    from .triton_kernels import logits_op
+    from . import logits_triton
 
-    st, bad = logits_op.stats(_unit_columns(z), y, _triton_keep(keep), call.plan)
-    return st, bad[0], None
+    # z, keep: [T, V_local] from the op; the kernels want unit column stride (a copy only where it is not)
+    z = z if z.stride(-1) == 1 else z.contiguous()
+    keep = None if keep is None else (keep if keep.stride(-1) == 1 else keep.contiguous()).view(torch.uint8)
+    plan = call.plan
+    if plan.finalize:  # one launch: logprob, entropy, res; "stats" is any tensor (a group of 1 gathers it)
+        logprob, entropy, res, _ = logits_triton.stats_outputs(z, y, keep, plan)
+        return res, None, (logprob, entropy, res)
+    st, _ = logits_triton.stats(z, y, keep, plan)  # [S, T, 6]
+    return st, None, None
 
 
 def _triton_merge(all_stats, y, rows, call):
-    from .triton_kernels import logits_op
+    from . import logits_triton
 
-    return logits_op.merge(all_stats, y, call.plan)
+    if rows is not None:
+        return rows
+    # [W, S, T, 6] -> [W S, T, 6]: the merge is associative over ranks and column splits alike
+    return logits_triton.merge(all_stats.reshape(-1, call.plan.T, 6), y, call.plan)
 
 
 def _triton_grad(z, y, keep, res, gl, ge, call, out=None):
-    from .triton_kernels import logits_op
+    from . import logits_triton
 
-    return logits_op.grad(_unit_columns(z), y, _triton_keep(keep), res, gl, ge, call.plan, out=out)
+    z = z if z.stride(-1) == 1 else z.contiguous()
+    keep = None if keep is None else (keep if keep.stride(-1) == 1 else keep.contiguous()).view(torch.uint8)
+    return logits_triton.grad(z, y, keep, res, gl, ge, call.plan, out=out)
 
 
 def _no_plan(call):

@@ -6,7 +6,8 @@ One call, whatever the engine (``group`` with ``W`` ranks; ``T`` rows; shard ``V
     library.logprob_entropy  checks.logits_call: local checks (cached per call metadata), the
                              engine (engines.select)
     library._fwd             the custom op: engine stats [T, V_local] -> [T, 6]; validate=True:
-                             the agreement ([W, 10] int64, 1 host sync); all-gather -> [W, T, 6];
+                             the agreement ([W, 13] int64: options, shapes, target
+                             fingerprints; 1 host sync); all-gather -> [W, T, 6];
                              merge -> logprob, entropy, res [5, T] (identical on every rank)
     library._bwd             (autograd) engine grad [T, V_local] -> gradient (no collective)
 
@@ -23,11 +24,8 @@ from typing import TYPE_CHECKING, Optional
 
 import torch
 
-from dualvp import spec, validation
-
-from . import checks, collectives, engines, library
+from . import library
 from . import dtensor as _dtensor
-from .compiled import one_graph_break
 from .engines import Engine
 
 if TYPE_CHECKING:
@@ -132,7 +130,8 @@ def logprob_entropy(
                 with_entropy=with_entropy, entropy_grad=entropy_grad, ignore_index=ignore_index, validate=validate,
                 inplace_grad=inplace_grad, impl=impl, keep_ids=keep_ids,
             )
-        return torch.compiler.disable(_logprob_entropy)(
+        # one graph break: the call below runs eagerly, where is_compiling() is False
+        return torch.compiler.disable(logprob_entropy)(
             logits, target, group=group, keep_mask=keep_mask, temperature=temperature, with_entropy=with_entropy,
             entropy_grad=entropy_grad, ignore_index=ignore_index, validate=validate, inplace_grad=inplace_grad,
             impl=impl, keep_ids=keep_ids,
@@ -151,102 +150,3 @@ def logprob_entropy(
         entropy_grad=entropy_grad, ignore_index=ignore_index, validate=validate, inplace_grad=inplace_grad, impl=impl,
         keep_ids=keep_ids,
     )
-
-
-def _plain(logits, target, keep_mask) -> bool:
-    return (type(logits) is torch.Tensor and type(target) is torch.Tensor
-            and (keep_mask is None or type(keep_mask) is torch.Tensor))
-
-
-def _logprob_entropy(
-    logits, target, *, group=None, keep_mask=None, temperature=1.0, with_entropy=True, entropy_grad=True,
-    ignore_index=-100, validate=True, inplace_grad=False, impl=None, label_smoothing: float = 0.0,
-    caller_error: Optional[BaseException] = None, keep_ids=None,
-) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
-    """:func:`logprob_entropy` outside a compiler, for the drop-ins of :mod:`dualvp_torch.compat` too.
-
-    ``label_smoothing`` (already checked) enters the options and so the
-    cross-rank agreement record; ``caller_error`` is a drop-in's own argument
-    error (``TypeError``/``ValueError`` naming the argument), which then goes
-    through the agreement step like a local check's error: every rank raises,
-    none waits in a collective.
-    """
-    if caller_error is None and not (_plain(logits, target, keep_mask)
-                                     and (keep_ids is None or type(keep_ids) is torch.Tensor)) and \
-            _dtensor.involves_dtensor(logits, target, keep_mask, keep_ids):
-        return _dtensor.logprob_entropy(
-            logprob_entropy, logits, target, group=group, keep_mask=keep_mask, temperature=temperature,
-            with_entropy=with_entropy, entropy_grad=entropy_grad, ignore_index=ignore_index, validate=validate,
-            inplace_grad=inplace_grad, impl=impl, keep_ids=keep_ids,
-        )
-    return library.logprob_entropy(
-        logits, target, group=group, keep_mask=keep_mask, temperature=temperature, with_entropy=with_entropy,
-        entropy_grad=entropy_grad, ignore_index=ignore_index, validate=validate, inplace_grad=inplace_grad,
-        impl=impl, label_smoothing=label_smoothing, caller_error=caller_error, keep_ids=keep_ids,
-    )
-
-
-# --- names that other modules imported from here before dualvp_torch.checks -------------
-#
-# triton_kernels/logits_op.py and compat.py import these; new code calls
-# dualvp_torch.checks (and library.forward / library.grad) instead.
-
-_check_call = checks.check_call
-_checked_options = checks.logits_options
-_dtype_name = checks.dtype_name
-_meta = checks.meta
-_kind = checks.kind
-_one_graph_break = one_graph_break
-
-
-def _validated(
-    logits, target, *, group, keep_mask, temperature, with_entropy, entropy_grad, ignore_index, validate,
-    inplace_grad, impl, label_smoothing: float = 0.0, caller_error: Optional[BaseException] = None,
-) -> validation.Options:
-    """The checks of a call and, with ``validate=True``, the agreement and the target range; the options."""
-    call = checks.logits_call(
-        logits, target, keep_mask, group=group, temperature=temperature, with_entropy=with_entropy,
-        entropy_grad=entropy_grad, ignore_index=ignore_index, validate=validate, inplace_grad=inplace_grad,
-        impl=impl, label_smoothing=label_smoothing, caller_error=caller_error,
-    )
-    if validate:
-        checks.agree(call, checks.count_bad_targets(target, call.opt.ignore_index, call.vocab), group, logits, target)
-    return call.opt
-
-
-def _forward(logits, target, keep_mask, opt: validation.Options, group, impl):
-    """The spec stages' forward on validated arguments, outside autograd (for ``compat``).
-
-    Returns ``(logprob, entropy, local, owns, valid, comb)``.
-    """
-    compiled = engines.ENGINES[engines.select(impl, logits.device, triton_default=False)].compiled
-    v = logits.shape[-1]
-    z = logits.reshape(-1, v)
-    keep = None if keep_mask is None else keep_mask.reshape(-1, v)
-    rank, _ = collectives.group_rank_world(group)
-    valid, owns, local = spec.target_to_local(engines.xp, target.reshape(-1).to(torch.int64), rank, v,
-                                              opt.ignore_index)
-    tau = torch.full((), opt.temperature, dtype=engines.compute_dtype(logits.dtype), device=z.device)
-    stats = engines.shard_stats(z, local, owns, keep, tau, with_entropy=opt.with_entropy, compiled=compiled,
-                                temperature=opt.temperature)
-    all_stats = stats[None] if group is None else collectives.gather_stats(stats, group)
-    res, logprob, entropy = engines.merge(all_stats, valid, tau, compiled=compiled)
-    comb = spec.Combined(*res.unbind(0), zy=None)
-    return logprob.reshape(target.shape), entropy.reshape(target.shape), local, owns, valid, comb
-
-
-def _grad(logits, keep_mask, local, owns, valid, M, log_s, c, mk, log_sk, grad_logprob, grad_entropy,
-          opt: validation.Options, impl):
-    """The spec stages' gradient from :func:`_forward`'s residuals (for ``compat``); ``c`` may be ``None``."""
-    compiled = engines.ENGINES[engines.select(impl, logits.device, triton_default=False)].compiled
-    v = logits.shape[-1]
-    z = logits.reshape(-1, v)
-    keep = None if keep_mask is None else keep_mask.reshape(-1, v)
-    cdt = engines.compute_dtype(logits.dtype)
-    gl = grad_logprob.reshape(-1).to(cdt).contiguous()
-    ge = grad_entropy.reshape(-1).to(cdt).contiguous() if opt.need_entropy_grad else None
-    res = torch.stack([M, log_s, torch.zeros_like(M) if c is None else c, mk, log_sk])
-    tau = torch.full((), opt.temperature, dtype=cdt, device=z.device)
-    g = engines.shard_grad(z, local, owns, keep, res, valid, gl, ge, tau, inplace=opt.inplace_grad,
-                           compiled=compiled, temperature=opt.temperature)
-    return g.view(logits.shape)

@@ -50,10 +50,22 @@ def _tau(call, device) -> torch.Tensor:
 
 
 def stats_with_ids(stats: torch.Tensor, z: torch.Tensor, y: torch.Tensor, ids: torch.Tensor, call) -> torch.Tensor:
-    """The engine's unmasked ``[T, 6]`` statistics with the kept pair of the ids."""
+    """The engine's unmasked ``[T, 6]`` statistics with the kept pair of the ids.
+
+    The Triton engine's statistics are ``[S, T, 6]`` (``S`` column splits of
+    a row, merged later like ranks; with ``keep_ids`` its plan never fuses
+    the outputs into the statistics kernel): the first split takes the kept
+    pair of the whole row, the others the empty pair ``(-inf, 0)``.
+    """
     cols, use = kept_columns(ids, y, call)
     zk = spec.gather_columns(xp, z, cols, use, dtype=stats.dtype)
-    return spec.with_kept_pair(xp, stats, *spec.kept_pair(xp, zk, use, _tau(call, z.device)))
+    mk, sk = spec.kept_pair(xp, zk, use, _tau(call, z.device))
+    if stats.dim() == 2:
+        return spec.with_kept_pair(xp, stats, mk, sk)
+    out = stats.clone()
+    out[..., 3], out[..., 4] = -torch.inf, 0.0
+    out[0] = spec.with_kept_pair(xp, stats[0], mk, sk)
+    return out
 
 
 def grad_with_ids(eng, z: torch.Tensor, y: torch.Tensor, ids: torch.Tensor, res: torch.Tensor, gl: torch.Tensor,

@@ -95,7 +95,7 @@ def grad(logits: Tensor, target: Tensor, keep_mask: Optional[Tensor], res: Tenso
     v = call.v_local
     z = logits.reshape(-1, v)
     keep = None if keep_mask is None else keep_mask.reshape(-1, v)
-    ge = grad_entropy.reshape(-1) if call.opt.need_entropy_grad else None
+    ge = grad_entropy.reshape(-1) if call.opt.with_entropy and call.opt.entropy_grad else None
     if keep_ids is not None:
         y = target.reshape(-1)
         g = _ids.grad_with_ids(eng, z, y, keep_ids.reshape(y.shape[0], keep_ids.shape[-1]), res,
@@ -177,30 +177,27 @@ def _setup_context(ctx, inputs, output):
     ctx.options = (group_name, temperature, with_entropy, entropy_grad, ignore_index, impl)
     ctx.need_entropy_grad = with_entropy and entropy_grad
     ctx.inplace = inplace_grad
-
-
-_UNMATERIALISED = (
-    "dualvp_torch.logprob_entropy: the gradient of the {} arrived as None in backward. Autograd passes zeros "
-    "for an output that does not reach the loss; a None here means a caller or wrapper disabled gradient "
-    "materialisation. Computing the gradient without it would silently drop that term, so the op refuses."
-)
+    # An output that does not reach the loss arrives in _backward as None, not as zeros: ``res`` never does
+    # (materialising its gradient would launch a fill kernel on every backward), and _backward treats a None
+    # log-prob or entropy gradient explicitly as zero (never by skipping a term it needs: docs/design.md).
+    ctx.set_materialize_grads(False)
 
 
 def _backward(ctx, grad_logprob, grad_entropy, grad_res):
-    if grad_logprob is None:
-        raise RuntimeError(_UNMATERIALISED.format("log-prob"))
-    if ctx.need_entropy_grad and grad_entropy is None:
-        raise RuntimeError(_UNMATERIALISED.format("entropy"))
     none = (None,) * 12
-    if not ctx.needs_input_grad[0]:
+    if not ctx.needs_input_grad[0] or (grad_logprob is None and grad_entropy is None):
         return (None,) + none
     logits, target, keep_mask, res, keep_ids = ctx.saved_tensors
-    if grad_entropy is None:  # not read without the entropy gradient
-        grad_entropy = grad_logprob
+    options = ctx.options
+    if grad_logprob is None:  # only the entropy reaches the loss: the log-prob term is zero (one fill)
+        grad_logprob = torch.zeros(target.shape, dtype=res.dtype, device=res.device)
+    if grad_entropy is None or not ctx.need_entropy_grad:  # no entropy term: the call without its gradient
+        grad_entropy = grad_logprob  # (not read)
+        options = options[:3] + (False,) + options[4:]
     if ctx.inplace:
-        _bwd_inplace(logits, target, keep_mask, res, grad_logprob, grad_entropy, *ctx.options, keep_ids)
+        _bwd_inplace(logits, target, keep_mask, res, grad_logprob, grad_entropy, *options, keep_ids)
         return (logits,) + none
-    return (_bwd(logits, target, keep_mask, res, grad_logprob, grad_entropy, *ctx.options, keep_ids),) + none
+    return (_bwd(logits, target, keep_mask, res, grad_logprob, grad_entropy, *options, keep_ids),) + none
 
 
 _fwd.register_autograd(_backward, setup_context=_setup_context)

@@ -43,7 +43,7 @@ class Tuning:
 
     Attributes:
       float64_sums_devices: device types ("cpu", "cuda") whose compiled
-        kernels sum rows in float64 (:func:`dualvp_torch.kernels.accumulation_dtype`);
+        kernels sum rows in float64 (:func:`dualvp_torch.engines.accumulation_dtype`);
         without a device its compiled sums are float32
         (docs/decisions.md, "float64 row sums in compiled kernels").
       static_vocab_devices: device types on which the shard stages are
@@ -56,7 +56,11 @@ class Tuning:
         (docs/decisions.md, "Full statistics for 16-bit CPU input").
       max_eager_workers: most worker threads of the eager path on CPU (also
         at most ``torch.get_num_threads()``); 1 runs the chunks in the
-        calling thread.
+        calling thread, on its intra-op threads: then a row wider than
+        ATen's parallel grain (32768 elements) may be summed in another order
+        in a call of a few rows, and the eager path is batch-invariant only
+        for narrower rows (docs/decisions.md, "Batch invariance: one
+        reduction order per row").
       cpu_chunk_scratch_bytes: most bytes of temporaries of one eager CPU
         chunk (docs/decisions.md, "Eager CPU chunks within a cache-sized bound").
       glibc_heap: opt in to :mod:`dualvp_torch.host_memory` (glibc heap

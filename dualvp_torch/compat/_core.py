@@ -1,9 +1,10 @@
 """What the drop-ins of :mod:`dualvp_torch.compat` share: group resolution, error wording, output dtypes,
 and three stop-gaps built on the public op until the core op has them.
 
-This is the ONE module of the package that imports private helpers of :mod:`dualvp_torch.function`
-(``_forward, _grad, _kind, _logprob_entropy, _one_graph_break, _validated``): a refactor of the torch
-layer updates the imports here and nowhere else.
+The drop-ins stand on the public and shared layer of the torch op only: :func:`dualvp_torch.logprob_entropy`,
+:mod:`dualvp_torch.checks` (the checked call, the error wording), :mod:`dualvp_torch.library` (the custom
+op's ``forward`` / ``grad`` of a checked call), :func:`dualvp_torch.compiled.one_graph_break`; no private
+name of the torch layer.
 
 Stop-gaps (each marked "to be replaced by the core op's ..." where it is defined):
 
@@ -28,17 +29,11 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from .. import collectives, kernels
+from .. import collectives, library
 from .. import dtensor as _dtensor
-from ..function import (  # noqa: F401 - the private helpers the drop-ins use, imported here only
-    _forward,
-    _grad,
-    _kind,
-    _logprob_entropy,
-    _one_graph_break,
-    _validated,
-    logprob_entropy,
-)
+from ..checks import kind as _kind  # (the error wording of the helpers here and of trl.py)
+from ..function import logprob_entropy
+from ..stages import compute_dtype
 
 #: The ignore id of megatron-core, slime, verl and flash-attn's cross-entropy.
 IGNORE_INDEX = -100
@@ -96,6 +91,20 @@ def resolve_world_group(tp_group, name: str = "tp_group"):
     if tp_group is None and dist.is_available() and dist.is_initialized():
         return dist.group.WORLD
     return tp_group
+
+
+def logprob_entropy_or_raise(logits, target, *, caller_error: Optional[BaseException] = None, **options):
+    """:func:`logprob_entropy`, or a drop-in's own argument error raised on every rank.
+
+    ``caller_error`` (a ``TypeError`` / ``ValueError`` naming the drop-in's
+    argument, found before the op runs) goes through the op's check routine
+    (:func:`dualvp_torch.checks.logits_call`): with a group and
+    ``validate=True`` the agreement all-gather carries it, so every rank
+    raises and none waits in a collective. ``options``: the op's keywords.
+    """
+    if caller_error is None:
+        return logprob_entropy(logits, target, **options)
+    return library.logprob_entropy(logits, target, caller_error=caller_error, **options)  # raises
 
 
 @contextlib.contextmanager
@@ -160,7 +169,7 @@ def replicated_to_plain(x):
 def dtensor_vocab_local(logits):
     """``(local shard, group)`` of DTensor logits whose vocab dim is ``Shard(-1)`` over one mesh dim and
     every other mesh dim ``Replicate`` (the FSDP-TP layout of the loss logits); raises otherwise."""
-    dt = _dtensor._dt()
+    dt = _dtensor.dtensor_module()
     ndim = logits.ndim
     vocab_dims = []
     for i, p in enumerate(logits.placements):
@@ -266,7 +275,7 @@ def logprobs_k(
     if k > 1 and logits.dtype in (torch.float16, torch.bfloat16) and torch.is_grad_enabled() and logits.requires_grad:
         logits = logits.float()  # see the docstring: the gradients cancel at y_0
     with argument_names(**names):
-        lp0, _ = _logprob_entropy(
+        lp0, _ = logprob_entropy_or_raise(
             logits, index[..., 0], group=group, keep_mask=None, temperature=temperature, with_entropy=False,
             entropy_grad=True, ignore_index=ignore_index, validate=validate, inplace_grad=False, impl=None,
             caller_error=caller_error,
@@ -312,7 +321,7 @@ class _SumPiSquared(torch.autograd.Function):
     def forward(ctx, logits, group, needs_grad):
         v_local = logits.shape[-1]
         z = logits.detach().reshape(-1, v_local)
-        cdt = kernels.compute_dtype(logits.dtype)
+        cdt = compute_dtype(logits.dtype)
         n = z.shape[0]
         m = torch.empty(n, dtype=cdt, device=z.device)
         for a, b in _row_chunks(n, v_local):

@@ -29,11 +29,16 @@ import torch
 import torch.distributed as dist
 from torch.autograd.function import once_differentiable
 
-from .. import collectives, kernels
+from dualvp import spec
+
+from .. import checks, library
 from .. import dtensor as _dtensor
-from ._core import _forward, _grad, _kind, _logprob_entropy, _one_graph_break, _validated, logprob_entropy
+from ..compiled import one_graph_break
+from ..function import logprob_entropy
+from ..stages import compute_dtype, xp
 from ._core import IGNORE_INDEX as _IGNORE_INDEX
 from ._core import argument_names as _argument_names
+from ._core import logprob_entropy_or_raise as _logprob_entropy_or_raise
 from ._core import resolve_megatron_group as _resolve_megatron_group
 
 __all__ = ["vocab_parallel_cross_entropy"]
@@ -43,7 +48,7 @@ def _check_label_smoothing(label_smoothing) -> float:
     if isinstance(label_smoothing, bool) or not isinstance(label_smoothing, numbers.Real):
         raise TypeError(
             "label_smoothing: expected a float in [0, 1) (megatron-core's 3rd positional argument; "
-            f"the group goes in tp_group=), got {_kind(label_smoothing)}"
+            f"the group goes in tp_group=), got {checks.kind(label_smoothing)}"
         )
     value = float(label_smoothing)
     if not (0.0 <= value < 1.0):  # also rejects NaN
@@ -51,7 +56,7 @@ def _check_label_smoothing(label_smoothing) -> float:
     return value
 
 
-@_one_graph_break
+@one_graph_break
 def vocab_parallel_cross_entropy(
     vocab_parallel_logits: torch.Tensor,
     target: torch.Tensor,
@@ -110,8 +115,8 @@ def vocab_parallel_cross_entropy(
             return -log_prob
         if smoothing == 0.0 or not isinstance(vocab_parallel_logits, torch.Tensor):
             # (anything but a tensor raises here, on every rank)
-            log_prob, _ = _logprob_entropy(
-                vocab_parallel_logits, target, caller_error=error, **_megatron_options(group, 0.0)
+            log_prob, _ = _logprob_entropy_or_raise(
+                vocab_parallel_logits, target, caller_error=error, **_megatron_options(group)
             )
             return -log_prob
         needs_grad = torch.is_grad_enabled() and vocab_parallel_logits.requires_grad
@@ -140,42 +145,46 @@ def _row_sums(z: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return out
 
 
-def _megatron_options(group, smoothing: float) -> dict:
-    # label_smoothing enters the agreement record: ranks that disagree on it
-    # (only the smoothed ones enter the extra all-reduce) raise, never hang.
+def _megatron_options(group) -> dict:
+    # the op's keywords for megatron-core's loss (no keep mask)
     return dict(
-        group=group, keep_mask=None, temperature=1.0, with_entropy=False, entropy_grad=True,
-        ignore_index=_IGNORE_INDEX, validate=True, inplace_grad=False, impl=None, label_smoothing=smoothing,
+        group=group, temperature=1.0, with_entropy=False, entropy_grad=True, ignore_index=_IGNORE_INDEX,
+        validate=True, inplace_grad=False, impl=None,
     )
 
 
 class _SmoothedCrossEntropy(torch.autograd.Function):
     """``-log p_y + s * (z_y - mean_v z_v)`` with ``s = a V / (V - 1)``; see :func:`vocab_parallel_cross_entropy`.
 
-    The log-prob and its gradient are :func:`logprob_entropy`'s own
-    (``function._validated``, ``_forward`` and ``_grad``: its validation,
-    agreement, kernels and residuals, saved here with ``save_for_backward``
-    so that activation checkpointing can drop and recompute them as for the
-    op); the smoothing term is linear in the logits, so its gradient
+    The log-prob and its gradient are :func:`logprob_entropy`'s own: the
+    checked call of :func:`dualvp_torch.checks.logits_call` (with
+    ``label_smoothing`` in the agreement record: ranks that disagree on it,
+    of which only the smoothed ones would enter the extra all-reduce, raise
+    instead of hanging), then :func:`dualvp_torch.library.forward` (engine,
+    agreement, gather, merge) and :func:`dualvp_torch.library.grad` from the
+    row statistics ``res [5, T]``, saved with ``save_for_backward`` so that
+    activation checkpointing drops and recomputes them as for the op. The
+    smoothing term is linear in the logits, so its gradient
     ``s * g * ([v = y] - 1/V)`` is added in place to the op's gradient: the
-    backward's peak stays one gradient buffer, as without smoothing.
+    backward's peak stays one gradient buffer, as without smoothing (the op
+    plus an autograd-traced linear term would sum two ``[T, V_local]``
+    gradients).
     """
 
     @staticmethod
     def forward(ctx, logits, target, group, smoothing, needs_grad):
-        opt = _validated(logits, target, **_megatron_options(group, smoothing))
-        # validated (and agreed across ranks) from here on
-        log_prob, _, local, owns, valid, comb = _forward(logits, target, None, opt, group, None)
-        _, world = collectives.group_rank_world(group)
-        v_local = logits.shape[-1]
-        vocab = world * v_local
+        call = checks.logits_call(logits, target, None, label_smoothing=smoothing, **_megatron_options(group))
+        # checked on every rank; library.forward runs the agreement before any other collective
+        log_prob, _, res = library.forward(logits, target, None, call, group)
+        vocab, v_local = call.vocab, call.v_local
         if vocab < 2:
             raise ValueError(
                 f"label_smoothing: needs a vocabulary of at least 2 ids, got V = {vocab} "
-                f"(logits of shape {tuple(logits.shape)} on {world} rank(s))"
+                f"(logits of shape {tuple(logits.shape)} on {call.world} rank(s))"
             )
+        valid, owns, local = _rows(target, call)
         z = logits.detach().reshape(-1, v_local)
-        cdt = kernels.compute_dtype(logits.dtype)
+        cdt = compute_dtype(logits.dtype)
         z_y = torch.gather(z, 1, local[:, None])[:, 0].to(cdt)
         # this shard's part of z_y - mean_v z_v (z_y lives on one shard only)
         part = torch.where(owns, z_y, torch.zeros_like(z_y)) - _row_sums(z, cdt) / vocab
@@ -184,9 +193,9 @@ class _SmoothedCrossEntropy(torch.autograd.Function):
         s = smoothing * vocab / (vocab - 1)
         extra = torch.where(valid, part, torch.zeros_like(part)).reshape(log_prob.shape)
         loss = -log_prob + s * extra
-        ctx.s, ctx.vocab, ctx.opt = s, vocab, opt
+        ctx.s, ctx.call = s, call
         if needs_grad:
-            ctx.save_for_backward(logits, local, owns, valid, comb.M, comb.log_s, comb.mk, comb.log_sk)
+            ctx.save_for_backward(logits, target, res)
         return loss
 
     @staticmethod
@@ -195,9 +204,11 @@ class _SmoothedCrossEntropy(torch.autograd.Function):
         saved = ctx.saved_tensors  # once: under activation checkpointing a second unpack is an error
         if not saved:
             return None, None, None, None, None
-        logits, local, owns, valid, M, log_s, mk, log_sk = saved
-        grad = _grad(logits, None, local, owns, valid, M, log_s, None, mk, log_sk, -grad_loss, None, ctx.opt, None)
-        g = grad_loss.reshape(-1).to(kernels.compute_dtype(grad.dtype))
+        logits, target, res = saved
+        call = ctx.call
+        grad = library.grad(logits, target, None, res, -grad_loss, None, call)
+        valid, owns, local = _rows(target, call)
+        g = grad_loss.reshape(-1).to(compute_dtype(grad.dtype))
         g = torch.where(valid, g, torch.zeros_like(g))
         g2 = grad.view(-1, grad.shape[-1])
         # + s * g * [v = y] on the shard that owns y, then - s * g / V everywhere (in place: no 2nd buffer).
@@ -208,5 +219,11 @@ class _SmoothedCrossEntropy(torch.autograd.Function):
         flat = torch.arange(g2.shape[0], device=g2.device) * g2.shape[1] + local
         new = (g2.view(-1).gather(0, flat).to(bump.dtype) + bump).to(g2.dtype)
         g2.view(-1).index_copy_(0, flat, new)
-        g2.sub_(((ctx.s / ctx.vocab) * g).to(g2.dtype)[:, None])  # same dtype: no full-size temporary
+        g2.sub_(((ctx.s / call.vocab) * g).to(g2.dtype)[:, None])  # same dtype: no full-size temporary
         return grad, None, None, None, None
+
+
+def _rows(target: torch.Tensor, call: checks.Call) -> tuple:
+    """``(valid, owns, local)`` [T] of the global ids ``target`` on this rank's shard (``spec.target_to_local``)."""
+    return spec.target_to_local(xp, target.reshape(-1).to(torch.int64), call.rank, call.v_local,
+                                call.opt.ignore_index)

@@ -39,8 +39,9 @@ import numbers
 import torch
 
 from .. import collectives
+from ..checks import kind
 from . import _core
-from ._core import IGNORE_INDEX, _kind, argument_names, check_chunk_size, check_flag
+from ._core import IGNORE_INDEX, argument_names, check_chunk_size, check_flag, logprob_entropy_or_raise
 
 __all__ = ["DistributedLogprob", "ChunkedDistributedLogprob", "ChunkedDistributedGatherLogprob",
            "ChunkedDistributedEntropy"]
@@ -53,7 +54,7 @@ def _range_error(logits, start, end, group):
     through the op's agreement step so that every rank raises)."""
     for name, v in (("vocab_start_index", start), ("vocab_end_index", end)):
         if isinstance(v, bool) or not isinstance(v, numbers.Integral):
-            return TypeError(f"{name}: expected an int, got {_kind(v)}")
+            return TypeError(f"{name}: expected an int, got {kind(v)}")
     if not isinstance(logits, torch.Tensor) or logits.dim() < 1:
         return None  # the op names the logits
     rank, _ = collectives.group_rank_world(group)
@@ -69,7 +70,7 @@ def _range_error(logits, start, end, group):
 
 def _check_group(group, name):
     if group is not None and not collectives.is_process_group(group):
-        raise TypeError(f"{name}: expected a torch.distributed.ProcessGroup or None, got {_kind(group)}")
+        raise TypeError(f"{name}: expected a torch.distributed.ProcessGroup or None, got {kind(group)}")
     return group
 
 
@@ -82,7 +83,7 @@ def _logprob(logits, target, start, end, group, inference_only, group_name):
     _check_group(group, group_name)
     error = _range_error(logits, start, end, group)
     with _grad_mode(inference_only), argument_names(**_NAMES):
-        lp, _ = _core._logprob_entropy(
+        lp, _ = logprob_entropy_or_raise(
             logits, target, group=group, keep_mask=None, temperature=1.0, with_entropy=False, entropy_grad=True,
             ignore_index=IGNORE_INDEX, validate=True, inplace_grad=False, impl=None, caller_error=error,
         )
@@ -128,7 +129,7 @@ class ChunkedDistributedGatherLogprob:
         if error is not None:
             # raise on every rank: the agreement step of one op call carries the error
             with argument_names(**_NAMES):
-                _core._logprob_entropy(
+                logprob_entropy_or_raise(
                     vocab_parallel_logits, torch.zeros(0, dtype=torch.int64), group=tp_group, keep_mask=None,
                     temperature=1.0, with_entropy=False, entropy_grad=True, ignore_index=IGNORE_INDEX,
                     validate=True, inplace_grad=False, impl=None, caller_error=error,

@@ -16,15 +16,16 @@ from __future__ import annotations
 
 import torch
 
+from ..compiled import one_graph_break
+from ..function import logprob_entropy
 from ._core import IGNORE_INDEX as _IGNORE_INDEX
-from ._core import _one_graph_break, logprob_entropy
 from ._core import argument_names as _argument_names
 from ._core import resolve_world_group as _resolve_slime_group
 
 __all__ = ["calculate_log_probs_and_entropy"]
 
 
-@_one_graph_break
+@one_graph_break
 def calculate_log_probs_and_entropy(
     logits: torch.Tensor,
     tokens: torch.Tensor,

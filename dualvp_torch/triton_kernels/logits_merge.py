@@ -1,7 +1,7 @@
 """Merge kernel of the logits op: the ranks' statistics to the outputs and the backward's residuals.
 
-Implements :func:`dualvp.spec.reduce_stats` over the ``W`` ranks' ``[W, T, 6]``
-statistics (``W = 1``: the shard's own), :func:`dualvp.spec.finalize` and
+Implements :func:`dualvp.spec.reduce_stats` over the ``N`` partial statistics ``[N, T, 6]``
+(``N = W x S``: each rank's column splits), :func:`dualvp.spec.finalize` and
 :func:`dualvp.spec.outputs`, per row::
 
     M  = max_r m_r              S  = sum_r s_r e^dm_r,   dm_r = (m_r - M) / tau
@@ -20,20 +20,23 @@ rank holds bit-identical results.
 import triton
 import triton.language as tl
 
+from .logits_common import store_outputs
+
 __all__ = ["logits_merge_kernel"]
 
 
 @triton.jit
 def logits_merge_kernel(
     stats_ptr, y_ptr, logprob_ptr, entropy_ptr, res_ptr,
-    T, W, ignore_index, tau: tl.float64,
+    T, W, ignore_index, inv_tau_hi: tl.float32, inv_tau_lo: tl.float32,
     BLOCK_T: tl.constexpr,
 ):
     rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     rmask = rows < T
     rows64 = rows.to(tl.int64)
     ninf = float("-inf")
-    inv_tau = tl.full([], 1.0, tl.float64) / tau
+    # 1/tau as a float32 pair (see logits_stats)
+    inv_tau = tl.cast(inv_tau_hi, tl.float64) + tl.cast(inv_tau_lo, tl.float64)
     M = tl.full([BLOCK_T], ninf, tl.float64)
     Mk = tl.full([BLOCK_T], ninf, tl.float64)
     for r in range(W):
@@ -60,17 +63,6 @@ def logits_merge_kernel(
         Tm += w * (t + tl.where(w > 0, s * dm, 0.0))
         Sk += tl.exp((mk - Mk_sh) * inv_tau) * sk
         zy += tl.load(base + 5, mask=rmask, other=0.0).to(tl.float64)
-    log_s = tl.log(S)
-    c = Tm / S
-    log_sk = tl.log(Sk)
     y = tl.load(y_ptr + rows64, mask=rmask, other=ignore_index).to(tl.int64)
-    logprob = tl.where(y != ignore_index, (zy - Mk) * inv_tau - log_sk, 0.0)
-    entropy = log_s - c
-    dt = res_ptr.dtype.element_ty
-    tl.store(logprob_ptr + rows64, logprob.to(dt), mask=rmask)
-    tl.store(entropy_ptr + rows64, entropy.to(dt), mask=rmask)
-    tl.store(res_ptr + rows64, M.to(dt), mask=rmask)
-    tl.store(res_ptr + T + rows64, log_s.to(dt), mask=rmask)
-    tl.store(res_ptr + 2 * T + rows64, c.to(dt), mask=rmask)
-    tl.store(res_ptr + 3 * T + rows64, Mk.to(dt), mask=rmask)
-    tl.store(res_ptr + 4 * T + rows64, log_sk.to(dt), mask=rmask)
+    store_outputs(logprob_ptr, entropy_ptr, res_ptr, rows64, T, rmask, M, S, Tm, Mk, Sk, zy, y != ignore_index,
+                  inv_tau)

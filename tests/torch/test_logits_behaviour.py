@@ -13,7 +13,7 @@ torch = pytest.importorskip("torch")
 
 from dualvp import reference  # noqa: E402
 from dualvp.testing import cases  # noqa: E402
-from dualvp_torch import compiled, engines, library, logprob_entropy  # noqa: E402
+from dualvp_torch import compiled, engines, logprob_entropy  # noqa: E402
 
 from .test_logits_conformance import _problem  # noqa: E402
 
@@ -59,19 +59,20 @@ def test_double_backward_raises():
         g.sum().backward()
 
 
-def test_unmaterialised_grad_raises():
-    class Ctx:
-        pass
-
-    from dualvp.validation import Options
-
-    ctx = Ctx()
-    ctx.need_entropy_grad = Options().need_entropy_grad
-    ctx.needs_input_grad = (True,) + (False,) * 11
-    with pytest.raises(RuntimeError, match="arrived as None"):
-        library._backward(ctx, None, torch.zeros(3), None)
-    with pytest.raises(RuntimeError, match="entropy arrived as None"):
-        library._backward(ctx, torch.zeros(3), None, None)
+def test_output_outside_the_loss_is_a_zero_gradient_not_a_skipped_term():
+    """An output that does not reach the loss arrives in the backward as None (gradients are not
+    materialised): it must count as zero, the other term exact, whatever the engine (float64 oracle)."""
+    z, y, keep = _problem(T=6, V=16, dtype=torch.float64, mask=True)
+    for impl in ("eager", "compiled"):
+        for which in ("logprob", "entropy"):
+            zz = z.clone().requires_grad_(True)
+            lp, h = logprob_entropy(zz, y, keep_mask=keep, temperature=0.7, impl=impl)
+            g = torch.arange(1.0, 7.0, dtype=torch.float64)
+            ((lp if which == "logprob" else h) * g).sum().backward()
+            gl = g.numpy() if which == "logprob" else np.zeros(6)
+            ge = g.numpy() if which == "entropy" else None
+            ref = reference.logprob_entropy_grad(z.numpy(), y.numpy(), gl, ge, keep_mask=keep.numpy(), temperature=0.7)
+            np.testing.assert_allclose(zz.grad.numpy(), ref, rtol=1e-9, atol=1e-12, err_msg=f"{impl} {which}")
 
 
 def test_no_grad_leading_dims_noncontiguous_and_empty():

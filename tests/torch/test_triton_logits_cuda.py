@@ -65,13 +65,18 @@ def test_case(case, impl, inplace):
 
 
 @pytest.mark.parametrize("on", [False, True])
-def test_default_impl_on_cuda_follows_the_tuning(on):
-    from dualvp_torch.triton_kernels import logits_op
+def test_default_impl_on_cuda_follows_the_tuning(on, monkeypatch):
+    from dualvp_torch import engines, logits_triton
 
+    ran = []
+    grad = logits_triton.grad
+    monkeypatch.setattr(logits_triton, "grad", lambda *a, **k: ran.append(1) or grad(*a, **k))
     z = torch.randn(4, 32, device="cuda", requires_grad=True)
     with tuning.using(tuning.Tuning(triton_default_devices={"cuda"} if on else ())):
         lp, _ = logprob_entropy(z, torch.tensor([0, 1, 2, 3], device="cuda"))
-    assert (type(lp.grad_fn).__name__ == logits_op.TritonLogProbEntropy.__name__ + "Backward") == on
+        assert (engines.select(None, z.device) == "triton") == on
+    lp.sum().backward()
+    assert bool(ran) == on
 
 
 @pytest.mark.parametrize("bad", [b for b in cases.BAD_INPUTS if "torch" in b.backends], ids=lambda b: b.name)
@@ -182,3 +187,48 @@ def test_two_ranks_nccl():
     probs = [cases.make(c) for c in cases.CASES if 2 in c.worlds]
     outs = backends.run_all("torch", probs, 2, impl="triton", device="cuda", timeout=600)
     assert not [f for p, o in zip(probs, outs) for f in _failures(p, tuple(o))]
+
+
+def _rows_out(z, y, keep, gl, ge):
+    z = z.clone().requires_grad_(True)
+    lp, h = logprob_entropy(z, y, keep_mask=keep, temperature=0.8, impl="triton", validate=False)
+    torch.autograd.backward([lp, h], [gl, ge])
+    return lp.detach(), h.detach(), z.grad
+
+
+@pytest.mark.parametrize("V", [19008, 75968])  # one column split; two (4-byte logits over 65,536 columns)
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("keep", [False, True])
+def test_batch_invariance_bitwise(V, dtype, keep):
+    """A row's results alone and inside T in {7, 64, 1000}: bitwise equal (blocks and splits from V only)."""
+    gen = torch.Generator(device="cuda").manual_seed(5)
+    n = 1000
+    z = (torch.randn(n, V, generator=gen, device="cuda") * 3).to(_DT[dtype])
+    y = torch.randint(0, V, (n,), generator=gen, device="cuda")
+    y[3] = -100
+    k = torch.rand(n, V, generator=gen, device="cuda") < 0.3 if keep else None
+    gl, ge = torch.randn(n, generator=gen, device="cuda"), torch.randn(n, generator=gen, device="cuda")
+    alone = {r: _rows_out(z[r:r + 1], y[r:r + 1], None if k is None else k[r:r + 1], gl[r:r + 1], ge[r:r + 1])
+             for r in (0, 3, 6)}
+    for t in (7, 64, 1000):
+        batch = _rows_out(z[:t], y[:t], None if k is None else k[:t], gl[:t], ge[:t])
+        for r, one in alone.items():
+            for a, b in zip(one, batch):
+                assert torch.equal(a[0], b[r]), (t, r)
+
+
+def test_launches_per_forward_and_backward():
+    """W = 1, validate=False: 2 kernels per forward + backward (stats writing the outputs, grad), no fill."""
+    z = torch.randn(64, 19008, device="cuda", requires_grad=True)
+    y = torch.randint(0, 19008, (64,), device="cuda")
+    for _ in range(2):  # compiled and cached
+        lp, h = logprob_entropy(z, y, impl="triton", validate=False)
+        (lp.sum() + h.sum()).backward()
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        lp, h = logprob_entropy(z, y, impl="triton", validate=False)
+        torch.autograd.backward([lp, h], [torch.ones_like(lp), torch.ones_like(h)])
+        torch.cuda.synchronize()
+    names = [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    ours = [n for n in names if "logits_" in n]
+    assert sorted(set(ours)) == ["logits_grad_kernel", "logits_stats_kernel"] and len(ours) == 2, names

@@ -1,0 +1,260 @@
+"""Batch invariance and determinism of every engine on the CPU.
+
+A row's log-prob, entropy and gradient row must be bitwise the same whether
+the row is computed alone (T = 1) or inside a call of T = 7, 64 or 1000 rows
+at a random position among random other rows, and the same from run to run
+(docs/decisions.md, "Batch invariance: one reduction order per row"). The
+reference is the engine itself on the row alone: bitwise equality to another
+formulation is not the property (agreement with the float64 oracle is checked
+elsewhere, within TOLERANCES). The gradient is taken with a random upstream
+gradient per row, so it depends on the entropy's statistics as well.
+
+Tables: V_local = 1000 float32 without a mask, and V_local = 4099 bfloat16
+with a keep mask, one of whose checked rows keeps no column within
+``spec.KEPT_GAP`` of its max (the CPU's masked statistics recompute that row:
+``redo_marked_rows`` in torch, the ``lax.cond`` pass in JAX); temperatures
+0.7 and 1.3.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from dualvp import spec
+
+CHECKED = 3  #: rows checked per table: computed alone, then placed at random positions
+N_OTHER = 1000  #: other rows the calls draw from
+TS = (7, 64, 1000)
+
+TABLES = {
+    "V1000-f32": dict(v=1000, dtype="float32", keep=False, tau=0.7),
+    "V4099-bf16-keep": dict(v=4099, dtype="bfloat16", keep=True, tau=1.3),
+}
+
+
+def _round_bf16(x: np.ndarray) -> np.ndarray:
+    # float32 values exactly representable in bfloat16 (round to nearest even), so every backend gets the same input
+    b = x.astype(np.float32).view(np.uint32)
+    b = (b + 0x7FFF + ((b >> 16) & 1)) & 0xFFFF0000
+    return b.view(np.float32)
+
+
+def make_table(v: int, dtype: str, keep: bool, tau: float, n_other: int = N_OTHER, seed: int = 49) -> dict:
+    rng = np.random.default_rng(seed)
+    n = CHECKED + n_other
+    z = (rng.standard_normal((n, v)) * 3).astype(np.float32)
+    y = rng.integers(0, v, n).astype(np.int64)
+    k = None
+    if keep:
+        k = rng.random((n, v)) < 0.5
+        # row 0 keeps nothing within KEPT_GAP temperature units of its max: a marked row
+        c = (int(y[0]) + 1) % v
+        z[0, c] = 3 * spec.KEPT_GAP * tau
+        k[0, c] = False
+    if dtype == "bfloat16":
+        z = _round_bf16(z)
+    gl = rng.standard_normal(n).astype(np.float32)
+    ge = rng.standard_normal(n).astype(np.float32)
+    return dict(z=z, y=y, keep=k, gl=gl, ge=ge, tau=tau, dtype=dtype, v=v, n_other=n_other)
+
+
+def placement(T: int, rng, n_other: int = N_OTHER) -> tuple[np.ndarray, np.ndarray]:
+    """Rows of a T-row call: the checked rows at random positions ``pos``, random other rows elsewhere."""
+    idx = CHECKED + rng.choice(n_other, size=T, replace=False)
+    pos = rng.choice(T, size=min(T, CHECKED), replace=False)
+    idx[pos] = np.arange(len(pos))
+    return idx, pos
+
+
+def _bits(a: np.ndarray) -> np.ndarray:
+    a = np.ascontiguousarray(a, dtype=np.float32)
+    return a.view(np.uint32)
+
+
+def _describe(a: np.ndarray, b: np.ndarray) -> str:
+    d = np.abs(a.astype(np.float64) - b.astype(np.float64))
+    return f"max |diff| {d.max():.3g} at {np.unravel_index(int(d.argmax()), d.shape)}"
+
+
+NAMES = ("log-prob", "entropy", "gradient row")
+
+
+def check_invariance(run, table: dict, ts=TS, seed: int = 0) -> None:
+    """``run(idx) -> (logprob [T], entropy [T], grad [T, V])`` as float32 NumPy arrays (exact conversions)."""
+    rng = np.random.default_rng(seed)
+    alone = [run(np.array([r])) for r in range(CHECKED)]
+    for T in ts:
+        idx, pos = placement(T, rng, table["n_other"])
+        out = run(idx)
+        for r, p in enumerate(pos):
+            for name, a, b in zip(NAMES, alone[r], out):
+                assert np.array_equal(_bits(a[0]), _bits(b[p])), (
+                    f"row {r} alone vs at position {p} of T={T}: {name} differs, {_describe(a[0], b[p])}")
+    again = run(idx)
+    for name, a, b in zip(NAMES, out, again):
+        assert np.array_equal(_bits(a), _bits(b)), f"two runs at T={ts[-1]}: {name} differs, {_describe(a, b)}"
+
+
+# --- torch -------------------------------------------------------------------------------
+
+
+def _torch_runner(table: dict, impl: str):
+    import torch
+
+    from dualvp_torch import logprob_entropy
+
+    dt = getattr(torch, table["dtype"])
+    z_all = torch.from_numpy(table["z"]).to(dt)
+    k_all = None if table["keep"] is None else torch.from_numpy(table["keep"])
+    y_all, gl_all, ge_all = (torch.from_numpy(table[k]) for k in ("y", "gl", "ge"))
+
+    def run(idx):
+        i = torch.from_numpy(idx)
+        z = z_all[i].clone().requires_grad_(True)
+        lp, h = logprob_entropy(z, y_all[i], keep_mask=None if k_all is None else k_all[i],
+                                temperature=table["tau"], impl=impl)
+        torch.autograd.backward([lp, h], [gl_all[i], ge_all[i]])
+        return lp.detach().float().numpy(), h.detach().float().numpy(), z.grad.float().numpy()
+
+    return run
+
+
+@pytest.mark.parametrize("table_id", list(TABLES))
+@pytest.mark.parametrize("impl", ["compiled", "eager"])
+def test_torch_logits_op_batch_invariant(impl, table_id):
+    table = make_table(**TABLES[table_id])
+    check_invariance(_torch_runner(table, impl), table)
+
+
+# Rows wider than ATen's parallel grain (32768 elements): a reduction over a few such rows on several
+# intra-op threads splits each row between them (the eager path's former failure: entropy 1-2 ulp apart).
+WIDE = dict(v=40000, dtype="float32", keep=False, tau=0.7, n_other=64)
+
+
+@pytest.mark.parametrize("impl", ["compiled", "eager"])
+def test_torch_wide_rows_batch_invariant(impl):
+    table = make_table(**WIDE)
+    check_invariance(_torch_runner(table, impl), table, (7, 64))
+
+
+# Under the interpreter a 1000-row call costs ~30 s (float32) and ~2 min (the bfloat16 masked table): T = 1000
+# runs for the float32 table only, in the slow tier.
+@pytest.mark.parametrize(
+    "table_id, ts",
+    [pytest.param("V1000-f32", (7, 64), id="V1000-f32-T7-64"),
+     pytest.param("V4099-bf16-keep", (7, 64), id="V4099-bf16-keep-T7-64"),
+     pytest.param("V1000-f32", (1000,), id="V1000-f32-T1000", marks=pytest.mark.slow)])
+def test_torch_triton_batch_invariant(table_id, ts):
+    pytest.importorskip("triton")
+    table = make_table(**TABLES[table_id])
+    check_invariance(_torch_runner(table, "triton"), table, ts)
+
+
+def test_torch_eager_workers_single_threaded():
+    # The eager path's property rests on its worker threads running each op
+    # on one thread (a row then is summed in one order); OpenMP's lazy
+    # per-thread init once undid that setting (docs/decisions.md, "Batch
+    # invariance: one reduction order per row").
+    import torch
+
+    from dualvp_torch import eager
+
+    assert eager._executor(2).submit(lambda: (torch.ones(4, 1 << 16).sum(-1), torch.get_num_threads())[1]).result() == 1
+
+
+# --- JAX ---------------------------------------------------------------------------------
+
+
+def _jax_runner(table: dict, world: int = 1):
+    import jax
+    import jax.numpy as jnp
+
+    import dualvp_jax
+
+    dt = getattr(jnp, table["dtype"])
+    kw = dict(temperature=table["tau"])
+    if world > 1:
+        from tests.jax._helpers import mesh_1d
+
+        mesh = mesh_1d(world)
+        v = table["v"]
+
+        def op(z, y, k):  # the table's V_local columns are shard 0's; the other shards are its copies, shifted
+            zg = jnp.concatenate([z] + [z - 1.0 * s for s in range(1, world)], axis=-1)
+            kg = None if k is None else jnp.concatenate([k] * world, axis=-1)
+            return dualvp_jax.sharded_logprob_entropy(zg, y + v * (y % world), mesh, keep_mask=kg, **kw)
+    else:
+        def op(z, y, k):
+            return dualvp_jax.logprob_entropy(z, y, keep_mask=k, **kw)
+
+    @jax.jit
+    def value_and_grad(z, y, k, gl, ge):
+        (lp, h), vjp = jax.vjp(lambda z_: op(z_, y, k), z)
+        (g,) = vjp((gl, ge))
+        return lp, h, g
+
+    def run(idx):
+        k = None if table["keep"] is None else jnp.asarray(table["keep"][idx])
+        lp, h, g = value_and_grad(jnp.asarray(table["z"][idx], dt), jnp.asarray(table["y"][idx], jnp.int32), k,
+                                  jnp.asarray(table["gl"][idx]), jnp.asarray(table["ge"][idx]))
+        return (np.asarray(lp, np.float32), np.asarray(h, np.float32), np.asarray(g.astype(jnp.float32)))
+
+    return run
+
+
+@pytest.mark.parametrize("table_id", list(TABLES))
+def test_jax_logprob_entropy_batch_invariant(table_id):
+    pytest.importorskip("jax")
+    table = make_table(**TABLES[table_id])
+    check_invariance(_jax_runner(table), table)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("table_id", list(TABLES))
+def test_jax_sharded_batch_invariant(table_id):
+    pytest.importorskip("jax")
+    table = make_table(**TABLES[table_id])
+    check_invariance(_jax_runner(table, world=2), table)
+
+
+# --- the fused LM-head op ------------------------------------------------------------------
+#
+# Not batch-invariant on the CPU, in torch (compiled and eager) and in JAX: the logits tile
+# h_i W_j^T comes from a GEMM whose blocking (MKL's, XLA's dot emitter) depends on the tile's row
+# count, and torch's tile shape itself is chosen from T (dualvp_torch.linear_tiles.tile_shape, its
+# memory budget a fraction of T x V_local). Measured (H=64, V=4099, float32, tau=0.7, T=7/64/1000
+# against T=1): torch eager and compiled log-prob, entropy and hidden-gradient rows up to 3.8e-6
+# apart, JAX up to 4.1e-6 (the log-prob equal but at T=1000). Making it invariant needs a fixed
+# row tile and a row-count-independent product (docs/decisions.md, "Batch invariance: one
+# reduction order per row"). The checks below are what the property would be; they are skipped
+# explicitly, with the measured figure, until the fused op gives it.
+_FUSED_SKIP = ("fused op not batch-invariant on the CPU: the GEMM's blocking and torch's tile shape "
+               "depend on T; measured up to 3.8e-6 (torch) / 4.1e-6 (JAX) apart, H=64, V=4099")
+
+
+def _torch_fused_runner(impl: str, h: int = 64, v: int = 4099):
+    import torch
+
+    from dualvp_torch import linear_logprob_entropy
+
+    table = make_table(v=h, dtype="float32", keep=False, tau=0.7)  # hidden [N, h]
+    w = torch.from_numpy(np.random.default_rng(1).standard_normal((v, h)).astype(np.float32) * 0.3)
+    hid, gl, ge = (torch.from_numpy(table[k]) for k in ("z", "gl", "ge"))
+    y = torch.from_numpy(table["y"] % v)
+
+    def run(idx):
+        i = torch.from_numpy(idx)
+        x = hid[i].clone().requires_grad_(True)
+        lp, ent = linear_logprob_entropy(x, w, y[i], temperature=0.7, impl=impl)
+        torch.autograd.backward([lp, ent], [gl[i], ge[i]])
+        return lp.detach().numpy(), ent.detach().numpy(), x.grad.numpy()
+
+    return run, table
+
+
+@pytest.mark.skip(reason=_FUSED_SKIP)
+@pytest.mark.parametrize("impl", ["compiled", "eager"])
+def test_torch_fused_op_batch_invariant(impl):
+    run, table = _torch_fused_runner(impl)
+    check_invariance(run, table)
