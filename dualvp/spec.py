@@ -729,16 +729,37 @@ def gather_columns(xp, z, cols, use, prev=None, dtype=None):
     return xp.where(use, zk, xp.zeros_like(zk) if prev is None else prev)
 
 
-def kept_pair(xp, zk, use, temperature=1.0):
+def _tree(xp, x, op, fill: float):
+    # Row reduction of x [..., n] as a fixed pairwise tree of elementwise ops
+    # (padded with ``fill`` to a power of two): the same bits for a row
+    # whatever the other rows, where a library reduction may take another
+    # path for some row counts.
+    n = x.shape[-1]
+    p = 1 << max(0, n - 1).bit_length()
+    if p > n:
+        x = _concat(xp, [x, xp.zeros_like(x[..., : p - n]) + fill], axis=-1)
+    while x.shape[-1] > 1:
+        h = x.shape[-1] // 2
+        x = op(x[..., :h], x[..., h:])
+    return x[..., 0]
+
+
+def kept_pair(xp, zk, use, temperature=1.0, *, tree: bool = False):
     """``(mk, sk)``, each ``[...]``: max and ``sum e^((z - mk) / tau)`` over the used columns of ``zk``.
 
     The kept pair of :func:`block_stats` (``kept_shift="kept"``) for the kept
-    set given by ids: ``(-inf, 0)`` when no column is used.
+    set given by ids: ``(-inf, 0)`` when no column is used. ``tree=True``
+    reduces the ``K + 1`` columns in a fixed pairwise tree of elementwise
+    ops instead of the library's row reductions (XLA:CPU reduces narrow rows
+    along a path that depends on the row count).
     """
     tau = _tau(xp, temperature, zk.dtype)
-    mk = xp.max(xp.where(use, zk, -xp.inf), axis=-1)
-    ek = xp.exp(_over_tau(zk - _finite_or_zero(xp, mk)[..., None], tau))
-    return mk, xp.sum(xp.where(use, ek, 0.0), axis=-1)
+    if tree:
+        mk = _tree(xp, xp.where(use, zk, -xp.inf), xp.maximum, -math.inf)
+    else:
+        mk = xp.max(xp.where(use, zk, -xp.inf), axis=-1)
+    ek = xp.where(use, xp.exp(_over_tau(zk - _finite_or_zero(xp, mk)[..., None], tau)), 0.0)
+    return mk, (_tree(xp, ek, lambda a, b: a + b, 0.0) if tree else xp.sum(ek, axis=-1))
 
 
 def with_kept_pair(xp, stats, mk, sk):

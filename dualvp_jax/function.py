@@ -299,6 +299,16 @@ def _kept_columns(ids, target, axis_name, opt: Options, v_local: int):
     return spec.kept_columns(jnp, ids, target, _shard_index(axis_name)[0], v_local, opt.ignore_index)
 
 
+def _kept_pair(zk, use, tau):
+    """``spec.kept_pair`` of ``[..., K+1]`` gathered logits, reduced in a fixed tree (``tree=True``).
+
+    XLA:CPU reduces a narrow ``[T, K+1]`` along a path that depends on ``T``
+    (a row of a 257-row call differed from the same row alone); the tree of
+    elementwise ops gives a row the same bits whatever ``T`` (batch invariance).
+    """
+    return spec.kept_pair(jnp, zk, use, tau, tree=True)
+
+
 def _forward(logits, target, keep, axis_name, opt: Options, tuning: Tuning):
     cdt = _compute_dtype(logits.dtype)
     tau = opt.temperature
@@ -310,7 +320,7 @@ def _forward(logits, target, keep, axis_name, opt: Options, tuning: Tuning):
         stats = _shard_stats(logits, local, owns, None, tau, cdt, opt.with_entropy, tuning)
         cols, use = _kept_columns(keep, target, axis_name, opt, logits.shape[-1])
         zk = spec.gather_columns(jnp, logits, cols, use, dtype=cdt)
-        stats = spec.with_kept_pair(jnp, stats, *spec.kept_pair(jnp, zk, use, tau))
+        stats = spec.with_kept_pair(jnp, stats, *_kept_pair(zk, use, tau))
     else:
         stats = _shard_stats(logits, local, owns, keep, tau, cdt, opt.with_entropy, tuning)
     comb = spec.finalize(jnp, spec.reduce_stats(jnp, _gather(axis_name, stats), axis=0, temperature=tau), tau)

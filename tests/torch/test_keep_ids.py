@@ -297,3 +297,27 @@ def test_inside_a_callers_fullgraph_compile():
     torch.compile(loss, fullgraph=True)(z).backward()
     want = testing.oracle(p)
     assert testing.within_tolerance(z.grad.double().numpy(), want.grad, testing.tolerance("float32", "grad"))
+
+
+@pytest.mark.parametrize("impl", ["eager", pytest.param("compiled", marks=pytest.mark.slow)])
+def test_batch_invariance(impl):
+    """A row's log-prob and gradient row with keep_ids: bitwise the same alone, in 7 rows and in 257."""
+    from dualvp_torch import tuning
+
+    g = torch.Generator().manual_seed(0)
+    T, V, K = 257, 300, 8
+    z = torch.randn(T, V, generator=g) * 3
+    y, ids = torch.randint(0, V, (T,), generator=g), torch.randint(-1, V, (T, K), generator=g)
+
+    def run(rows):
+        x = z[rows].clone().requires_grad_(True)
+        lp, h = dualvp_torch.logprob_entropy(x, y[rows], keep_ids=ids[rows], impl=impl)
+        (lp.sum() + h.sum()).backward()
+        return lp.detach(), x.grad
+
+    with tuning.using(tuning.Tuning(max_eager_workers=1)):  # (eager: invariant in the calling thread)
+        lp_all, g_all = run(slice(0, T))
+        for i, rows in ((0, slice(0, 1)), (256, slice(256, 257)), (256, slice(250, 257))):
+            lp, gr = run(rows)
+            j = i - rows.start
+            assert torch.equal(lp[j], lp_all[i]) and torch.equal(gr[j], g_all[i]), (i, rows)
