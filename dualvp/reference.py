@@ -24,8 +24,8 @@ from __future__ import annotations
 
 import numpy as np
 
-__all__ = ["logprob_entropy", "logprob_entropy_grad", "linear_logprob_entropy", "linear_logprob_entropy_grad",
-           "mask_from_ids"]
+__all__ = ["logprob_entropy", "logprob_entropy_grad", "sum_squared_probs", "sum_squared_probs_grad",
+           "linear_logprob_entropy", "linear_logprob_entropy_grad", "mask_from_ids"]
 
 
 def mask_from_ids(keep_ids, vocab_size: int) -> np.ndarray:
@@ -62,7 +62,7 @@ def _log_softmax(u: np.ndarray) -> np.ndarray:
 def _prepare(logits, target, keep_mask, temperature, ignore_index):
     z = np.asarray(logits, dtype=np.float64)
     y = np.asarray(target).astype(np.int64)
-    u = z / float(temperature)
+    u = z / _tau_col(temperature)
     valid = y != ignore_index
     y_safe = np.where(valid, y, 0)
     onehot = np.arange(u.shape[-1]) == y_safe[..., None]
@@ -75,6 +75,17 @@ def _prepare(logits, target, keep_mask, temperature, ignore_index):
         with np.errstate(invalid="ignore"):
             logq = _log_softmax(np.where(kept, u, -np.inf))
     return u, valid, y_safe, onehot, logp, logq
+
+
+def _tau_col(temperature):
+    # A number, or one tau per row ``[...]`` (broadcast to the rows): as a column factor ``[..., 1]``.
+    t = np.asarray(temperature, dtype=np.float64)
+    return float(t) if t.ndim == 0 else t[..., None]
+
+
+def _multi(logits, target) -> bool:
+    # K targets per row: target [..., K] against logits [..., V].
+    return np.ndim(target) == np.ndim(logits) and np.ndim(logits) > 0
 
 
 def _entropy(logp: np.ndarray) -> np.ndarray:
@@ -97,22 +108,58 @@ def logprob_entropy(
 
     Args:
       logits: ``[..., V]`` full logits (any float dtype; computed in float64).
-      target: ``[...]`` integer token ids in ``[0, V)`` or ``ignore_index``.
+      target: ``[...]`` integer token ids in ``[0, V)`` or ``ignore_index``;
+        or ``[..., K]`` (``target.ndim == logits.ndim``): K targets per row,
+        each with its own log-prob (and its own kept set ``keep_mask |
+        onehot(target_k)``).
       keep_mask: ``[..., V]`` bool or ``None``. The log-prob is taken under the
         distribution renormalised over ``keep_mask | onehot(target)``.
-      temperature: ``tau > 0``; the distribution is ``softmax(logits / tau)``.
+      temperature: ``tau > 0``, a number or one per row (``[...]``, broadcast
+        to the rows); the distribution is ``softmax(logits / tau)``.
       ignore_index: rows with this target get log-prob 0.
       keep_ids: ``[..., K]`` integer ids, the kept set as token ids (padding
         -1), or ``None``; the alternative to ``keep_mask``
         (:func:`mask_from_ids`).
 
     Returns:
-      ``(logprob [...], entropy [...])`` float64.
+      ``(logprob [...] or [..., K], entropy [...])`` float64.
     """
     keep_mask = _mask_of(keep_mask, keep_ids, np.shape(logits)[-1])
+    if _multi(logits, target):
+        t = _row_tau(logits, temperature)
+        outs = [logprob_entropy(logits, np.asarray(target)[..., k], keep_mask=keep_mask, temperature=t,
+                                ignore_index=ignore_index) for k in range(np.shape(target)[-1])]
+        lead = np.shape(logits)[:-1]
+        lp = np.stack([o[0] for o in outs], axis=-1) if outs else np.zeros(lead + (0,))
+        return lp, (outs[0][1] if outs else logprob_entropy(logits, np.zeros(lead, np.int64), temperature=t)[1])
     u, valid, y, _, logp, logq = _prepare(logits, target, keep_mask, temperature, ignore_index)
     lp = np.take_along_axis(logq, y[..., None], axis=-1)[..., 0]
     return np.where(valid, lp, 0.0), _entropy(logp)
+
+
+def _row_tau(logits, temperature):
+    # a per-row temperature broadcast to the rows' shape (a number stays a number)
+    t = np.asarray(temperature, dtype=np.float64)
+    return float(t) if t.ndim == 0 else np.broadcast_to(t, np.shape(logits)[:-1])
+
+
+def sum_squared_probs(logits, *, temperature=1.0) -> np.ndarray:
+    """``sum_v p_v^2`` of ``p = softmax(logits / tau)``, in float64: ``[...]``.
+
+    ``temperature``: a number or one per row (``[...]``, broadcast to the rows).
+    """
+    z = np.asarray(logits, dtype=np.float64)
+    logp = _log_softmax(z / _tau_col(_row_tau(z, temperature)))
+    return np.sum(np.exp(2.0 * logp), axis=-1)
+
+
+def sum_squared_probs_grad(logits, grad_sum_p2, *, temperature=1.0) -> np.ndarray:
+    """Gradient of ``sum(grad_sum_p2 * sum_v p_v^2)`` w.r.t. the logits: ``2 g p_v (p_v - sum p^2) / tau``."""
+    z = np.asarray(logits, dtype=np.float64)
+    t = _tau_col(_row_tau(z, temperature))
+    p = np.exp(_log_softmax(z / t))
+    s = np.sum(p * p, axis=-1, keepdims=True)
+    return 2.0 * np.asarray(grad_sum_p2, dtype=np.float64)[..., None] * p * (p - s) / t
 
 
 def logprob_entropy_grad(
@@ -131,13 +178,25 @@ def logprob_entropy_grad(
     Args:
       logits, target, keep_mask, temperature, ignore_index, keep_ids: as in
         :func:`logprob_entropy`.
-      grad_logprob: ``[...]`` upstream gradient of the log-prob.
+      grad_logprob: ``[...]`` upstream gradient of the log-prob (``[..., K]``
+        with K targets: the gradient is the sum of the K log-probs' and the
+        entropy's).
       grad_entropy: ``[...]`` upstream gradient of the entropy, or ``None``.
 
     Returns:
       ``[..., V]`` float64.
     """
     keep_mask = _mask_of(keep_mask, keep_ids, np.shape(logits)[-1])
+    if _multi(logits, target):
+        # sum over the K targets of each one's log-prob gradient, plus the entropy's once
+        t = _row_tau(logits, temperature)
+        gls = np.asarray(grad_logprob, dtype=np.float64)
+        g = logprob_entropy_grad(logits, np.full(np.shape(logits)[:-1], ignore_index, np.int64),
+                                 np.zeros(np.shape(gls)[:-1]), grad_entropy, temperature=t, ignore_index=ignore_index)
+        for k in range(np.shape(target)[-1]):
+            g = g + logprob_entropy_grad(logits, np.asarray(target)[..., k], gls[..., k], None, keep_mask=keep_mask,
+                                         temperature=t, ignore_index=ignore_index)
+        return g
     u, valid, _, onehot, logp, logq = _prepare(logits, target, keep_mask, temperature, ignore_index)
     gl = np.where(valid, np.asarray(grad_logprob, dtype=np.float64), 0.0)[..., None]
     q = np.exp(logq)
@@ -150,7 +209,7 @@ def logprob_entropy_grad(
         gh = np.asarray(grad_entropy, dtype=np.float64)[..., None]
         with np.errstate(invalid="ignore"):
             g = g + gh * np.where(p == 0, 0.0, -p * (logp + h))
-    return g / float(temperature)
+    return g / _tau_col(temperature)
 
 
 def _linear_logits(hidden, weight_full) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

@@ -100,6 +100,15 @@ __all__ = [
     "block_grad_base",
     "kept_grad",
     "set_at_columns",
+    "ExtLayout",
+    "row_temperature",
+    "ext_block_stats",
+    "ext_reduce_stats",
+    "ExtCombined",
+    "ext_finalize",
+    "ext_outputs",
+    "ext_block_grad",
+    "ext_target_weights",
 ]
 
 #: ``block_stats(kept_shift="max")`` shifts the kept sum by the overall max,
@@ -399,7 +408,7 @@ def block_stats(
     sk = _sum(xp, xp.where(keep, ek, 0.0), acc_dtype, z.dtype)
     # exp(d) on the kept columns is ek * e^((mk - m) / tau), a factor <= 1
     # (0 when nothing is kept or the kept set underflows against m).
-    e = xp.where(keep, ek * xp.exp((mk - _finite_or_zero(xp, m)) / tau)[..., None], ek) if with_entropy else None
+    e = xp.where(keep, ek * xp.exp((mk - _finite_or_zero(xp, m))[..., None] / tau), ek) if with_entropy else None
     mk, sk = _merge_dropped_target(xp, keep, local, owns, start, zy, mk, sk, tau)
     # Under a mask without the entropy nothing reads s: 1 is a placeholder
     # that merges (and takes a log) like any sum.
@@ -870,3 +879,263 @@ def set_at_columns(xp, g, cols, vals, use):
     lead = np.nonzero(u)
     g2[lead[:-1] + (np.asarray(cols)[u],)] = np.asarray(vals, g2.dtype)[u]
     return g2
+# --- K targets per row, a per-row temperature, the sum of squared probabilities ---------
+#
+# The extended op shares the row statistics of the op above (computed with no
+# target: ``owns`` all false, so no target is merged into the kept pair) and
+# appends to them, in the same ``[..., width]`` array (so that one collective
+# round still carries everything):
+#
+#     s2     = sum e^(2 d)                    (with_sum_p2)   merge: sum_r s2_r e^(2 dm_r)
+#     zy_k   = z_(y_k) on its owner, else 0   (K columns)      merge: sum
+#     dr_k   = 1 if y_k is dropped by the mask on its owner, else 0   (K columns, with a mask)
+#
+# and ``sum_v p_v^2 = S2 / S^2``. Target ``k``'s kept set is ``K + {y_k}``
+# (each target is kept for its own log-prob): its kept pair is the shared
+# pair ``(Mk, Sk)`` merged with ``(z_(y_k), 1)`` when ``y_k`` is dropped, an
+# O(K) per-row step after the merge. Gradient::
+#
+#     dz_v = sum_k gL_k (1[v = y_k] - q^k_v) / tau + gH dH/dz_v
+#
+# where ``q^k`` is the distribution over target k's kept set (plus, when the
+# caller differentiates ``sum_p2 = S2 / S^2``, ``gS 2 p_v (p_v - sum_p2) / tau``). On a kept
+# column ``q^k_v = e^((z_v - Mk) / tau) * e^((Mk - Mk_k) / tau - log Sk_k)``,
+# so ``sum_k gL_k q^k_v`` is the column's exponential times one per-row
+# coefficient; a dropped target's own column adds ``-gL_k q^k_(y_k)``.
+#
+# The temperature may be a number, a 0-d array or an array ``[...]`` of the
+# rows' shape (one ``tau`` per row; :func:`row_temperature`). It is treated as
+# a constant: no gradient flows to it.
+
+
+class ExtLayout(NamedTuple):
+    """Columns of the extended statistics ``[..., width]``.
+
+    ``k``: targets per row; ``has_mask``: a keep mask was given (the
+    ``dr_k`` columns); ``with_sum_p2``: the ``s2`` column. Columns:
+    ``[0, N_STATS)`` the statistics of :data:`STATS` (with ``zy = 0``), then
+    ``s2`` (if ``with_sum_p2``), ``zy_1..zy_K``, ``dr_1..dr_K`` (if ``has_mask``).
+    """
+
+    k: int
+    has_mask: bool
+    with_sum_p2: bool
+
+    @property
+    def width(self) -> int:
+        return N_STATS + int(self.with_sum_p2) + self.k * (2 if self.has_mask else 1)
+
+    @property
+    def zy(self) -> slice:
+        a = N_STATS + int(self.with_sum_p2)
+        return slice(a, a + self.k)
+
+    @property
+    def dropped(self) -> slice:
+        a = N_STATS + int(self.with_sum_p2) + self.k
+        return slice(a, a + self.k)
+
+
+def _is_row_array(temperature) -> bool:
+    return not isinstance(temperature, (int, float)) and len(getattr(temperature, "shape", ())) > 0
+
+
+def row_temperature(xp, temperature, dtype=None):
+    """``(row, col)``: the temperature for row-shaped ``[...]`` and for block-shaped ``[..., n]`` arrays.
+
+    A number or a 0-d array is returned as it is (cast to ``dtype`` if an
+    array) for both. An array ``[...]`` (one ``tau`` per row, the rows'
+    shape) gives ``(tau, tau[..., None])``, with every entry that is not a
+    finite number > 0 replaced by NaN: such a row's outputs and gradient are
+    NaN (a backend raises instead when asked to validate).
+    """
+    if not _is_row_array(temperature):
+        return (temperature, temperature) if dtype is None else (_tau(xp, temperature, dtype),) * 2
+    t = temperature if dtype is None else _astype(xp, temperature, dtype)
+    t = xp.where((t > 0) & (t < xp.inf), t, xp.nan)
+    return t, t[..., None]
+
+
+def _row_k(tau):
+    # a row temperature [...] against [..., K] per-target arrays
+    return tau[..., None] if _is_row_array(tau) else tau
+
+
+def ext_block_stats(xp, z, local, owns, keep=None, temperature=1.0, *, start: int = 0, dtype=None, acc_dtype=None,
+                    with_entropy: bool = True, with_sum_p2: bool = False, kept_shift: str = "kept",
+                    entropy_terms: str = "clamp"):
+    """Extended statistics of one column block: ``[..., ExtLayout(K, keep is not None, with_sum_p2).width]``.
+
+    Args:
+      z: ``[..., n]`` logits of the block ``[start, start + n)`` of the shard.
+      local, owns: ``[..., K]`` from :func:`target_to_local` of a ``[..., K]``
+        target (K targets per row).
+      keep: ``[..., n]`` bool or ``None``.
+      temperature: a number, a 0-d array or ``[...]`` (one per row; see
+        :func:`row_temperature`).
+      with_sum_p2: append ``s2 = sum e^(2 d)`` (for ``sum_v p_v^2``).
+      Others as in :func:`block_stats` (``with_entropy=False`` is overridden
+      when ``with_sum_p2``: ``s2`` needs ``s``).
+
+    Returns:
+      The :data:`STATS` of the block with no target (``zy = 0``; the kept pair
+      over the mask alone), then ``s2``, ``zy_k`` and the dropped flags
+      ``dr_k`` (1.0 or 0.0) as laid out by :class:`ExtLayout`.
+    """
+    z = _cast(xp, z, dtype)
+    _, tc = row_temperature(xp, temperature, z.dtype if _is_row_array(temperature) else None)
+    base = block_stats(xp, z, xp.zeros_like(local[..., 0]), xp.zeros_like(owns[..., 0]), keep, tc, start=start,
+                       acc_dtype=acc_dtype, with_entropy=with_entropy or with_sum_p2, kept_shift=kept_shift,
+                       entropy_terms=entropy_terms)
+    cols = [base]
+    if with_sum_p2:
+        e2 = xp.exp(2.0 * _shifted(xp, z, base[..., 0], tc, products=False))
+        cols.append(_sum(xp, e2, acc_dtype, z.dtype)[..., None])
+    col, inside = _in_block(xp, z, local, owns, start)
+    cols.append(xp.where(inside, xp.take_along_axis(z, col, axis=-1), 0.0))
+    if keep is not None:
+        dropped = inside & xp.logical_not(xp.take_along_axis(keep, col, axis=-1))
+        cols.append(_astype(xp, dropped, z.dtype))
+    return _concat(xp, cols)
+
+
+def ext_reduce_stats(xp, stats, layout: ExtLayout, axis: int = 0, temperature=1.0):
+    """Merge extended statistics along ``axis`` (:func:`reduce_stats` plus ``s2``, ``zy_k``, ``dr_k``).
+
+    ``temperature`` as in :func:`ext_block_stats` (``[...]``: the rows'
+    shape, without ``axis``). Associative, like :func:`reduce_stats`.
+    """
+    tr, _ = row_temperature(xp, temperature, stats.dtype if _is_row_array(temperature) else None)
+    ax = axis if axis >= 0 else axis + 1  # the stats axis is gone from the fields
+    cols = [reduce_stats(xp, stats[..., :N_STATS], axis=axis, temperature=tr)]
+    if layout.with_sum_p2:
+        m = stats[..., 0]
+        M = xp.max(m, axis=ax, keepdims=True)
+        w2 = xp.exp(2.0 * (m - _finite_or_zero(xp, M)) / tr)
+        cols.append(xp.sum(w2 * stats[..., N_STATS], axis=ax)[..., None])
+    cols.append(xp.sum(stats[..., N_STATS + int(layout.with_sum_p2):], axis=axis))
+    return _concat(xp, cols)
+
+
+class ExtCombined(NamedTuple):
+    """Finalized extended statistics.
+
+    ``comb``: the shared :class:`Combined` (its kept pair over the mask
+    alone); ``zy``: ``[..., K]`` target logits; ``dropped``: ``[..., K]``
+    bool or ``None`` (no mask); ``mk``, ``log_sk``: ``[..., K]`` each target's
+    kept pair (the shared one merged with the target where dropped);
+    ``sum_p2``: ``[...]`` ``sum_v p_v^2`` or ``None``.
+    """
+
+    comb: Combined
+    zy: Any
+    dropped: Any
+    mk: Any
+    log_sk: Any
+    sum_p2: Any
+
+
+def ext_finalize(xp, stats, layout: ExtLayout, temperature=1.0) -> ExtCombined:
+    """:class:`ExtCombined` from fully reduced ``[..., layout.width]`` statistics."""
+    tr, _ = row_temperature(xp, temperature, stats.dtype if _is_row_array(temperature) else None)
+    comb = finalize(xp, stats[..., :N_STATS], tr)
+    zy = stats[..., layout.zy]
+    mk0 = comb.mk[..., None] + xp.zeros_like(zy)
+    if layout.has_mask:
+        dropped = stats[..., layout.dropped] > 0
+        sk0 = stats[..., STATS.index("sk")][..., None]
+        yk = xp.where(dropped, zy, -xp.inf)
+        mk = xp.maximum(mk0, yk)
+        shift = _finite_or_zero(xp, mk)
+        tk = _row_k(tr)
+        # sk0 e^((mk0 - mk) / tau) is 0 for an empty shared kept set (sk0 = 0, mk0 = -inf)
+        sk = xp.where(sk0 > 0, sk0 * xp.exp((mk0 - shift) / tk), 0.0) + xp.exp((yk - shift) / tk)
+        log_sk = xp.log(sk)
+    else:
+        dropped, mk, log_sk = None, mk0, comb.log_sk[..., None] + xp.zeros_like(zy)
+    sum_p2 = None
+    if layout.with_sum_p2:
+        s = stats[..., STATS.index("s")]
+        sum_p2 = stats[..., N_STATS] / (s * s)
+    return ExtCombined(comb, zy, dropped, mk, log_sk, sum_p2)
+
+
+def ext_outputs(xp, ec: ExtCombined, valid, temperature=1.0):
+    """``(logprob [..., K], entropy [...], sum_p2 [...] or None)`` from :class:`ExtCombined`.
+
+    ``L_k = (z_(y_k) - Mk_k) / tau - log Sk_k`` (0 where ``valid [..., K]`` is
+    false), ``H = log S - c``, ``sum_p2 = S2 / S^2``.
+    """
+    tr, _ = row_temperature(xp, temperature, ec.zy.dtype if _is_row_array(temperature) else None)
+    logprob = xp.where(valid, (ec.zy - ec.mk) / _row_k(tr) - ec.log_sk, 0.0)
+    return logprob, ec.comb.log_s - ec.comb.c, ec.sum_p2
+
+
+def ext_target_weights(xp, ec: ExtCombined, valid, g_logprob, temperature=1.0):
+    """``[..., K]``: what :func:`ext_block_grad` adds at target k's column,
+    ``gL_k (1 - [y_k dropped] q^k_(y_k)) / tau``.
+
+    (0 for invalid targets.) A backend with a scatter may add these itself
+    (a scatter-add of K values per row: repeated ids add up) and call
+    :func:`ext_block_grad` with ``target_terms=False``, instead of K
+    compares over the block.
+    """
+    tr, _ = row_temperature(xp, temperature, ec.zy.dtype if _is_row_array(temperature) else None)
+    gl = xp.where(valid, g_logprob, 0.0) / _row_k(tr)
+    if ec.dropped is None:
+        return gl
+    q_y = xp.exp((ec.zy - ec.mk) / _row_k(tr) - ec.log_sk)
+    return xp.where(ec.dropped, gl * (1.0 - q_y), gl)
+
+
+def ext_block_grad(xp, z, local, owns, keep, ec: ExtCombined, valid, g_logprob, g_entropy, temperature=1.0, *,
+                   start: int = 0, dtype=None, g_sum_p2=None, target_terms: bool = True):
+    """Gradient of ``sum(sum_k gL_k L_k + gH H)`` w.r.t. one column block of logits.
+
+    Args:
+      z: ``[..., n]``; local, owns, valid: ``[..., K]``; keep: ``[..., n]`` or ``None``.
+      ec: :class:`ExtCombined` of these rows.
+      g_logprob: ``[..., K]``; g_entropy: ``[...]`` or ``None``.
+      temperature: as in :func:`ext_block_stats`; a constant (no gradient).
+      start, dtype: as in :func:`block_grad`.
+      g_sum_p2: ``[...]`` upstream gradient of ``sum_p2`` or ``None``
+        (needs ``ec.sum_p2``): adds ``gS 2 p_v (p_v - sum_p2) / tau``.
+      target_terms: ``False`` leaves out the terms at the target columns
+        (:func:`ext_target_weights`, for the caller to scatter-add).
+
+    Returns:
+      ``[..., n]`` in the compute dtype:
+      ``(sum_k gL_k (1[v = y_k] - q^k_v) + gH p_v (c - d_v) + 2 gS p_v (p_v - S2)) / tau``.
+    """
+    z = _cast(xp, z, dtype)
+    tr, tc = row_temperature(xp, temperature, z.dtype if _is_row_array(temperature) else None)
+    comb = ec.comb
+    d = _shifted(xp, z, comb.M, tc, products=g_entropy is not None)
+    gl = xp.where(valid, g_logprob, 0.0) / _row_k(tr)  # [..., K]
+    p = None
+    if keep is None:
+        p = xp.exp(d - comb.log_s[..., None])
+        g = -xp.sum(gl, axis=-1)[..., None] * p
+    else:
+        mk0 = _finite_or_zero(xp, comb.mk)
+        # sum_k gL_k e^((Mk - Mk_k) / tau - log Sk_k): a kept column's q-term is its e^((z - Mk) / tau) times it.
+        # Rows or targets with no kept mass (and invalid targets) are left out by the selects.
+        a = xp.sum(xp.where(valid & (gl != 0), gl * xp.exp((mk0[..., None] - ec.mk) / _row_k(tr) - ec.log_sk), 0.0),
+                   axis=-1)
+        eq = xp.exp(_over_tau(z - mk0[..., None], tc))
+        g = -xp.where(keep, eq * a[..., None], 0.0)
+    if target_terms:
+        # at target k's column: gL_k (1 - q^k_(y_k) if y_k is dropped, else 1) / tau
+        coef = ext_target_weights(xp, ec, valid, g_logprob, temperature)
+        for k in range(local.shape[-1]):
+            is_y = _target_columns(xp, z, local[..., k], owns[..., k], start)
+            g = g + xp.where(is_y, coef[..., k:k + 1], 0.0)
+    if g_entropy is not None:
+        if p is None:
+            p = xp.exp(d - comb.log_s[..., None])
+        g = g + (g_entropy / tr)[..., None] * (p * (comb.c[..., None] - d))
+    if g_sum_p2 is not None:
+        if p is None:
+            p = xp.exp(d - comb.log_s[..., None])
+        g = g + (2.0 * g_sum_p2 / tr)[..., None] * (p * (p - ec.sum_p2[..., None]))
+    return g

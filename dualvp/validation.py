@@ -42,6 +42,7 @@ __all__ = [
     "check_keep_ids",
     "count_bad_ids",
     "bad_ids_error",
+    "check_temperature_values",
     "agreement_record",
     "check_agreement",
     "RECORD_FIELDS",
@@ -123,6 +124,12 @@ class Options:
         drop-in's extra all-reduce that the others enter.
       reduce_hidden_grad: fused op only: ``dh`` is reduced over the group.
       sequence_parallel: fused op only: hidden holds this rank's ``T/W`` rows.
+      n_targets: 0: one target per row (``target [...]``, log-prob ``[...]``);
+        ``K >= 1``: ``target [..., K]`` (``multi_target=True``), log-prob
+        ``[..., K]``.
+      row_temperature: the temperature is a tensor, one per row (broadcast
+        to the rows); ``temperature`` is then 1.0 and unused.
+      with_sum_p2: ``sum_v p_v^2`` is returned as well (no gradient).
     """
 
     temperature: float = 1.0
@@ -135,6 +142,9 @@ class Options:
     label_smoothing: float = 0.0
     reduce_hidden_grad: bool = True
     sequence_parallel: bool = False
+    n_targets: int = 0
+    row_temperature: bool = False
+    with_sum_p2: bool = False
 
     @property
     def need_entropy_grad(self) -> bool:
@@ -162,8 +172,18 @@ def check_args(
     inplace_grad=False,
     ids_shape: Optional[Sequence[int]] = None,
     ids_dtype: Optional[str] = None,
+    multi_target=False,
+    temperature_shape: Optional[Sequence[int]] = None,
+    temperature_dtype: Optional[str] = None,
+    with_sum_p2=False,
 ) -> Options:
     """Check shapes, dtypes and options; return them as :class:`Options`.
+
+    ``multi_target=True``: ``target [..., K]`` (K >= 1 targets per row, the
+    leading dims of logits). ``temperature_shape`` / ``temperature_dtype``
+    (given together) describe a temperature *tensor*: floating, its shape
+    broadcastable to the rows ``logits.shape[:-1]``; its values (finite,
+    > 0) are the backend's to check (:func:`check_temperature_values`).
 
     Expected: ``logits [..., V_local]`` floating (one of :data:`FLOAT_DTYPES`)
     with ``V_local >= 1``; ``target [...]`` integer with the same leading
@@ -186,22 +206,45 @@ def check_args(
         raise ValueError(f"logits: expected V_local = logits.shape[-1] >= 1, got shape {ls}")
     if target_dtype not in INT_DTYPES:
         raise TypeError(f"target: expected an integer dtype, got {target_dtype}")
-    if ts != ls[:-1]:
+    _check_flag("multi_target", multi_target)
+    _check_flag("with_sum_p2", with_sum_p2)
+    if multi_target:
+        if len(ts) != len(ls) or ts[:-1] != ls[:-1] or ts[-1] < 1:
+            raise ValueError(
+                f"target: expected shape {ls[:-1] + ('K',)} with K >= 1 (multi_target=True: the leading dims of "
+                f"logits {ls}, then K targets per row), got shape {ts}"
+            )
+    elif ts != ls[:-1]:
         raise ValueError(
             f"target: expected shape {ls[:-1]} (the leading dims of logits {ls}), got shape {ts}"
         )
-    has_ids = check_keep_ids(ts, ids_shape, ids_dtype, keep_shape is not None or keep_dtype is not None)
+    has_ids = check_keep_ids(ts if not multi_target else ts[:-1], ids_shape, ids_dtype,
+                             keep_shape is not None or keep_dtype is not None)
     if keep_shape is not None or keep_dtype is not None:
         if keep_dtype != "bool":
             raise TypeError(f"keep_mask: expected dtype bool, got {keep_dtype}")
         if _shape(keep_shape) != ls:
             raise ValueError(f"keep_mask: expected shape {ls} (the shape of logits), got shape {_shape(keep_shape)}")
-    tau = check_temperature(temperature)
+    row_tau = temperature_shape is not None or temperature_dtype is not None
+    if row_tau:
+        _check_temperature_tensor(temperature_shape, temperature_dtype, ls[:-1])
+        tau = 1.0
+    else:
+        tau = check_temperature(temperature)
     if isinstance(ignore_index, bool) or not isinstance(ignore_index, int):
         raise TypeError(f"ignore_index: expected an int, got {type(ignore_index).__name__} {ignore_index!r}")
     _check_flag("with_entropy", with_entropy)
     _check_flag("entropy_grad", entropy_grad)
     _check_flag("inplace_grad", inplace_grad)
+    if has_ids:
+        # keep_ids rides the single-target core op; the extended op (K targets, a
+        # temperature tensor, sum p^2) has no id path yet. Raised here, from
+        # shapes and flags alone, so every rank raises alike.
+        for name, on in (("multi_target=True", multi_target), ("a temperature tensor", row_tau),
+                         ("with_sum_p2=True", with_sum_p2)):
+            if on:
+                raise NotImplementedError(f"keep_ids: not implemented together with {name}; pass the kept "
+                                          f"set as keep_mask instead")
     return Options(
         temperature=tau,
         ignore_index=int(ignore_index),
@@ -210,6 +253,9 @@ def check_args(
         has_mask=keep_shape is not None or keep_dtype is not None,
         inplace_grad=inplace_grad,
         has_ids=has_ids,
+        n_targets=int(ts[-1]) if multi_target else 0,
+        row_temperature=row_tau,
+        with_sum_p2=with_sum_p2,
     )
 
 
@@ -256,6 +302,29 @@ def bad_ids_error(count: int, shown, vocab_size: int) -> ValueError:
     """The ``ValueError`` of :func:`count_bad_ids`'s result (same text on every backend)."""
     return ValueError(f"keep_ids: expected ids in [0, {vocab_size}) or the padding -1, got {count} out-of-range "
                       f"id(s), e.g. {list(shown)}")
+
+
+def _check_temperature_tensor(shape, dtype, rows: tuple) -> None:
+    # A per-row temperature: floating, broadcastable to the rows (right-aligned, each dim 1 or equal).
+    if dtype not in FLOAT_DTYPES:
+        raise TypeError(
+            f"temperature: expected a float or a floating tensor broadcastable to {rows}, got dtype {dtype}"
+        )
+    ts = _shape(shape if shape is not None else ())
+    ok = len(ts) <= len(rows) and all(a in (1, b) for a, b in zip(ts[::-1], rows[::-1]))
+    if not ok:
+        raise ValueError(
+            f"temperature: expected a tensor broadcastable to the rows {rows} (logits.shape[:-1]), got shape {ts}"
+        )
+
+
+def check_temperature_values(n_bad: int, shown=None) -> None:
+    """Raise the per-row temperature's ``ValueError`` if ``n_bad`` entries are not finite and > 0."""
+    if n_bad:
+        raise ValueError(
+            f"temperature: expected finite values > 0, got {int(n_bad)} bad value(s)"
+            + (f", e.g. {shown!r}" if shown is not None else "")
+        )
 
 
 def check_linear_args(
@@ -381,6 +450,9 @@ RECORD_FIELDS = (
     "temperature",
     "ignore_index",
     "label_smoothing",
+    "targets per row",
+    "temperature tensor",
+    "with_sum_p2",
     "bad_targets",
 )
 
@@ -389,7 +461,7 @@ RECORD_FIELDS = (
 #: is hidden's, ``label_smoothing`` is 0), then what decides the backward's collectives and the scale
 #: of ``dh``, then ``bad_targets`` last.
 #: Built from :data:`RECORD_FIELDS` because :func:`agreement_record` writes the
-#: same leading ten fields for both ops.
+#: same leading thirteen fields for both ops.
 LINEAR_RECORD_FIELDS = (
     RECORD_FIELDS[:3]
     + ("hidden dtype",)
@@ -469,6 +541,10 @@ def agreement_record(
         tau_bits,
         int(options.ignore_index),
         smoothing_bits,
+        # the width of the gathered statistics depends on these: ranks that differ raise, never hang
+        int(options.n_targets),
+        int(options.row_temperature),
+        int(options.with_sum_p2),
     ]
     if fused:
         record += [
@@ -491,6 +567,7 @@ def _render(field: str, value: int) -> str:
         return FLOAT_DTYPES[value] if 0 <= value < len(FLOAT_DTYPES) else "?"
     if field in (
         "keep_mask present", "with_entropy", "entropy_grad", "reduce_hidden_grad", "sequence_parallel",
+        "temperature tensor", "with_sum_p2",
         "hidden requires grad", "weight requires grad",
     ):
         return str(bool(value))

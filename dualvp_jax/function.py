@@ -62,8 +62,9 @@ from jax import lax
 
 from dualvp import spec
 from dualvp.validation import Options, bad_ids_error, check_args, count_bad_ids
+from dualvp.validation import check_temperature_values as check_temperature_values_count
 
-from . import chunks, multiprocess
+from . import chunks, extended, multiprocess
 from ._tuning import DEFAULT, ENTROPY_TERMS, INDICATOR, Tuning
 
 __all__ = ["logprob_entropy"]
@@ -97,14 +98,29 @@ def _check_temperature_type(temperature) -> None:
         )
 
 
-def _validate(logits, target, keep_mask, temperature, ignore_index, with_entropy, entropy_grad, keep_ids=None):
+def _is_row_temperature(temperature) -> bool:
+    """A temperature tensor (one per row): a traced value, or an array with at least one dim.
+
+    A concrete 0-d array or NumPy scalar stays a static number, as before.
+    """
+    if _is_tracer(temperature):
+        return True
+    return isinstance(temperature, (jax.Array, np.ndarray)) and np.ndim(temperature) > 0
+
+
+def _validate(logits, target, keep_mask, temperature, ignore_index, with_entropy, entropy_grad,
+              multi_target=False, with_sum_p2=False, keep_ids=None):
     """Static checks (shapes, dtypes, options); returns the :class:`~dualvp.validation.Options`.
 
     The frozen options object is the static (``jit``) configuration of the op,
     next to ``axis_name``; ``opt.has_ids`` says that the op's ``keep``
     argument holds ``keep_ids`` rather than a mask.
     """
-    _check_temperature_type(temperature)
+    tau_kw = {}
+    if _is_row_temperature(temperature):
+        tau_kw = dict(temperature_shape=tuple(temperature.shape), temperature_dtype=jnp.dtype(temperature.dtype).name)
+    else:
+        _check_temperature_type(temperature)
     ls, ld = _describe("logits", logits, "a floating jax.Array or numpy array [..., V_local]")
     ts, td = _describe("target", target, "an integer jax.Array or numpy array [...]")
     ks = kd = None
@@ -118,12 +134,15 @@ def _validate(logits, target, keep_mask, temperature, ignore_index, with_entropy
         target_dtype=td,
         keep_shape=ks,
         keep_dtype=kd,
-        temperature=temperature,
+        temperature=1.0 if tau_kw else temperature,
         ignore_index=ignore_index,
         with_entropy=with_entropy,
         entropy_grad=entropy_grad,
         ids_shape=ids_shape,
         ids_dtype=ids_dtype,
+        multi_target=multi_target,
+        with_sum_p2=with_sum_p2,
+        **tau_kw,
     )
 
 
@@ -150,6 +169,16 @@ def check_ids_range(keep_ids, vocab_size: int) -> None:
         count, shown = count + c, shown + s
     if count:
         raise bad_ids_error(count, sorted(set(shown))[:5], vocab_size)
+
+
+def check_temperature_values(temperature) -> None:
+    """Raise ``ValueError`` naming ``temperature`` if a concrete temperature tensor holds a value that
+    is not finite and > 0 (one host synchronisation); traced values are not checked (NaN rows)."""
+    if _is_tracer(temperature) or not _is_row_temperature(temperature):
+        return
+    t = np.asarray(temperature, dtype=np.float64)
+    bad = ~(np.isfinite(t) & (t > 0))
+    check_temperature_values_count(int(bad.sum()), t[bad][0] if bad.any() else None)
 
 
 def check_target_range(target, vocab_size: int, ignore_index: int, *, processes=None) -> None:
@@ -382,6 +411,8 @@ def logprob_entropy(
     ignore_index: int = -100,
     validate: bool = True,
     keep_ids=None,
+    multi_target: bool = False,
+    with_sum_p2: bool = False,
 ):
     """Log-prob of ``target`` and entropy, from this shard's logits.
 
@@ -408,8 +439,20 @@ def logprob_entropy(
         other than -1 raise ``ValueError``; otherwise (or traced) they lie
         in no shard and are ignored. (Without ``jax_enable_x64`` JAX holds
         integers as int32: ids beyond its range wrap when converted.)
-      temperature: finite float > 0, a Python number (static); logits are
-        divided by it inside the op.
+      temperature: finite float > 0, a Python number (static); or an array
+        broadcastable to the rows ``[...]`` (one temperature per row, an
+        input of the program: changing it never recompiles), treated as a
+        constant (no gradient flows to it); rows whose temperature is not a
+        finite number > 0 give NaN (``validate=True`` raises for a concrete
+        array). Logits are divided by it inside the op.
+      multi_target: ``True``: ``target`` is ``[..., K]`` (K >= 1 ids per row)
+        and the log-prob ``[..., K]``, one collective round whatever K; each
+        target is kept for its own log-prob under ``keep_mask`` (target k's
+        distribution is renormalised over ``keep_mask`` plus ``y_k``); the
+        gradient is that of the sum of the K log-probs (weighted by their
+        cotangents) plus the entropy's.
+      with_sum_p2: ``True``: also return ``sum_v p_v^2`` (``[...]``, same
+        collective round), differentiable (``2 p_v (p_v - S) / tau``).
       with_entropy: ``False``: the entropy output is ``None``.
       entropy_grad: ``False``: the entropy is returned under
         ``lax.stop_gradient`` and contributes no gradient.
@@ -426,7 +469,9 @@ def logprob_entropy(
     Returns:
       ``(logprob, entropy)``, each ``[...]`` float32 (float64 for float64
       input under ``jax_enable_x64``), invariant over ``axis_name``;
-      ``entropy`` is ``None`` when ``with_entropy=False``.
+      ``entropy`` is ``None`` when ``with_entropy=False``; ``logprob`` is
+      ``[..., K]`` with ``multi_target``; with ``with_sum_p2`` a third
+      output ``sum_p2 [...]``.
 
     Raises:
       TypeError / ValueError naming the argument for bad shapes, dtypes or
@@ -436,16 +481,19 @@ def logprob_entropy(
       ``RuntimeError`` on every process when processes disagree.
     """
     return _logprob_entropy(logits, target, axis_name, keep_mask, temperature, with_entropy, entropy_grad,
-                            ignore_index, DEFAULT, validate=validate, keep_ids=keep_ids)
+                            ignore_index, DEFAULT, validate=validate, multi_target=multi_target,
+                            with_sum_p2=with_sum_p2, keep_ids=keep_ids)
 
 
 def _logprob_entropy(logits, target, axis_name, keep_mask, temperature, with_entropy, entropy_grad, ignore_index,
-                     tuning: Tuning, validate: bool = True, keep_ids=None):
+                     tuning: Tuning, validate: bool = True, multi_target: bool = False, with_sum_p2: bool = False,
+                     keep_ids=None):
     """:func:`logprob_entropy` with an explicit :class:`~dualvp_jax._tuning.Tuning` (tests reach other paths)."""
     multiprocess.check_flag(validate)
 
     def checks():
-        opt = _validate(logits, target, keep_mask, temperature, ignore_index, with_entropy, entropy_grad, keep_ids)
+        opt = _validate(logits, target, keep_mask, temperature, ignore_index, with_entropy, entropy_grad,
+                        multi_target, with_sum_p2, keep_ids)
         vocab = int(np.shape(logits)[-1]) if not _is_tracer(logits) else int(logits.shape[-1])
         if validate and axis_name is None:
             check_ids_range(keep_ids, vocab)
@@ -460,8 +508,15 @@ def _logprob_entropy(logits, target, axis_name, keep_mask, temperature, with_ent
         opt, vocab = checks()
         if validate and axis_name is None:
             check_target_range(target, vocab, ignore_index, processes=procs)
+    if validate:
+        check_temperature_values(temperature)
     if axis_name is not None:
         _check_varying(logits, axis_name)
+    if extended.uses_extended(opt):
+        # check_args refuses keep_ids with the extended options: keep_mask is the mask here
+        lp, h, p2 = _ext_apply_jit(logits, target, keep_mask, temperature if opt.row_temperature else None,
+                                   axis_name=axis_name, opt=opt, tuning=tuning)
+        return (lp, h, p2) if opt.with_sum_p2 else (lp, h)
     # One "keep" argument: the mask, or the ids (opt.has_ids says which).
     keep = keep_ids if opt.has_ids else keep_mask
     return _apply_jit(logits, target, keep, axis_name=axis_name, opt=opt, tuning=tuning)
@@ -493,3 +548,5 @@ def _outputs(logprob: jax.Array, entropy: jax.Array, opt: Options) -> tuple[jax.
 # Eager calls run as one compiled program instead of op-by-op dispatch; under an
 # outer jit (or inside shard_map) this is simply inlined.
 _apply_jit = jax.jit(_apply, static_argnames=("axis_name", "opt", "tuning"))
+
+_ext_apply_jit = jax.jit(extended.ext_apply, static_argnames=("axis_name", "opt", "tuning"))

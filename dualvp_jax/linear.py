@@ -154,8 +154,14 @@ def linear_logprob_entropy(
     memory_budget: Optional[int] = None,
     validate: bool = True,
     keep_ids=None,
+    multi_target: bool = False,
+    with_sum_p2: bool = False,
 ):
     """Log-prob of ``target`` and entropy of ``softmax(hidden @ weight.T / tau)``, fused.
+
+    ``multi_target`` / ``with_sum_p2`` are not implemented in the fused op yet (``True`` raises
+    ``NotImplementedError``; :func:`dualvp_jax.logprob_entropy` takes them); neither is a temperature
+    array (``TypeError``).
 
     Call it inside ``jax.shard_map`` (check_vma on) with the vocabulary split
     over ``axis_name`` (shard ``r = lax.axis_index`` holds the weight rows
@@ -223,6 +229,7 @@ def linear_logprob_entropy(
       and a NaN hidden gradient row, which also makes ``dW`` NaN.
     """
     multiprocess.check_flag(validate)
+    _not_yet(multi_target, with_sum_p2)
 
     def checks():
         cfg = _validate(hidden, weight, target, keep_mask, axis_name=axis_name, temperature=temperature,
@@ -249,6 +256,15 @@ def linear_logprob_entropy(
                       cfg=cfg)
 
 
+def _not_yet(multi_target, with_sum_p2) -> None:
+    for name, on in (("multi_target", multi_target), ("with_sum_p2", with_sum_p2)):
+        if on is not False:
+            raise NotImplementedError(
+                f"{name}: the fused LM-head op does not take it yet, got {on!r}; form the logits and call "
+                "dualvp_jax.logprob_entropy, which does"
+            )
+
+
 # --- global arrays on a mesh ----------------------------------------------------
 
 
@@ -270,8 +286,12 @@ def sharded_linear_logprob_entropy(
     memory_budget: Optional[int] = None,
     validate: bool = True,
     keep_ids=None,
+    multi_target: bool = False,
+    with_sum_p2: bool = False,
 ):
     """:func:`linear_logprob_entropy` on global arrays, the weight's rows split over ``vocab_axis``.
+
+    ``multi_target`` / ``with_sum_p2``: not implemented yet (``NotImplementedError``).
 
     Args:
       hidden: ``[..., H]`` global hidden states. Replicated over
@@ -314,6 +334,7 @@ def sharded_linear_logprob_entropy(
     from .sharded import _is_explicit, _lead_spec, _mesh_record, _mesh_world, _place, _processes
 
     multiprocess.check_flag(validate)
+    _not_yet(multi_target, with_sum_p2)
 
     def checks():
         world = _mesh_world(mesh, vocab_axis)

@@ -24,8 +24,8 @@ import jax.numpy as jnp
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 
 from ._tuning import DEFAULT, Tuning
-from . import multiprocess
-from .function import _apply, _record, _validate, check_ids_range, check_target_range
+from . import extended, multiprocess
+from .function import _apply, _record, _validate, check_ids_range, check_target_range, check_temperature_values
 
 __all__ = ["sharded_logprob_entropy"]
 
@@ -118,6 +118,8 @@ def sharded_logprob_entropy(
     ignore_index: int = -100,
     validate: bool = True,
     keep_ids=None,
+    multi_target: bool = False,
+    with_sum_p2: bool = False,
 ):
     """Log-prob and entropy of global logits whose vocab is split over ``vocab_axis``.
 
@@ -129,13 +131,15 @@ def sharded_logprob_entropy(
       mesh: a ``jax.sharding.Mesh`` (from ``jax.make_mesh``, explicit axes, or
         ``Mesh(...)``, auto axes).
       vocab_axis: name of the mesh axis splitting the vocabulary.
-      keep_mask, temperature, with_entropy, entropy_grad, ignore_index: as in
-        :func:`dualvp_jax.logprob_entropy`.
+      keep_mask, temperature, with_entropy, entropy_grad, ignore_index, multi_target, with_sum_p2: as in
+        :func:`dualvp_jax.logprob_entropy` (a temperature array is broadcast
+        to the rows and sharded like them; with ``multi_target`` the target
+        is ``[..., K]`` and its K dim is not split).
       keep_ids: ``None`` or ``[..., K]`` global token ids (padding -1), the
         kept set as ids (as in :func:`dualvp_jax.logprob_entropy`; never with
         ``keep_mask``); replicated over ``vocab_axis`` inside the op, each
         shard uses the ids in its columns.
-      validate: ``True``: a concrete ``target`` (and ``keep_ids``) is range-checked
+      validate: ``True``: a concrete ``target`` is range-checked on the host
         (each process reads only its addressable shards); when ``mesh`` spans
         several JAX processes (``jax.distributed``), the processes also
         agree on the options, the global shapes and dtypes and every
@@ -147,7 +151,8 @@ def sharded_logprob_entropy(
 
     Returns:
       ``(logprob, entropy)`` global ``[...]`` arrays (``entropy`` ``None``
-      when ``with_entropy=False``).
+      when ``with_entropy=False``; ``logprob`` ``[..., K]`` with
+      ``multi_target``), plus ``sum_p2 [...]`` with ``with_sum_p2``.
 
     Raises:
       TypeError / ValueError naming the argument; ``ValueError`` for
@@ -157,16 +162,19 @@ def sharded_logprob_entropy(
       ``dualvp_jax.multiprocess.timeout_s()``).
     """
     return _sharded_logprob_entropy(logits, target, mesh, vocab_axis, keep_mask, temperature, with_entropy,
-                                    entropy_grad, ignore_index, DEFAULT, validate=validate, keep_ids=keep_ids)
+                                    entropy_grad, ignore_index, DEFAULT, validate=validate,
+                                    multi_target=multi_target, with_sum_p2=with_sum_p2, keep_ids=keep_ids)
 
 
 def _sharded_logprob_entropy(logits, target, mesh, vocab_axis, keep_mask, temperature, with_entropy, entropy_grad,
-                             ignore_index, tuning: Tuning, validate: bool = True, keep_ids=None):
+                             ignore_index, tuning: Tuning, validate: bool = True, multi_target: bool = False,
+                             with_sum_p2: bool = False, keep_ids=None):
     """:func:`sharded_logprob_entropy` with an explicit :class:`~dualvp_jax._tuning.Tuning`."""
     multiprocess.check_flag(validate)
 
     def checks():
-        opt = _validate(logits, target, keep_mask, temperature, ignore_index, with_entropy, entropy_grad, keep_ids)
+        opt = _validate(logits, target, keep_mask, temperature, ignore_index, with_entropy, entropy_grad,
+                        multi_target, with_sum_p2, keep_ids)
         world = _mesh_world(mesh, vocab_axis)
         shape = tuple(np.shape(logits)) if not isinstance(logits, jax.core.Tracer) else tuple(logits.shape)
         if shape[-1] % world:
@@ -188,17 +196,23 @@ def _sharded_logprob_entropy(logits, target, mesh, vocab_axis, keep_mask, temper
         (opt, shape), vocab = checks()
         if validate:
             check_target_range(target, vocab, ignore_index, processes=procs)
+    if validate:
+        check_temperature_values(temperature)
 
     ndim = len(shape)
+    tau = None
+    if opt.row_temperature:
+        tau = jnp.broadcast_to(jnp.asarray(temperature), shape[:-1])
     explicit = _is_explicit(mesh, mesh.axis_names)
     if explicit:
         # Explicit axes: the leading dims' sharding is part of the type, even under
         # jit; the whole mesh goes manual and the inputs are resharded to the spec.
         lead = _lead_spec(logits, mesh, vocab_axis, ndim)
         logits = _place(logits, mesh, P(*lead, vocab_axis), True)
-        target = _place(target, mesh, P(*lead), True)
+        target = _place(target, mesh, P(*lead, None) if opt.n_targets else P(*lead), True)
         keep_mask = _place(keep_mask, mesh, P(*lead, vocab_axis), True)
         keep_ids = _place(keep_ids, mesh, P(*lead, None), True)
+        tau = _place(tau, mesh, P(*lead), True)
     else:
         # Auto axes: only the vocab axis goes manual; the compiler keeps the
         # leading dims sharded as they come over the other axes.
@@ -206,11 +220,42 @@ def _sharded_logprob_entropy(logits, target, mesh, vocab_axis, keep_mask, temper
         logits, target = jnp.asarray(logits), jnp.asarray(target)
         keep_mask = None if keep_mask is None else jnp.asarray(keep_mask)
         keep_ids = None if keep_ids is None else jnp.asarray(keep_ids)
+    if extended.uses_extended(opt):
+        # check_args refuses keep_ids with the extended options: keep_mask is the mask here
+        lp, h, p2 = _run_ext(logits, target, keep_mask, tau, mesh=mesh, axis_name=vocab_axis, opt=opt, lead=lead,
+                             all_manual=explicit, tuning=tuning)
+        return (lp, h, p2) if opt.with_sum_p2 else (lp, h)
     # One "keep" argument: the mask, or the ids (opt.has_ids says which).
     keep = keep_ids if opt.has_ids else keep_mask
     lp, h = _run(logits, target, keep, mesh=mesh, axis_name=vocab_axis, opt=opt, lead=lead, all_manual=explicit,
                  tuning=tuning)
     return lp, (h if with_entropy else None)
+
+
+@partial(jax.jit, static_argnames=("mesh", "axis_name", "opt", "lead", "all_manual", "tuning"))
+def _run_ext(logits, target, keep_mask, tau, *, mesh, axis_name, opt, lead, all_manual, tuning):
+    """:func:`_run` of the extended op (:mod:`dualvp_jax.extended`): K targets, a temperature array, sum p^2."""
+    present = [a is not None for a in (keep_mask, tau)]
+    z_spec, t_spec = P(*lead, axis_name), P(*lead)
+    y_spec = P(*lead, None) if opt.n_targets else t_spec
+    outs = [y_spec] + ([t_spec] if opt.with_entropy else []) + ([t_spec] if opt.with_sum_p2 else [])
+
+    def body(z, y, *rest):
+        it = iter(rest)
+        k = next(it) if present[0] else None
+        t = next(it) if present[1] else None
+        lp, h, p2 = extended.ext_apply(z, y, k, t, axis_name, opt, tuning)
+        return tuple([lp] + ([h] if opt.with_entropy else []) + ([p2] if opt.with_sum_p2 else []))
+
+    opt_args = [a for a in (keep_mask, tau) if a is not None]
+    opt_specs = [s for s, a in ((z_spec, keep_mask), (t_spec, tau)) if a is not None]
+    axis_names = frozenset(mesh.axis_names) if all_manual else frozenset({axis_name})
+    out = jax.shard_map(body, mesh=mesh, in_specs=(z_spec, y_spec, *opt_specs), out_specs=tuple(outs),
+                        axis_names=axis_names, check_vma=True)(logits, target, *opt_args)
+    lp = out[0]
+    h = out[1] if opt.with_entropy else None
+    p2 = out[-1] if opt.with_sum_p2 else None
+    return lp, h, p2
 
 
 @partial(jax.jit, static_argnames=("mesh", "axis_name", "opt", "lead", "all_manual", "tuning"))

@@ -149,10 +149,16 @@ _IDS_WHAT = "None or an integer torch.Tensor [..., K] of global token ids (paddi
 
 
 def logits_options(lm: tuple, tm: tuple, km: Optional[tuple], temperature: object, ignore_index: object,
-                   with_entropy: object, entropy_grad: object, inplace_grad: object,
+                   with_entropy: object, entropy_grad: object, inplace_grad: object, multi_target: object = False,
+                   with_sum_p2: object = False, taum: Optional[tuple] = None,
                    im: Optional[tuple] = None) -> validation.Options:
     """The logits op's local checks after the type checks, a pure function of the tensors' :func:`meta`
-    (``tm``, ``km``, ``im`` (keep_ids): its first three fields) and the options."""
+    (``tm``, ``km``, ``taum``, ``im``: its first three fields; ``taum``: a temperature tensor's, ``im``:
+    keep_ids') and the options."""
+    tau_kw = {}
+    if taum is not None:
+        tau_kw = dict(temperature_shape=tuple(taum[0]), temperature_dtype=dtype_name(taum[1]))
+        temperature = 1.0
     opt = validation.check_args(
         logits_shape=tuple(lm[0]),
         logits_dtype=dtype_name(lm[1]),
@@ -167,7 +173,12 @@ def logits_options(lm: tuple, tm: tuple, km: Optional[tuple], temperature: objec
         inplace_grad=inplace_grad,
         ids_shape=None if im is None else tuple(im[0]),
         ids_dtype=None if im is None else dtype_name(im[1]),
+        multi_target=multi_target,
+        with_sum_p2=with_sum_p2,
+        **tau_kw,
     )
+    if taum is not None and taum[2] != lm[2]:
+        raise ValueError(f"temperature: expected a tensor on the logits' device {lm[2]}, got device {taum[2]}")
     if tm[2] != lm[2]:
         raise ValueError(f"target: expected a tensor on the logits' device {lm[2]}, got device {tm[2]}")
     if km is not None and km[2] != lm[2]:
@@ -197,14 +208,21 @@ def _engine_available(engine: str, device: torch.device) -> None:
 @functools.lru_cache(maxsize=256, typed=True)
 def _cached_logits_call(group, validate: bool, engine: str, lm: tuple, tm: tuple, km: Optional[tuple],
                         temperature, ignore_index, with_entropy, entropy_grad, inplace_grad,
-                        label_smoothing, im: Optional[tuple] = None) -> Call:
+                        label_smoothing, multi_target=False, with_sum_p2=False, taum=None,
+                        im: Optional[tuple] = None) -> Call:
     """The logits op's :class:`Call` (every check but the agreement), a pure function of its arguments.
 
     Cached (``typed``: ``1`` and ``True`` are different keys); a call that
     fails raises here every time (a cache stores no failure).
     """
     rank, world = check_call(group, validate, engine)
-    opt = logits_options(lm, tm, km, temperature, ignore_index, with_entropy, entropy_grad, inplace_grad, im)
+    opt = logits_options(lm, tm, km, temperature, ignore_index, with_entropy, entropy_grad, inplace_grad,
+                         multi_target, with_sum_p2, taum, im)
+    if extended_options(opt) and not engines.ENGINES[engine].spec_stages:
+        raise NotImplementedError(
+            f"impl: the {engine!r} engine has no kernels for {extended_options(opt)} yet; pass impl='compiled' "
+            "or impl='eager' (impl=None chooses one of them for such calls)"
+        )
     if label_smoothing:
         opt = dataclasses.replace(opt, label_smoothing=float(label_smoothing))
     _engine_available(engine, lm[2])
@@ -225,9 +243,17 @@ def logits_call(
     logits: object, target: object, keep_mask: object = None, *, group: object = None, temperature: object = 1.0,
     with_entropy: object = True, entropy_grad: object = True, ignore_index: object = -100, validate: object = True,
     inplace_grad: object = False, impl: object = None, label_smoothing: float = 0.0,
-    caller_error: Optional[BaseException] = None, keep_ids: object = None,
+    caller_error: Optional[BaseException] = None, multi_target: object = False, with_sum_p2: object = False,
+    keep_ids: object = None,
 ) -> Call:
     """The checked :class:`Call` of a logits-op call: every rank returns or every rank raises.
+
+    ``multi_target``, ``with_sum_p2`` and a temperature tensor (``[...]``
+    broadcastable to the rows; its values are checked here with
+    ``validate=True``, one host sync, so a bad value raises on every rank
+    through the agreement) select the extended op
+    (:mod:`dualvp_torch.extended`); ``impl=None`` never chooses the Triton
+    engine for it, ``impl="triton"`` raises ``NotImplementedError``.
 
     From the cache when the call's types allow; otherwise (an argument of
     another type, such as a 0-d tensor temperature, or a call that fails a
@@ -244,7 +270,8 @@ def logits_call(
         try:
             # an explicit engine is checked by the cached call (check_call); None and "compiled" (which falls
             # back to "eager" once compiling failed) are resolved at each call
-            engine = impl if impl is not None and impl != "compiled" else engines.select(impl, logits.device)
+            engine = (impl if impl in engines.FIXED
+                      else engines.select(impl, logits.device, triton_default=not (multi_target or with_sum_p2)))
             return _cached_logits_call(
                 group, validate, engine,
                 (logits.shape, logits.dtype, logits.device, logits.requires_grad, logits.is_leaf,
@@ -252,6 +279,7 @@ def logits_call(
                 (target.shape, target.dtype, target.device),
                 None if keep_mask is None else (keep_mask.shape, keep_mask.dtype, keep_mask.device),
                 temperature, ignore_index, with_entropy, entropy_grad, inplace_grad, label_smoothing,
+                multi_target, with_sum_p2, None,
                 None if keep_ids is None else (keep_ids.shape, keep_ids.dtype, keep_ids.device),
             )
         except (TypeError, ValueError):  # (an unhashable argument too) the full checks below name it
@@ -264,14 +292,45 @@ def logits_call(
             ("keep_mask", keep_mask, "None or a bool torch.Tensor [..., V_local]"),
             ("keep_ids", keep_ids, _IDS_WHAT),
         )
+        taum = temperature_meta(temperature)
         opt = logits_options(meta(logits), _meta3(target), _meta3(keep_mask), temperature, ignore_index,
-                             with_entropy, entropy_grad, inplace_grad, _meta3(keep_ids))
-        engine = engines.select(impl, logits.device)
+                             with_entropy, entropy_grad, inplace_grad, multi_target, with_sum_p2, taum,
+                             _meta3(keep_ids))
+        if taum is not None and validate is True:
+            check_temperature_values(temperature)
+        engine = engines.select(impl, logits.device, triton_default=not extended_options(opt))
         return _cached_logits_call(group, validate, engine, meta(logits), _meta3(target), _meta3(keep_mask),
                                    opt.temperature, opt.ignore_index, with_entropy, entropy_grad, inplace_grad,
-                                   label_smoothing, _meta3(keep_ids))
+                                   label_smoothing, multi_target, with_sum_p2, taum, _meta3(keep_ids))
 
     return _checked(local, group, validate, impl, caller_error, logits, fused=False)
+
+
+def temperature_meta(temperature: object) -> Optional[tuple]:
+    """``(shape, dtype, device)`` of a temperature *tensor* (one per row, ``ndim >= 1``), else ``None``.
+
+    A 0-d tensor stays a number (as before: ``validation.check_temperature``).
+    """
+    if isinstance(temperature, torch.Tensor) and temperature.ndim > 0:
+        return _meta3(temperature)
+    return None
+
+
+def check_temperature_values(temperature: torch.Tensor) -> None:
+    """``ValueError`` naming ``temperature`` if an entry is not finite and > 0 (one host sync)."""
+    t = temperature.detach()
+    if not t.is_floating_point():
+        return  # the dtype check names it
+    bad = ~(torch.isfinite(t) & (t > 0))
+    n_bad = int(bad.sum())
+    validation.check_temperature_values(n_bad, float(t[bad].reshape(-1)[0]) if n_bad else None)
+
+
+def extended_options(opt: validation.Options) -> str:
+    """The options of ``opt`` that need the extended op, as text (``""``: none)."""
+    names = [n for n, on in (("multi_target", opt.n_targets > 0), ("a temperature tensor", opt.row_temperature),
+                             ("with_sum_p2", opt.with_sum_p2)) if on]
+    return ", ".join(names)
 
 
 def _checked(local: Callable[[], Call], group, validate, impl, caller_error, hint, *, fused: bool) -> Call:

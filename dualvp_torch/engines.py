@@ -69,6 +69,7 @@ from .stages import compute_dtype, xp
 __all__ = [
     "Engine",
     "NAMES",
+    "FIXED",
     "ENGINES",
     "EngineEntry",
     "BLOCK_SCRATCH_BYTES",
@@ -86,6 +87,9 @@ __all__ = [
 Engine = Literal["compiled", "eager", "triton"]
 #: The engines' names, in the order of :data:`Engine`.
 NAMES: tuple[str, ...] = typing.get_args(Engine)
+#: The engines a call that names one gets as named; ``"compiled"`` falls back to ``"eager"`` once compiling
+#: failed in this process, so :func:`select` resolves it (and ``None``) at each call.
+FIXED: frozenset = frozenset(NAMES) - {"compiled"}
 
 #: The eager path's temporaries per block element of the fused op, in bytes,
 #: for either stage (the larger of the eager stages' per-element scratch; the

@@ -6,8 +6,7 @@ One call, whatever the engine (``group`` with ``W`` ranks; ``T`` rows; shard ``V
     library.logprob_entropy  checks.logits_call: local checks (cached per call metadata), the
                              engine (engines.select)
     library._fwd             the custom op: engine stats [T, V_local] -> [T, 6]; validate=True:
-                             the agreement ([W, 13] int64: options, shapes, target
-                             fingerprints; 1 host sync); all-gather -> [W, T, 6];
+                             the agreement ([W, 10] int64, 1 host sync); all-gather -> [W, T, 6];
                              merge -> logprob, entropy, res [5, T] (identical on every rank)
     library._bwd             (autograd) engine grad [T, V_local] -> gradient (no collective)
 
@@ -24,7 +23,9 @@ from typing import TYPE_CHECKING, Optional
 
 import torch
 
-from . import library
+
+from . import checks, library
+from . import extended as _extended_op
 from . import dtensor as _dtensor
 from .engines import Engine
 
@@ -47,6 +48,8 @@ def logprob_entropy(
     inplace_grad: bool = False,
     impl: Optional[Engine] = None,
     keep_ids: Optional[torch.Tensor] = None,
+    multi_target: bool = False,
+    with_sum_p2: bool = False,
 ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
     """Log-prob of the target and entropy from vocab-sharded logits.
 
@@ -73,7 +76,11 @@ def logprob_entropy(
         ``ValueError`` on every rank (one host sync more); with
         ``validate=False`` they lie in no shard and are ignored.
       temperature: ``tau > 0``; the op uses ``softmax(logits / tau)`` without
-        an extra buffer.
+        an extra buffer. A number, or a floating tensor broadcastable to the
+        rows ``[...]`` (one temperature per row, e.g. verl's per-token
+        temperature; the same on every rank), treated as a constant (no
+        gradient flows to it); ``validate=True`` checks its values are finite
+        and > 0 (one more host sync), else such rows give NaN.
       with_entropy: ``False`` returns ``None`` for the entropy (it costs
         nothing extra either way: the statistics are shared).
       entropy_grad: ``False`` returns the entropy with ``requires_grad=False``
@@ -102,10 +109,23 @@ def logprob_entropy(
         on the device types of ``tuning.Tuning.triton_default_devices`` (none
         by default) when the ``triton`` package is installed, else
         ``DUALVP_COMPILE`` selects ``"compiled"`` (unset) or ``"eager"`` (0).
+        The Triton engine does not take ``multi_target``, ``with_sum_p2``
+        or a temperature tensor yet: ``impl=None`` never chooses it for
+        them, ``impl="triton"`` raises ``NotImplementedError``.
+      multi_target: ``True``: ``target`` is ``[..., K]`` (K >= 1 ids per row)
+        and the log-prob ``[..., K]``, in ONE pass and one collective round
+        whatever K (the row statistics are shared). Under ``keep_mask`` each
+        target is kept for its own log-prob (target k's distribution is
+        renormalised over the mask plus ``y_k``). The gradient is that of
+        ``sum_k gL_k log p_k`` plus the entropy's.
+      with_sum_p2: ``True``: a third output ``sum_v p_v^2`` ``[...]`` (verl's
+        optimal-token baseline), from one more row statistic in the same
+        collective round; differentiable (``2 p_v (p_v - S) / tau``).
 
     Returns:
       ``(logprob [...], entropy [...] or None)``, float32 (float64 for
-      float64 input).
+      float64 input); ``logprob`` is ``[..., K]`` with ``multi_target``; with
+      ``with_sum_p2`` a third output ``sum_p2 [...]``.
 
     Raises:
       TypeError / ValueError naming the argument for invalid input (with a
@@ -120,6 +140,12 @@ def logprob_entropy(
       >>> [round(v, 4) for v in lp.tolist()], [round(v, 4) for v in h.tolist()]
       ([-1.3863, -0.3408], [1.3863, 0.9183])
     """
+    if multi_target is not False or with_sum_p2 is not False or checks.temperature_meta(temperature) is not None:
+        run = torch.compiler.disable(_extended) if torch.compiler.is_compiling() else _extended
+        return run(logits, target, group=group, keep_mask=keep_mask, temperature=temperature,
+                   with_entropy=with_entropy, entropy_grad=entropy_grad, ignore_index=ignore_index, validate=validate,
+                   inplace_grad=inplace_grad, impl=impl, multi_target=multi_target, with_sum_p2=with_sum_p2,
+                   keep_ids=keep_ids)
     if torch.compiler.is_compiling():
         if library.eligible(logits, target, group=group, keep_mask=keep_mask, temperature=temperature,
                             with_entropy=with_entropy, entropy_grad=entropy_grad, ignore_index=ignore_index,
@@ -130,7 +156,7 @@ def logprob_entropy(
                 with_entropy=with_entropy, entropy_grad=entropy_grad, ignore_index=ignore_index, validate=validate,
                 inplace_grad=inplace_grad, impl=impl, keep_ids=keep_ids,
             )
-        # one graph break: the call below runs eagerly, where is_compiling() is False
+        # outside the graph the call takes the branches below (is_compiling() is False there)
         return torch.compiler.disable(logprob_entropy)(
             logits, target, group=group, keep_mask=keep_mask, temperature=temperature, with_entropy=with_entropy,
             entropy_grad=entropy_grad, ignore_index=ignore_index, validate=validate, inplace_grad=inplace_grad,
@@ -150,3 +176,34 @@ def logprob_entropy(
         entropy_grad=entropy_grad, ignore_index=ignore_index, validate=validate, inplace_grad=inplace_grad, impl=impl,
         keep_ids=keep_ids,
     )
+
+
+def _extended(
+    logits, target, *, group=None, keep_mask=None, temperature=1.0, with_entropy=True, entropy_grad=True,
+    ignore_index=-100, validate=True, inplace_grad=False, impl=None, multi_target=False, with_sum_p2=False,
+    label_smoothing: float = 0.0, caller_error: Optional[BaseException] = None, keep_ids=None,
+):
+    """The call with K targets, a temperature tensor or ``sum_p2``: :mod:`dualvp_torch.extended`.
+
+    ``keep_ids`` goes to the checks only, which refuse it beside these options
+    (``NotImplementedError`` on every rank alike).
+    """
+    if caller_error is None and not _plain(logits, target, keep_mask) and \
+            _dtensor.involves_dtensor(logits, target, keep_mask):
+        raise NotImplementedError(
+            "logits: DTensor inputs with multi_target, with_sum_p2 or a temperature tensor are not supported yet; "
+            "pass the local shard (to_local()) and the vocab mesh dim's group"
+        )
+    call = checks.logits_call(
+        logits, target, keep_mask, group=group, temperature=temperature, with_entropy=with_entropy,
+        entropy_grad=entropy_grad, ignore_index=ignore_index, validate=validate, inplace_grad=inplace_grad,
+        impl=impl, label_smoothing=label_smoothing, caller_error=caller_error, multi_target=multi_target,
+        with_sum_p2=with_sum_p2, keep_ids=keep_ids,
+    )
+    lp, h, p2 = _extended_op.logprob_entropy(logits, target, keep_mask, temperature, call, group)
+    return (lp, h, p2) if call.opt.with_sum_p2 else (lp, h)
+
+
+def _plain(logits, target, keep_mask) -> bool:
+    return (type(logits) is torch.Tensor and type(target) is torch.Tensor
+            and (keep_mask is None or type(keep_mask) is torch.Tensor))

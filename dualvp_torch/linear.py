@@ -466,8 +466,14 @@ def linear_logprob_entropy(
     impl: Optional[engines.Engine] = None,
     allow_tf32: bool = False,
     keep_ids: Optional[torch.Tensor] = None,
+    multi_target: bool = False,
+    with_sum_p2: bool = False,
 ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
     """Log-prob of the target and entropy of ``softmax(hidden @ weight_full.T / tau)``, fused.
+
+    ``multi_target`` / ``with_sum_p2`` (the logits op's K targets per row and sum of squared
+    probabilities) are not implemented in the fused op yet: ``True`` raises ``NotImplementedError``
+    (on every rank alike: an option, not data); a temperature tensor raises ``TypeError``.
 
     Equal (up to rounding) to ``logprob_entropy(hidden @ weight.T, target,
     ...)`` over the vocab-parallel group, without the ``[T, V_local]`` logits
@@ -542,6 +548,12 @@ def linear_logprob_entropy(
       >>> [round(v, 4) for v in lp.tolist()], [round(v, 4) for v in h.tolist()]
       ([-0.3408, -1.3863], [0.9183, 1.3863])
     """
+    for name, on in (("multi_target", multi_target), ("with_sum_p2", with_sum_p2)):
+        if on is not False:
+            raise NotImplementedError(
+                f"{name}: the fused LM-head op does not take it yet, got {on!r}; form the logits and call "
+                "dualvp_torch.logprob_entropy, which does"
+            )
     kw = dict(
         temperature=temperature, ignore_index=ignore_index, with_entropy=with_entropy, entropy_grad=entropy_grad,
         reduce_hidden_grad=reduce_hidden_grad, sequence_parallel=sequence_parallel, memory_budget=memory_budget,

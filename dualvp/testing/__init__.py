@@ -12,6 +12,9 @@
   :func:`~dualvp.testing.cases.make_linear`) :class:`LinearOutputs`;
 * :mod:`~dualvp.testing.backends`: :func:`run` ``(backend, problem, world) -> Outputs``
   for ``spec``, ``torch`` and ``jax``;
+* :mod:`~dualvp.testing.extended`: the variants with K targets per row, a
+  per-row temperature and ``sum p^2`` (:data:`~dualvp.testing.extended.EXT_CASES`,
+  their oracle and bad inputs);
 * :mod:`~dualvp.testing.modes`: the option modes shared by tests and bench;
 * :mod:`~dualvp.testing.faults`: the deliberate-fault seam (``DUALVP_TEST_FAULT``).
 
@@ -21,14 +24,14 @@ torch or JAX until a backend runs.
 
 from typing import Union
 
-from . import backends, cases, faults, metrics, modes
+from . import backends, cases, extended, faults, metrics, modes
 from .backends import BACKENDS, run, run_all
 from .metrics import (LINEAR_QUANTITIES, QUANTITIES, TOLERANCES, Row, compare, max_errors, pair_tolerance, tolerance,
                       within_tolerance)
 from .oracle import LinearOutputs, Outputs, oracle, oracle_linear
 
 __all__ = [
-    "cases", "metrics", "modes", "backends", "faults",
+    "cases", "extended", "metrics", "modes", "backends", "faults",
     "Outputs", "LinearOutputs", "oracle", "oracle_linear", "run", "run_all", "BACKENDS",
     "TOLERANCES", "Row", "compare", "failures", "max_errors", "within_tolerance", "tolerance", "pair_tolerance",
     "QUANTITIES",

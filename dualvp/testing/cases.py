@@ -460,7 +460,8 @@ BAD_INPUTS: tuple[BadInput, ...] = (
     BadInput("temperature_inf", {"temperature": float("inf")}, ValueError, "temperature"),
     BadInput("temperature_str", {"temperature": "1.0"}, TypeError, "temperature"),
     BadInput("temperature_bool", {"temperature": True}, TypeError, "temperature"),
-    BadInput("temperature_array", {"temperature": np.array([1.0, 2.0])}, TypeError, "temperature"),
+    # a temperature tensor must broadcast to the rows (4,) (dualvp.testing.extended has more)
+    BadInput("temperature_array", {"temperature": np.array([1.0, 2.0])}, ValueError, "temperature"),
     BadInput("ignore_index_float", {"ignore_index": -100.0}, TypeError, "ignore_index"),
     BadInput("ignore_index_str", {"ignore_index": "-100"}, TypeError, "ignore_index"),
     BadInput("with_entropy_str", {"with_entropy": "yes"}, TypeError, "with_entropy"),

@@ -27,8 +27,9 @@ Deliberate differences: a target outside ``[0, V)`` raises ``ValueError`` on eve
 since the id lies on no shard), except ``-100``, which gives 0 and no gradient as there. Bad
 ``vocab_start_index`` / ``vocab_end_index`` raise on every rank. The logits are never modified.
 
-``ChunkedDistributedGatherLogprob`` (``K`` ids per position) uses a stop-gap: one op call plus a gather
-of the ``K`` logits (``_core.logprobs_k``), to be replaced by the core op's K-target pass.
+``ChunkedDistributedGatherLogprob`` (``K`` ids per position) runs the core op's K-target pass
+(``_core.logprobs_k``: one pass, one statistics all-gather whatever ``K``); a ``-100`` id gives 0 at its
+own position only.
 """
 
 from __future__ import annotations
@@ -117,7 +118,7 @@ class ChunkedDistributedGatherLogprob:
     global_indices [B, S, K], vocab_start_index, vocab_end_index, chunk_size, tp_group,
     inference_only=False)`` -> ``[B, S, K]`` float32 log-probs.
 
-    Stop-gap: one op call plus a gather of the ``K`` logits, to be replaced by the core op's K-target pass.
+    The core op's K-target pass: one pass over the logits, one statistics all-gather whatever ``K``.
     """
 
     @staticmethod

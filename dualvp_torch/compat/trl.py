@@ -36,8 +36,8 @@ Deliberate differences from TRL:
   float64 these are closer on every one of those tests' inputs (``scripts/peer_tests.py``).
 * The entropy of a row with ``-inf`` logits is finite (TRL's is NaN from ``0 * -inf``).
 
-``K`` ids per position use a stop-gap: one op call plus a gather of the ``K`` logits (see
-``_core.logprobs_k``), to be replaced by the core op's K-target pass.
+``K`` ids per position run the core op's K-target pass (``multi_target=True``: one pass over the
+logits, see ``_core.logprobs_k``).
 
 :data:`calls` counts the calls of the two functions (``"selective_log_softmax"``,
 ``"entropy_from_logits"``), so that a run can check that the patch is active.
@@ -95,7 +95,7 @@ def selective_log_softmax(
                 logits, index, temperature=temperature, with_entropy=False, ignore_index=NO_IGNORE
             )
     elif index.dim() == logits.dim() and tuple(index.shape[:-1]) == tuple(logits.shape[:-1]):
-        # stop-gap: to be replaced by the core op's K-target pass
+        # the core op's K-target pass (one pass, one statistics gather whatever K)
         out = _core.logprobs_k(logits, index, group=None, ignore_index=NO_IGNORE, temperature=temperature,
                                names=_NAMES)
     else:

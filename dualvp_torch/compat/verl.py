@@ -35,8 +35,8 @@ every rank) instead of giving an undefined value; the logits are never modified 
 ``_VocabParallelEntropy`` restores them after modifying them, megatron-core's cross-entropy overwrites
 float32 logits); float64 logits give float64 log-probs.
 
-The sum of squared probabilities is computed by a stop-gap (``_core.sum_pi_squared``), to be replaced
-by the core op's sum-of-squared-probabilities output.
+The sum of squared probabilities is the core op's ``with_sum_p2`` output (``_core.sum_pi_squared``: one
+call, one statistics all-gather, differentiable).
 
 Fused: the drop-in for verl's ``linear_cross_entropy`` (``verl.utils.kernel.linear_cross_entropy``).
 
@@ -218,8 +218,8 @@ def calculate_sum_pi_squared_from_logits(logits, *, float32_output=False, tp_gro
     """verl's ``calculate_sum_pi_squared_from_logits``: ``[...]`` ``sum_v softmax(logits)_v^2``, in the
     logits' dtype (computed in float32 and rounded once; ``float32_output=True``: float32).
 
-    Stop-gap, to be replaced by the core op's sum-of-squared-probabilities output. DTensor logits
-    (vocab ``Shard(-1)``, other mesh dims ``Replicate``) are taken as they are.
+    The core op's ``with_sum_p2`` output. DTensor logits (vocab ``Shard(-1)``, other mesh dims
+    ``Replicate``) are taken as they are.
     """
     check_flag(float32_output, "float32_output")
     _core.check_tp_group(tp_group)
@@ -261,7 +261,7 @@ def vocab_parallel_sum_pi_squared(vocab_parallel_logits, *, float32_output=False
     """verl's ``vocab_parallel_sum_pi_squared``: ``[...]`` ``sum_v p_v^2`` over the whole vocabulary, in
     the logits' dtype (computed in float32; ``float32_output=True``: float32); non-destructive.
 
-    Stop-gap, to be replaced by the core op's sum-of-squared-probabilities output.
+    The core op's ``with_sum_p2`` output (one statistics all-gather).
     """
     check_flag(float32_output, "float32_output")
     group = _resolve(tp_group, vocab_parallel_logits)

@@ -142,8 +142,9 @@ def test_torch_wide_rows_batch_invariant(impl):
 # runs for the float32 table only, in the slow tier.
 @pytest.mark.parametrize(
     "table_id, ts",
-    [pytest.param("V1000-f32", (7, 64), id="V1000-f32-T7-64"),
-     pytest.param("V4099-bf16-keep", (7, 64), id="V4099-bf16-keep-T7-64"),
+    # (the fast tier's Triton check: tests/torch/test_triton_logits.py::test_batch_invariance_bitwise, T = 7)
+    [pytest.param("V1000-f32", (7, 64), id="V1000-f32-T7-64", marks=pytest.mark.slow),
+     pytest.param("V4099-bf16-keep", (7, 64), id="V4099-bf16-keep-T7-64", marks=pytest.mark.slow),
      pytest.param("V1000-f32", (1000,), id="V1000-f32-T1000", marks=pytest.mark.slow)])
 def test_torch_triton_batch_invariant(table_id, ts):
     pytest.importorskip("triton")

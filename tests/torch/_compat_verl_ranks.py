@@ -40,3 +40,8 @@ def rank_suite(rank: int, world: int, reduction: str) -> dict:
     d_h, d_w = torch.autograd.grad((en, lp), (h, w), (torch.tensor(p["g_entropy"], dtype=torch.float32), g_lp))
     return {"lp": lp.detach().double().numpy(), "en": en.detach().double().numpy(),
             "dh": d_h.double().numpy(), "dw": d_w.double().numpy(), "dh_shape": tuple(d_h.shape)}
+
+
+def rank_suites(rank: int, world: int, reductions: tuple) -> dict:
+    """:func:`rank_suite` for each of ``reductions`` in one spawn of the ranks (one start-up for all)."""
+    return {r: rank_suite(rank, world, r) for r in reductions}

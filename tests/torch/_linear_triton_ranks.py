@@ -46,6 +46,11 @@ def rank_suite(rank: int, world: int, dtype: str = "float32") -> dict:
     }
 
 
+def rank_suites(rank: int, world: int, dtypes: tuple) -> dict:
+    """:func:`rank_suite` for each of ``dtypes`` in one spawn of the ranks (one start-up for all)."""
+    return {dt: rank_suite(rank, world, dt) for dt in dtypes}
+
+
 # --- one-rank runs under the interpreter (tests/torch/test_linear_triton.py) --------------
 
 

@@ -244,7 +244,8 @@ def test_slime_errors():
 
 
 def _megatron_job(rank: int, world: int) -> dict:
-    """Every rank: a bare call on the 8-rank world, then compat next to megatron-core at TP=4 x PP=2, then TP=1."""
+    """Every rank: a bare call on the 8-rank world, then compat next to megatron-core at TP=4 x PP=2, then TP=1,
+    then a label_smoothing that differs across the world group."""
     import sys
 
     preloaded = "megatron.core.tensor_parallel" in sys.modules  # forked with it (tests/conftest.py)
@@ -306,6 +307,7 @@ def _megatron_job(rank: int, world: int) -> dict:
     ]
     ps.destroy_model_parallel()
     out["preloaded"] = preloaded
+    out["smoothing"] = _smoothing_disagreement(rank, world)
     return out
 
 
@@ -378,7 +380,8 @@ def test_slime_none_is_world_group_under_megatron():
         _close(h, rh, 1e-10, 1e-10)
 
 
-def _smoothing_disagreement_job(rank: int, world: int) -> dict:
+def _smoothing_disagreement(rank: int, world: int) -> dict:
+    """On the world group (run at the end of :func:`_megatron_job`, one spawn for both)."""
     import torch.distributed as dist
 
     group = dist.group.WORLD
@@ -386,8 +389,8 @@ def _smoothing_disagreement_job(rank: int, world: int) -> dict:
     x = torch.randn(4, 5, requires_grad=True)
     y = torch.randint(0, 5 * world, (4,))
     out = {}
-    # label_smoothing differs (only a > 0 enters the extra all-reduce), then is invalid on one rank only
-    for name, a in (("differs", 0.1 * rank), ("invalid", 0.1 if rank == 0 else 1.5)):
+    # label_smoothing differs (only a > 0 enters the extra all-reduce), then is invalid on rank 1 only
+    for name, a in (("differs", 0.1 * rank), ("invalid", 1.5 if rank == 1 else 0.1)):
         try:
             compat.vocab_parallel_cross_entropy(x, y, label_smoothing=a, tp_group=group)
             out[name] = None
@@ -399,7 +402,8 @@ def _smoothing_disagreement_job(rank: int, world: int) -> dict:
 
 @pytest.mark.slow
 def test_megatron_label_smoothing_disagreement_raises_on_every_rank():
-    res = run_ranks(_smoothing_disagreement_job, 2, timeout=120)
+    res = [r["smoothing"] for r in _job()]
+    assert len(res) == 8
     for r in res:
         kind, msg = r["differs"]
         assert kind == "RuntimeError" and "label_smoothing" in msg, r["differs"]

@@ -94,11 +94,21 @@ def test_minus_100_label_gives_zero_logprob_and_no_gradient():
     assert torch.all(g[1] == 0) and torch.any(g[0] != 0)
 
 
+_REDUCTIONS = ("none", "mean")
+
+
+@pytest.fixture(scope="module")
+def two_ranks():
+    # one spawn of the 2 ranks runs both reductions (a spawn costs a start-up of torch per rank)
+    res = run_ranks(_compat_verl_ranks.rank_suites, 2, _REDUCTIONS, timeout=600)
+    return {red: [r[red] for r in res] for red in _REDUCTIONS}
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("reduction", ["none", "mean"])
-def test_tensor_parallel_two_ranks(reduction):
+@pytest.mark.parametrize("reduction", _REDUCTIONS)
+def test_tensor_parallel_two_ranks(reduction, two_ranks):
     world = 2
-    res = run_ranks(_compat_verl_ranks.rank_suite, world, reduction, timeout=600)
+    res = two_ranks[reduction]
     p = _compat_verl_ranks.problem(world)
     g_lp = p["g_logprobs"] if reduction == "none" else p["g_logprobs"][0]
     lp, en, dh, dw = _oracle(p["hidden"], p["weight"], p["labels"], _compat_verl_ranks.TAU, g_lp, p["g_entropy"],

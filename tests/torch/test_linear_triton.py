@@ -170,11 +170,21 @@ def test_matches_the_torch_path():
         assert within_tolerance(xa, yb, tol), (q, max_errors(xa, yb))
 
 
+_RANK_DTYPES = ("float32", "float16")
+
+
+@pytest.fixture(scope="module")
+def two_ranks():
+    # one spawn of the 2 ranks runs the suite in every dtype (a spawn costs a start-up of torch per rank)
+    res = run_ranks(_linear_triton_ranks.rank_suites, 2, _RANK_DTYPES, env={"TRITON_INTERPRET": "1"}, timeout=600)
+    return {dt: [r[dt] for r in res] for dt in _RANK_DTYPES}
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("dtype", ["float32", "float16"])
-def test_two_ranks(dtype):
+@pytest.mark.parametrize("dtype", _RANK_DTYPES)
+def test_two_ranks(dtype, two_ranks):
     world = 2
-    res = run_ranks(_linear_triton_ranks.rank_suite, world, dtype, env={"TRITON_INTERPRET": "1"}, timeout=600)
+    res = two_ranks[dtype]
     p = _linear_ranks.problem(world)
     if dtype != "float32":
         p = dict(p, hidden=cases.round_to_dtype(p["hidden"], dtype), weight=cases.round_to_dtype(p["weight"], dtype))

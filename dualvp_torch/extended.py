@@ -1,0 +1,202 @@
+"""The logits op with K targets per row, a per-row temperature tensor and/or ``sum_v p_v^2``.
+
+:func:`dualvp_torch.logprob_entropy` sends a call here when it passes
+``multi_target=True``, ``with_sum_p2=True`` or a temperature tensor (checked by
+:func:`dualvp_torch.checks.logits_call`, like every call). The steps are the
+base op's, over the extended statistics of :mod:`dualvp.spec`
+(``spec.ext_block_stats``: the shared row statistics, then ``s2``, the K
+target logits and, with a mask, the K dropped flags: one ``[T, width]``
+tensor)::
+
+    stats   [T, V_local] -> [T, width]         the engine (compiled or eager spec stage)
+    agree   validate=True: the agreement        checks.agree (1 host sync; + 1 for a temperature tensor)
+    gather  [T, width] -> [W, T, width]         collectives.gather_stats: ONE all-gather, whatever K
+    merge   -> logprob [..., K], entropy, sum_p2, the reduced statistics (saved, O(T K))
+    grad    [T, V_local] (backward; no collective)
+
+Engines: ``compiled`` (``torch.compile`` of the spec stages) and ``eager``
+(the same over row chunks). The Triton kernels do not compute these
+statistics yet: ``impl=None`` chooses ``compiled`` / ``eager`` for such calls
+and ``impl="triton"`` raises ``NotImplementedError`` naming the option
+(:func:`dualvp_torch.checks.logits_call`).
+
+Semantics: with a keep mask each target is kept for its own log-prob (target
+k's distribution is renormalised over the mask plus ``y_k``); the gradient is
+``sum_k gL_k (1[v = y_k] - q^k_v) / tau`` plus the entropy's and, when
+``sum_p2`` reaches the loss, ``gS 2 p_v (p_v - S) / tau``. The temperature is
+a constant (no gradient flows to a temperature tensor). The temperature
+tensor must be the same on every rank (like the target).
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from dualvp import spec
+
+from . import checks, collectives, engines
+from . import compiled as _compiled_path
+from .engines import accumulation_dtype
+from .stages import as_bool, compute_dtype, mask_arg, xp
+
+__all__ = ["logprob_entropy"]
+
+#: Elements per row chunk of the eager engine's stages (a float32 chunk is 256 KiB: its temporaries stay in cache).
+CHUNK_ELEMENTS = 1 << 16
+
+
+def _layout(opt) -> spec.ExtLayout:
+    return spec.ExtLayout(max(opt.n_targets, 1), opt.has_mask, opt.with_sum_p2)
+
+
+# --- the stages (their names key the compile cache: dualvp_torch.compiled) ------------
+
+
+def ext_stats_stage(z, local, owns, keep: Optional[torch.Tensor], tau, acc_dtype, with_entropy, with_sum_p2):
+    """``spec.ext_block_stats`` of the shard ``z [T, V_local]`` in the compute dtype: ``[T, width]``."""
+    return spec.ext_block_stats(xp, z, local, owns, as_bool(keep), tau, dtype=compute_dtype(z.dtype),
+                                acc_dtype=acc_dtype, with_entropy=with_entropy, with_sum_p2=with_sum_p2)
+
+
+def ext_grad_stage(z, local, owns, keep: Optional[torch.Tensor], red, valid, gl, ge, gs, tau, k, has_mask,
+                   with_sum_p2):
+    """``spec.ext_block_grad`` of the shard from the reduced statistics ``red [T, width]``, in ``z.dtype``."""
+    lay = spec.ExtLayout(k, has_mask, with_sum_p2)
+    ec = spec.ext_finalize(xp, red, lay, tau)
+    g = spec.ext_block_grad(xp, z, local, owns, as_bool(keep), ec, valid, gl, ge, tau,
+                            dtype=compute_dtype(z.dtype), g_sum_p2=gs, target_terms=False)
+    # the K target terms as one scatter-add per row (repeated ids add up), not K compares over the shard
+    w = spec.ext_target_weights(xp, ec, valid, gl, tau)
+    g = g.scatter_add(-1, torch.where(owns, local, 0), torch.where(owns, w, 0.0))
+    return xp.astype(g, z.dtype)
+
+
+def _chunks(n: int, v: int):
+    step = max(1, CHUNK_ELEMENTS // max(1, v))
+    return [(i, min(n, i + step)) for i in range(0, n, step)]
+
+
+def _rows(x, i, j):
+    return None if x is None or x.ndim == 0 else x[i:j]
+
+
+def _stats(z, local, owns, keep, tau, opt, compiled: bool) -> torch.Tensor:
+    n, v = z.shape
+    width = _layout(opt).width
+    if n == 0:
+        return torch.zeros((0, width), dtype=compute_dtype(z.dtype), device=z.device)
+    if compiled and n > 1:
+        args = (z, local, owns, mask_arg(keep, z), tau, accumulation_dtype(z), opt.with_entropy, opt.with_sum_p2)
+        out, ok = _compiled_path.run(ext_stats_stage, args, opt.with_entropy or opt.with_sum_p2)
+        if ok:
+            return out
+    out = torch.empty((n, width), dtype=compute_dtype(z.dtype), device=z.device)
+    for i, j in _chunks(n, v):
+        out[i:j] = ext_stats_stage(z[i:j], local[i:j], owns[i:j], _rows(keep, i, j), _rows(tau, i, j)
+                                   if tau.ndim else tau, None, opt.with_entropy, opt.with_sum_p2)
+    return out
+
+
+def _grad(z, local, owns, keep, red, valid, gl, ge, gs, tau, opt, compiled: bool, out: torch.Tensor):
+    n, v = z.shape
+    if n == 0:
+        return out
+    lay = _layout(opt)
+    if compiled and n > 1:
+        args = (z, local, owns, mask_arg(keep, z), red, valid, gl, ge, gs, tau, lay.k, lay.has_mask,
+                lay.with_sum_p2)
+        g, ok = _compiled_path.run(ext_grad_stage, args, ge is not None)
+        if ok:
+            out.copy_(g)
+            return out
+    for i, j in _chunks(n, v):
+        out[i:j] = ext_grad_stage(z[i:j], local[i:j], owns[i:j], _rows(keep, i, j), red[i:j], valid[i:j],
+                                  gl[i:j], _rows(ge, i, j), _rows(gs, i, j), _rows(tau, i, j) if tau.ndim else tau,
+                                  lay.k, lay.has_mask, lay.with_sum_p2)
+    return out
+
+
+# --- autograd ------------------------------------------------------------------------------
+
+
+def _positions(y, call):
+    return spec.target_to_local(xp, y.to(torch.int64), call.rank, call.v_local, call.opt.ignore_index)
+
+
+class _ExtOp(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, logits, target, keep_mask, tau, call, group):
+        opt = call.opt
+        compiled = engines.ENGINES[call.engine].compiled
+        v = call.v_local
+        z = logits.detach().reshape(-1, v)
+        k = max(opt.n_targets, 1)
+        y = target.reshape(-1, k)
+        keep = None if keep_mask is None else keep_mask.reshape(-1, v)
+        valid, owns, local = _positions(y, call)
+        stats = _stats(z, local, owns, keep, tau, opt, compiled)
+        if call.validate:
+            checks.agree(call, checks.count_bad_targets(y, opt.ignore_index, call.vocab), group, z, y)
+        all_stats = stats[None] if group is None else collectives.gather_stats(stats, group)
+        lay = _layout(opt)
+        red = spec.ext_reduce_stats(xp, all_stats, lay, axis=0, temperature=tau)
+        ec = spec.ext_finalize(xp, red, lay, tau)
+        lp, h, p2 = spec.ext_outputs(xp, ec, valid, tau)
+        if p2 is None:
+            p2 = torch.zeros_like(h)
+        ctx.save_for_backward(logits, y, keep_mask, tau, red)
+        ctx.call = call
+        ctx.mark_non_differentiable(red)
+        lead = tuple(target.shape[:-1]) if opt.n_targets else tuple(target.shape)
+        lp = lp.reshape(lead + ((k,) if opt.n_targets else ()))
+        return lp, h.reshape(lead), p2.reshape(lead), red
+
+    @staticmethod
+    def backward(ctx, g_logprob, g_entropy, g_sum_p2, _):
+        if not ctx.needs_input_grad[0]:
+            return None, None, None, None, None, None
+        logits, y, keep_mask, tau, red = ctx.saved_tensors
+        call = ctx.call
+        opt = call.opt
+        v = call.v_local
+        z = logits.detach().reshape(-1, v)
+        k = max(opt.n_targets, 1)
+        keep = None if keep_mask is None else keep_mask.reshape(-1, v)
+        valid, owns, local = _positions(y, call)
+        cdt = compute_dtype(z.dtype)
+        gl = (torch.zeros((z.shape[0], k), dtype=cdt, device=z.device) if g_logprob is None
+              else g_logprob.reshape(-1, k).to(cdt).contiguous())
+        ge = None
+        if opt.need_entropy_grad and g_entropy is not None:
+            ge = g_entropy.reshape(-1).to(cdt).contiguous()
+        gs = g_sum_p2.reshape(-1).to(cdt).contiguous() if opt.with_sum_p2 and g_sum_p2 is not None else None
+        if opt.inplace_grad:
+            out = z
+        else:
+            out = torch.empty(z.shape, dtype=z.dtype, device=z.device)
+        _grad(z, local, owns, keep, red, valid, gl, ge, gs, tau, opt, engines.ENGINES[call.engine].compiled, out)
+        return out.view(logits.shape), None, None, None, None, None
+
+
+def logprob_entropy(logits, target, keep_mask, temperature, call: checks.Call, group):
+    """The extended op on a checked call: ``(logprob, entropy or None, sum_p2 or None)``.
+
+    ``target`` is ``[...]`` (``call.opt.n_targets == 0``) or ``[..., K]``;
+    ``temperature`` the number of ``call.opt`` or a tensor broadcastable to
+    the rows. Outputs are float32 (float64 for float64 logits).
+    """
+    opt = call.opt
+    cdt = compute_dtype(logits.dtype)
+    if opt.row_temperature:
+        lead = tuple(target.shape[:-1]) if opt.n_targets else tuple(target.shape)
+        tau = temperature.detach().to(cdt).broadcast_to(lead).reshape(-1).contiguous()
+    else:
+        tau = torch.full((), opt.temperature, dtype=cdt, device=logits.device)
+    lp, h, p2, _ = _ExtOp.apply(logits, target, keep_mask, tau, call, group)
+    if not opt.with_entropy:
+        h = None
+    elif not opt.entropy_grad:
+        h = h.detach()
+    return lp, h, (p2 if opt.with_sum_p2 else None)
