@@ -240,3 +240,16 @@ def test_batch_invariance():
         lp, g = run(rows)
         j = i - rows.start
         assert np.array_equal(lp[j], lp_all[i]) and np.array_equal(g[j], g_all[i]), (i, rows)
+
+
+@pytest.mark.parametrize("extra", ["multi_target", "with_sum_p2", "temperature"])
+def test_keep_ids_with_an_extended_option_is_refused(extra):
+    # The extended op (K targets, a temperature tensor, sum p^2) has no id path:
+    # refused at check time, naming both options, rather than computed without the ids.
+    z = jnp.zeros((4, 8), jnp.float32)
+    y = jnp.zeros((4, 2) if extra == "multi_target" else (4,), jnp.int32)
+    kw = {"temperature": jnp.ones((4,), jnp.float32)} if extra == "temperature" else {extra: True}
+    with pytest.raises(NotImplementedError, match="keep_ids.*(multi_target|with_sum_p2|temperature)"):
+        dualvp_jax.logprob_entropy(z, y, keep_ids=jnp.zeros((4, 2), jnp.int32), **kw)
+    with pytest.raises(NotImplementedError, match="keep_ids.*(multi_target|with_sum_p2|temperature)"):
+        dualvp_jax.sharded_logprob_entropy(z, y, mesh_1d(1), "tp", keep_ids=jnp.zeros((4, 2), jnp.int32), **kw)

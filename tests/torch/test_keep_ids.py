@@ -321,3 +321,14 @@ def test_batch_invariance(impl):
             lp, gr = run(rows)
             j = i - rows.start
             assert torch.equal(lp[j], lp_all[i]) and torch.equal(gr[j], g_all[i]), (i, rows)
+
+
+@pytest.mark.parametrize("extra", ["multi_target", "with_sum_p2", "temperature"])
+def test_keep_ids_with_an_extended_option_is_refused(extra):
+    # The extended op (K targets, a temperature tensor, sum p^2) has no id path:
+    # refused at check time, naming both options, rather than computed without the ids.
+    z = torch.zeros(4, 8)
+    y = torch.zeros((4, 2) if extra == "multi_target" else (4,), dtype=torch.long)
+    kw = {"temperature": torch.ones(4)} if extra == "temperature" else {extra: True}
+    with pytest.raises(NotImplementedError, match="keep_ids.*(multi_target|with_sum_p2|temperature)"):
+        dualvp_torch.logprob_entropy(z, y, keep_ids=torch.zeros(4, 2, dtype=torch.long), impl="eager", **kw)
