@@ -439,6 +439,8 @@ def logprob_entropy(
         other than -1 raise ``ValueError``; otherwise (or traced) they lie
         in no shard and are ignored. (Without ``jax_enable_x64`` JAX holds
         integers as int32: ids beyond its range wrap when converted.)
+        Not yet with ``multi_target``, ``with_sum_p2`` or a temperature
+        array (``NotImplementedError``; pass ``keep_mask`` there).
       temperature: finite float > 0, a Python number (static); or an array
         broadcastable to the rows ``[...]`` (one temperature per row, an
         input of the program: changing it never recompiles), treated as a

@@ -74,7 +74,9 @@ def logprob_entropy(
         columns per row beside it, :mod:`dualvp_torch.keep_ids`). With
         ``validate=True`` ids outside ``[0, V)`` other than -1 raise
         ``ValueError`` on every rank (one host sync more); with
-        ``validate=False`` they lie in no shard and are ignored.
+        ``validate=False`` they lie in no shard and are ignored. Not yet with
+        ``multi_target``, ``with_sum_p2`` or a temperature tensor
+        (``NotImplementedError``; pass ``keep_mask`` there).
       temperature: ``tau > 0``; the op uses ``softmax(logits / tau)`` without
         an extra buffer. A number, or a floating tensor broadcastable to the
         rows ``[...]`` (one temperature per row, e.g. verl's per-token
