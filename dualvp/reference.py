@@ -8,8 +8,9 @@ p``, and the closed-form gradients::
     dH/dz = -p (log p + H) / tau          (equal to p (E_p[u] - u) / tau)
 
 It is the judge for everything else: slow, allocating, and exact to float64
-round-off. All options of the backends are supported: keep mask (the target is
-always kept; the entropy stays unmasked), temperature, ``ignore_index`` and any
+round-off. All options of the backends are supported: keep mask or keep ids
+(the kept set as token ids, turned into a mask by :func:`mask_from_ids`; the
+target is always kept; the entropy stays unmasked), temperature, ``ignore_index`` and any
 leading batch dims.
 
 The fused LM-head op (:func:`linear_logprob_entropy`, :func:`linear_logprob_entropy_grad`)
@@ -24,7 +25,31 @@ from __future__ import annotations
 import numpy as np
 
 __all__ = ["logprob_entropy", "logprob_entropy_grad", "sum_squared_probs", "sum_squared_probs_grad",
-           "linear_logprob_entropy", "linear_logprob_entropy_grad"]
+           "linear_logprob_entropy", "linear_logprob_entropy_grad", "mask_from_ids"]
+
+
+def mask_from_ids(keep_ids, vocab_size: int) -> np.ndarray:
+    """``[..., V]`` bool keep mask of the kept set given as ids ``keep_ids [..., K]``.
+
+    Each id in ``[0, V)`` sets its column (a repeated id sets it once); any
+    other id (the padding -1, or an out-of-range id the op was told not to
+    validate) sets nothing. A loop over rows and ids, independent of the
+    op's sort-and-gather.
+    """
+    ids = np.asarray(keep_ids)
+    lead, k = ids.shape[:-1], ids.shape[-1]
+    mask = np.zeros((int(np.prod(lead, dtype=np.int64)), int(vocab_size)), dtype=bool)
+    for i, row in enumerate(ids.reshape(mask.shape[0], k)):
+        for v in row.tolist():
+            if 0 <= v < vocab_size:
+                mask[i, v] = True
+    return mask.reshape(lead + (int(vocab_size),))
+
+
+def _mask_of(keep_mask, keep_ids, vocab_size: int):
+    if keep_mask is not None and keep_ids is not None:
+        raise ValueError("keep_ids: expected None when keep_mask is given (two forms of one kept set)")
+    return keep_mask if keep_ids is None else mask_from_ids(keep_ids, vocab_size)
 
 
 def _log_softmax(u: np.ndarray) -> np.ndarray:
@@ -77,6 +102,7 @@ def logprob_entropy(
     keep_mask=None,
     temperature: float = 1.0,
     ignore_index: int = -100,
+    keep_ids=None,
 ) -> tuple[np.ndarray, np.ndarray]:
     """Log-prob of the target and entropy, in float64.
 
@@ -91,10 +117,14 @@ def logprob_entropy(
       temperature: ``tau > 0``, a number or one per row (``[...]``, broadcast
         to the rows); the distribution is ``softmax(logits / tau)``.
       ignore_index: rows with this target get log-prob 0.
+      keep_ids: ``[..., K]`` integer ids, the kept set as token ids (padding
+        -1), or ``None``; the alternative to ``keep_mask``
+        (:func:`mask_from_ids`).
 
     Returns:
       ``(logprob [...] or [..., K], entropy [...])`` float64.
     """
+    keep_mask = _mask_of(keep_mask, keep_ids, np.shape(logits)[-1])
     if _multi(logits, target):
         t = _row_tau(logits, temperature)
         outs = [logprob_entropy(logits, np.asarray(target)[..., k], keep_mask=keep_mask, temperature=t,
@@ -141,11 +171,12 @@ def logprob_entropy_grad(
     keep_mask=None,
     temperature: float = 1.0,
     ignore_index: int = -100,
+    keep_ids=None,
 ) -> np.ndarray:
     """Gradient of ``sum(grad_logprob * L + grad_entropy * H)`` w.r.t. logits.
 
     Args:
-      logits, target, keep_mask, temperature, ignore_index: as in
+      logits, target, keep_mask, temperature, ignore_index, keep_ids: as in
         :func:`logprob_entropy`.
       grad_logprob: ``[...]`` upstream gradient of the log-prob (``[..., K]``
         with K targets: the gradient is the sum of the K log-probs' and the
@@ -155,6 +186,7 @@ def logprob_entropy_grad(
     Returns:
       ``[..., V]`` float64.
     """
+    keep_mask = _mask_of(keep_mask, keep_ids, np.shape(logits)[-1])
     if _multi(logits, target):
         # sum over the K targets of each one's log-prob gradient, plus the entropy's once
         t = _row_tau(logits, temperature)
@@ -195,6 +227,7 @@ def linear_logprob_entropy(
     keep_mask=None,
     temperature: float = 1.0,
     ignore_index: int = -100,
+    keep_ids=None,
 ) -> tuple[np.ndarray, np.ndarray]:
     """Log-prob and entropy of the LM head ``z = hidden @ weight_full^T``, in float64.
 
@@ -202,14 +235,15 @@ def linear_logprob_entropy(
       hidden: ``[..., H]`` hidden states (any float dtype; the values are taken
         as they are and the product is formed in float64).
       weight_full: ``[V, H]`` the whole (unsharded) output weight.
-      target, keep_mask (``[..., V]``), temperature, ignore_index: as in
+      target, keep_mask (``[..., V]``), temperature, ignore_index, keep_ids: as in
         :func:`logprob_entropy`.
 
     Returns:
       ``(logprob [...], entropy [...])`` float64.
     """
     _, _, z = _linear_logits(hidden, weight_full)
-    return logprob_entropy(z, target, keep_mask=keep_mask, temperature=temperature, ignore_index=ignore_index)
+    return logprob_entropy(z, target, keep_mask=keep_mask, temperature=temperature, ignore_index=ignore_index,
+                           keep_ids=keep_ids)
 
 
 def linear_logprob_entropy_grad(
@@ -222,6 +256,7 @@ def linear_logprob_entropy_grad(
     keep_mask=None,
     temperature: float = 1.0,
     ignore_index: int = -100,
+    keep_ids=None,
 ) -> tuple[np.ndarray, np.ndarray]:
     """Gradients of ``sum(grad_logprob * L + grad_entropy * H)`` w.r.t. hidden and weight.
 
@@ -231,7 +266,8 @@ def linear_logprob_entropy_grad(
     """
     h, w, z = _linear_logits(hidden, weight_full)
     g = logprob_entropy_grad(
-        z, target, grad_logprob, grad_entropy, keep_mask=keep_mask, temperature=temperature, ignore_index=ignore_index
+        z, target, grad_logprob, grad_entropy, keep_mask=keep_mask, temperature=temperature, ignore_index=ignore_index,
+        keep_ids=keep_ids,
     )
     g2 = g.reshape(-1, g.shape[-1])
     with np.errstate(invalid="ignore", over="ignore"):

@@ -34,6 +34,7 @@ def over_shards(
     kept_shift: str = "kept",
     entropy_terms: str = "clamp",
     indicator: str = "compare",
+    keep_ids=None,
 ):
     """Spec forward (and backward) over ``world_size`` equal shards.
 
@@ -53,6 +54,12 @@ def over_shards(
         as dualvp_jax's forward).
       indicator: as in :func:`dualvp.spec.block_grad` (``"arith"``: as
         dualvp_jax's backward).
+      keep_ids: ``[..., K]`` global ids (padding -1), the kept set as ids
+        (instead of ``keep_mask``): each shard's unmasked statistics with the
+        kept pair of :func:`dualvp.spec.kept_columns` /
+        :func:`dualvp.spec.kept_pair`, and the gradient
+        :func:`dualvp.spec.block_grad_base` with :func:`dualvp.spec.kept_grad`
+        written at the kept columns, block by block.
 
     Returns:
       ``(logprob, entropy, grad)`` with ``grad`` ``[..., V]`` or ``None``.
@@ -67,6 +74,11 @@ def over_shards(
     keeps = [None if keep_mask is None else np.asarray(keep_mask)[..., r * vr : (r + 1) * vr]
              for r in range(world_size)]
     locs = [spec.target_to_local(np, y, r, vr, ignore_index) for r in range(world_size)]
+    if keep_ids is not None:
+        if keep_mask is not None:
+            raise ValueError("keep_ids: expected None when keep_mask is given")
+        ids = np.asarray(keep_ids).astype(np.int64)
+        kept = [spec.kept_columns(np, ids, y, r, vr, ignore_index) for r in range(world_size)]
     width = vr if block is None else max(1, int(block))
     starts = list(range(0, vr, width)) or [0]
 
@@ -83,7 +95,26 @@ def over_shards(
 
     def stats_of(r):
         blocks = [block_of(r, s0) for s0 in starts]
-        return spec.reduce_stats(np, np.stack(blocks), axis=0, temperature=temperature)
+        st = spec.reduce_stats(np, np.stack(blocks), axis=0, temperature=temperature)
+        if keep_ids is None:
+            return st
+        zk = None
+        for s0 in starts:  # the kept logits gathered block by block, as the fused op does
+            c, u = spec.columns_in_block(np, *kept[r], s0, cols(shards[r], s0).shape[-1])
+            zk = spec.gather_columns(np, cols(shards[r], s0), c, u, zk)
+        return spec.with_kept_pair(np, st, *spec.kept_pair(np, zk, kept[r][1], temperature))
+
+    def grad_of(r, s0, gl, ge):
+        z = cols(shards[r], s0)
+        if keep_ids is None:
+            return spec.block_grad(np, z, locs[r][2], locs[r][1], cols(keeps[r], s0), comb, valid, gl, ge,
+                                   temperature, start=s0, indicator=indicator)
+        g = spec.block_grad_base(np, z, locs[r][2], locs[r][1], comb, valid, gl, ge, temperature, start=s0,
+                                 indicator=indicator)
+        c, u = spec.columns_in_block(np, *kept[r], s0, z.shape[-1])
+        vals = spec.kept_grad(np, spec.gather_columns(np, z, c, u), kept[r][0], u, locs[r][2], locs[r][1], comb,
+                              valid, gl, ge, temperature)
+        return spec.set_at_columns(np, g, c, vals, u)
 
     with np.errstate(invalid="ignore", over="ignore", divide="ignore"):
         stats = np.stack([stats_of(r) for r in range(world_size)])
@@ -94,15 +125,5 @@ def over_shards(
         if grad_logprob is not None:
             gl = np.asarray(grad_logprob).astype(dtype)
             ge = None if grad_entropy is None else np.asarray(grad_entropy).astype(dtype)
-            grad = np.concatenate(
-                [
-                    spec.block_grad(
-                        np, cols(shards[r], s0), locs[r][2], locs[r][1], cols(keeps[r], s0), comb, valid, gl, ge,
-                        temperature, start=s0, indicator=indicator,
-                    )
-                    for r in range(world_size)
-                    for s0 in starts
-                ],
-                axis=-1,
-            )
+            grad = np.concatenate([grad_of(r, s0, gl, ge) for r in range(world_size) for s0 in starts], axis=-1)
     return logprob, entropy, grad

@@ -92,6 +92,14 @@ __all__ = [
     "block_grad",
     "shard_stats",
     "grad_logits",
+    "kept_columns",
+    "columns_in_block",
+    "gather_columns",
+    "kept_pair",
+    "with_kept_pair",
+    "block_grad_base",
+    "kept_grad",
+    "set_at_columns",
     "ExtLayout",
     "row_temperature",
     "ext_block_stats",
@@ -659,6 +667,218 @@ def grad_logits(xp, z, local, owns, keep, comb: Combined, valid, g_logprob, g_en
     return block_grad(xp, z, local, owns, keep, comb, valid, g_logprob, g_entropy, temperature, **kw)
 
 
+# --- the kept set as token ids (keep_ids) -------------------------------------------
+#
+# ``keep_ids [..., K]``: the sampler's kept set as *global* token ids, padded
+# with -1, the alternative to a ``[..., V_r]`` keep mask with the same
+# semantics (the target is always kept, the entropy ignores the kept set).
+# Nothing of size ``[..., V_r]`` is built from the ids: each shard takes the
+# ids in its columns ``[r*V_r, (r+1)*V_r)``, gathers the logits there
+# (``[..., K+1]`` with the target) and forms the kept pair ``(mk, sk)`` from
+# them, in the form :func:`block_stats` gives it with ``kept_shift="kept"``;
+# the unmasked statistics ``(m, s, t, zy)`` are those of the block without a
+# mask. In the gradient, ``q`` is nonzero on the kept columns only, so the
+# gradient is the unmasked one without its ``q`` term (:func:`block_grad_base`)
+# everywhere but at the ``K + 1`` kept columns, whose values (:func:`kept_grad`,
+# from the gathered logits) are written over it (:func:`set_at_columns`):
+# O(T K) beyond the dense pass.
+# Ids outside ``[0, V)`` (padding -1 or not) lie in no shard and are ignored;
+# an id repeated in a row counts once.
+
+
+def _concat(xp, arrays, axis=-1):
+    # The array API's concat; NumPy before 2.0 has only concatenate.
+    f = getattr(xp, "concat", None) or xp.concatenate
+    return f(arrays, axis=axis)
+
+
+def kept_columns(xp, keep_ids, target, shard_index, v_local: int, ignore_index: int):
+    """This shard's columns of each row's kept set: ``(cols, use)``, each ``[..., K+1]``.
+
+    The kept set of a row is its ids ``keep_ids [..., K]`` plus its target
+    (unless the row is ignored); this shard's part is the ids in ``[lo, lo +
+    v_local)``, ``lo = shard_index * v_local``, as columns within the shard.
+    The candidates are sorted so that a repeated column is used once
+    (``use`` is false on the repeats and on ids outside the shard; their
+    ``cols`` are 0, a valid column to gather from). O(K log K) per row.
+
+    Args:
+      keep_ids: ``[..., K]`` integer global ids (padding -1; any id outside
+        ``[0, W * v_local)`` lies in no shard and is ignored).
+      target: ``[...]`` integer global ids, ``ignore_index`` for ignored rows.
+      shard_index: ``r``, a Python int or a 0-d integer array.
+    """
+    lo = shard_index * v_local
+    y = xp.where(target != ignore_index, target, xp.full_like(target, -1))
+    cand = _concat(xp, [y[..., None], _astype(xp, keep_ids, target.dtype)], axis=-1)
+    inside = (cand >= lo) & (cand < lo + v_local)
+    # Outside the shard: v_local, which sorts after every column.
+    key = xp.sort(xp.where(inside, cand - lo, xp.full_like(cand, v_local)), axis=-1)
+    prev = _concat(xp, [xp.full_like(key[..., :1], -1), key[..., :-1]], axis=-1)
+    use = (key < v_local) & (key != prev)
+    return xp.where(use, key, xp.zeros_like(key)), use
+
+
+def columns_in_block(xp, cols, use, start, n: int):
+    """``(cols - start, use & in block)``: the kept columns of the block ``[start, start + n)`` of the shard.
+
+    ``start`` may be a traced scalar; the columns outside the block are 0 and unused.
+    """
+    inside = use & (cols >= start) & (cols < start + n)
+    return xp.where(inside, cols - start, xp.zeros_like(cols)), inside
+
+
+def gather_columns(xp, z, cols, use, prev=None, dtype=None):
+    """``[..., K+1]``: ``z`` at ``cols`` where ``use``, else ``prev`` (``None``: 0), in ``dtype``.
+
+    ``prev`` carries the values of the kept columns of earlier blocks (the
+    fused op gathers block by block).
+    """
+    zk = _cast(xp, xp.take_along_axis(z, cols, axis=-1), dtype)
+    return xp.where(use, zk, xp.zeros_like(zk) if prev is None else prev)
+
+
+def _tree(xp, x, op, fill: float):
+    # Row reduction of x [..., n] as a fixed pairwise tree of elementwise ops
+    # (padded with ``fill`` to a power of two): the same bits for a row
+    # whatever the other rows, where a library reduction may take another
+    # path for some row counts.
+    n = x.shape[-1]
+    p = 1 << max(0, n - 1).bit_length()
+    if p > n:
+        x = _concat(xp, [x, xp.zeros_like(x[..., : p - n]) + fill], axis=-1)
+    while x.shape[-1] > 1:
+        h = x.shape[-1] // 2
+        x = op(x[..., :h], x[..., h:])
+    return x[..., 0]
+
+
+def kept_pair(xp, zk, use, temperature=1.0, *, tree: bool = False):
+    """``(mk, sk)``, each ``[...]``: max and ``sum e^((z - mk) / tau)`` over the used columns of ``zk``.
+
+    The kept pair of :func:`block_stats` (``kept_shift="kept"``) for the kept
+    set given by ids: ``(-inf, 0)`` when no column is used. ``tree=True``
+    reduces the ``K + 1`` columns in a fixed pairwise tree of elementwise
+    ops instead of the library's row reductions (XLA:CPU reduces narrow rows
+    along a path that depends on the row count).
+    """
+    tau = _tau(xp, temperature, zk.dtype)
+    if tree:
+        mk = _tree(xp, xp.where(use, zk, -xp.inf), xp.maximum, -math.inf)
+    else:
+        mk = xp.max(xp.where(use, zk, -xp.inf), axis=-1)
+    ek = xp.where(use, xp.exp(_over_tau(zk - _finite_or_zero(xp, mk)[..., None], tau)), 0.0)
+    return mk, (_tree(xp, ek, lambda a, b: a + b, 0.0) if tree else xp.sum(ek, axis=-1))
+
+
+def with_kept_pair(xp, stats, mk, sk):
+    """``stats [..., N_STATS]`` (unmasked, from :func:`block_stats` with ``keep=None``) with ``(mk, sk)`` replaced."""
+    m, s, t, _, _, zy = (stats[..., i] for i in range(N_STATS))
+    return xp.stack([m, s, t, _astype(xp, mk, m.dtype), _astype(xp, sk, m.dtype), zy], axis=-1)
+
+
+def block_grad_base(xp, z, local, owns, comb: Combined, valid, g_logprob, g_entropy, temperature=1.0, *,
+                    start: int = 0, dtype=None, indicator: str = "compare"):
+    """:func:`block_grad` under a kept set given by ids, right on every column but the kept ones: ``[..., n]``.
+
+    ``(gL 1[v=y] + gH p_v (c - d_v)) / tau``: the unmasked gradient without
+    its ``q`` term, which is nonzero on the kept columns only; their values
+    are :func:`kept_grad`, written over these with :func:`set_at_columns`
+    (after any cast to the output dtype: one rounding per element). ``comb``
+    holds the kept pair of the ids. A valid row whose kept set has no mass
+    (``log_sk = -inf``: log-prob ``-inf``) or holds NaN is NaN on every
+    column, as with a mask (and in the oracle, 0 * -inf). Arguments as in
+    :func:`block_grad`.
+    """
+    if indicator not in ("compare", "arith"):
+        raise ValueError(f"indicator: expected 'compare' or 'arith', got {indicator!r}")
+    z = _cast(xp, z, dtype)
+    tau = _tau(xp, temperature, z.dtype)
+    one_y = (_astype(xp, _target_columns(xp, z, local, owns, start), z.dtype) if indicator == "compare"
+             else _target_indicator(xp, z, local, owns, start))
+    gl = (xp.where(valid, g_logprob, xp.zeros_like(g_logprob)) / tau)[..., None]
+    # 0 * log_sk: 0 for a kept set of finite mass, NaN for none or NaN.
+    g = xp.where(valid[..., None], gl * (one_y + (0.0 * comb.log_sk)[..., None]), 0.0)
+    if g_entropy is not None:
+        d = _shifted(xp, z, comb.M, tau, products=True)
+        p = xp.exp(d - comb.log_s[..., None])
+        g = g + (g_entropy / tau)[..., None] * (p * (comb.c[..., None] - d))
+    return g
+
+
+def kept_grad(xp, zk, cols, use, local, owns, comb: Combined, valid, g_logprob, g_entropy, temperature=1.0):
+    """``[..., K+1]``: the gradient (:func:`block_grad`'s value) at the kept columns, 0 where not ``use``.
+
+    ``zk``: the logits at the shard columns ``cols`` (:func:`gather_columns`,
+    in the compute dtype); ``local``, ``owns``: the target's column as from
+    :func:`target_to_local`; ``comb`` the combined statistics over all
+    shards. Every used column is kept, so ``q_v = e^((z_v - Mk) / tau - log
+    Sk)`` there: ``(gL (1[v=y] - q_v) + gH p_v (c - d_v)) / tau``.
+    """
+    tau = _tau(xp, temperature, zk.dtype)
+    q = xp.exp(_over_tau(zk - _finite_or_zero(xp, comb.mk)[..., None], tau) - comb.log_sk[..., None])
+    one_y = _astype(xp, use & owns[..., None] & (cols == local[..., None]), zk.dtype)
+    gl = (xp.where(valid, g_logprob, xp.zeros_like(g_logprob)) / tau)[..., None]
+    g = xp.where(valid[..., None], gl * (one_y - q), 0.0)
+    if g_entropy is not None:
+        d = _shifted(xp, zk, comb.M, tau, products=True)
+        p = xp.exp(d - comb.log_s[..., None])
+        g = g + (g_entropy / tau)[..., None] * (p * (comb.c[..., None] - d))
+    return xp.where(use, g, 0.0)
+
+
+def set_at_columns(xp, g, cols, vals, use):
+    """``g [..., n]`` with ``vals [..., K]`` written at ``cols [..., K]`` where ``use`` (used columns are distinct).
+
+    The one scatter of the spec; the array API has none, so it is done per
+    array type: ``.at[].set(mode="drop")`` (JAX, functional; the unused
+    entries point past the row; 16-bit floats as their uint16 bits),
+    ``scatter_`` (torch, *in place*, returns ``g``; 16-bit floats as their
+    int16 bits; each unused entry
+    repeats its row's first used entry, or rewrites column 0 with its own
+    value, so every write to a column writes one value), boolean indexing
+    (NumPy, on a copy). ``vals`` is cast to ``g``'s dtype.
+    """
+    mod = type(g).__module__
+    n = g.shape[-1]
+    if mod.startswith("jax"):
+        from jax import lax
+
+        rows = xp.arange(math.prod(g.shape[:-1]))[:, None]
+        c = xp.where(use, cols, n).reshape(rows.shape[0], cols.shape[-1])
+        v = _astype(xp, vals, g.dtype).reshape(c.shape)
+        if xp.finfo(g.dtype).bits == 16:
+            # A set moves bits: done on uint16, because XLA:CPU scatters 16-bit
+            # floats through a float32 copy of the whole operand.
+            u16 = lax.bitcast_convert_type(g.reshape(-1, n), xp.uint16)
+            g2 = lax.bitcast_convert_type(u16.at[rows, c].set(lax.bitcast_convert_type(v, xp.uint16), mode="drop"),
+                                          g.dtype)
+        else:
+            g2 = g.reshape(-1, n).at[rows, c].set(v, mode="drop")
+        return g2.reshape(g.shape)
+    if mod.startswith("torch"):
+        import torch
+
+        cols, vals = cols.to(torch.int64), vals.to(g.dtype)
+        # The row's first used entry (0 when none), and its column and value.
+        first = torch.argmax(use.to(torch.int8), dim=-1, keepdim=True)
+        any_used = use.any(-1, keepdim=True)
+        c0 = torch.where(any_used, cols.gather(-1, first), torch.zeros_like(first))
+        v0 = torch.where(any_used, vals.gather(-1, first), g.gather(-1, c0))
+        idx, src = torch.where(use, cols, c0), torch.where(use, vals, v0)
+        if g.element_size() == 2:
+            # A set moves bits: on int16 views, because torch's CPU scatter
+            # of 16-bit floats goes through a float32 copy of the whole tensor.
+            g.view(torch.int16).scatter_(-1, idx, src.view(torch.int16))
+            return g
+        return g.scatter_(-1, idx, src)
+    import numpy as np
+
+    g2 = np.array(g, copy=True)
+    u = np.asarray(use)
+    lead = np.nonzero(u)
+    g2[lead[:-1] + (np.asarray(cols)[u],)] = np.asarray(vals, g2.dtype)[u]
+    return g2
 # --- K targets per row, a per-row temperature, the sum of squared probabilities ---------
 #
 # The extended op shares the row statistics of the op above (computed with no
@@ -714,11 +934,6 @@ class ExtLayout(NamedTuple):
     def dropped(self) -> slice:
         a = N_STATS + int(self.with_sum_p2) + self.k
         return slice(a, a + self.k)
-
-
-def _concat(xp, arrays, axis=-1):
-    f = getattr(xp, "concat", None) or getattr(xp, "concatenate")
-    return f(arrays, axis=axis)
 
 
 def _is_row_array(temperature) -> bool:

@@ -39,6 +39,9 @@ __all__ = [
     "check_args",
     "check_linear_args",
     "check_temperature",
+    "check_keep_ids",
+    "count_bad_ids",
+    "bad_ids_error",
     "check_temperature_values",
     "agreement_record",
     "check_agreement",
@@ -68,6 +71,7 @@ ARGUMENTS = (
     "reduce_hidden_grad",
     "sequence_parallel",
     "memory_budget",
+    "keep_ids",
 )
 
 
@@ -111,6 +115,8 @@ class Options:
       with_entropy: the entropy is returned.
       entropy_grad: the entropy is differentiable (when returned).
       has_mask: a keep mask was given.
+      has_ids: the kept set was given as ids (``keep_ids``, the alternative
+        to a keep mask; never both).
       inplace_grad: the gradient may overwrite the logits (torch only).
       label_smoothing: the smoothing of the Megatron drop-in
         (``dualvp_torch.compat.vocab_parallel_cross_entropy``), 0 for the op
@@ -132,6 +138,7 @@ class Options:
     entropy_grad: bool = True
     has_mask: bool = False
     inplace_grad: bool = False
+    has_ids: bool = False
     label_smoothing: float = 0.0
     reduce_hidden_grad: bool = True
     sequence_parallel: bool = False
@@ -163,6 +170,8 @@ def check_args(
     with_entropy=True,
     entropy_grad=True,
     inplace_grad=False,
+    ids_shape: Optional[Sequence[int]] = None,
+    ids_dtype: Optional[str] = None,
     multi_target=False,
     temperature_shape: Optional[Sequence[int]] = None,
     temperature_dtype: Optional[str] = None,
@@ -179,6 +188,9 @@ def check_args(
     Expected: ``logits [..., V_local]`` floating (one of :data:`FLOAT_DTYPES`)
     with ``V_local >= 1``; ``target [...]`` integer with the same leading
     shape; ``keep_mask`` ``None`` or bool with the shape of ``logits``;
+    ``keep_ids`` (``ids_shape``, ``ids_dtype``) ``None`` or integer
+    ``target.shape + (K,)`` with ``K >= 0``, and not together with
+    ``keep_mask`` (:func:`check_keep_ids`);
     ``temperature`` finite and ``> 0``; ``ignore_index`` an int; the flags bools.
 
     Raises:
@@ -206,6 +218,8 @@ def check_args(
         raise ValueError(
             f"target: expected shape {ls[:-1]} (the leading dims of logits {ls}), got shape {ts}"
         )
+    has_ids = check_keep_ids(ts if not multi_target else ts[:-1], ids_shape, ids_dtype,
+                             keep_shape is not None or keep_dtype is not None)
     if keep_shape is not None or keep_dtype is not None:
         if keep_dtype != "bool":
             raise TypeError(f"keep_mask: expected dtype bool, got {keep_dtype}")
@@ -222,6 +236,15 @@ def check_args(
     _check_flag("with_entropy", with_entropy)
     _check_flag("entropy_grad", entropy_grad)
     _check_flag("inplace_grad", inplace_grad)
+    if has_ids:
+        # keep_ids rides the single-target core op; the extended op (K targets, a
+        # temperature tensor, sum p^2) has no id path yet. Raised here, from
+        # shapes and flags alone, so every rank raises alike.
+        for name, on in (("multi_target=True", multi_target), ("a temperature tensor", row_tau),
+                         ("with_sum_p2=True", with_sum_p2)):
+            if on:
+                raise NotImplementedError(f"keep_ids: not implemented together with {name}; pass the kept "
+                                          f"set as keep_mask instead")
     return Options(
         temperature=tau,
         ignore_index=int(ignore_index),
@@ -229,10 +252,56 @@ def check_args(
         entropy_grad=entropy_grad,
         has_mask=keep_shape is not None or keep_dtype is not None,
         inplace_grad=inplace_grad,
+        has_ids=has_ids,
         n_targets=int(ts[-1]) if multi_target else 0,
         row_temperature=row_tau,
         with_sum_p2=with_sum_p2,
     )
+
+
+def check_keep_ids(target_shape: Sequence[int], ids_shape, ids_dtype, has_mask: bool) -> bool:
+    """Check ``keep_ids`` (``None`` when both ``ids_shape`` and ``ids_dtype`` are); return whether it is given.
+
+    Expected: integer (one of :data:`INT_DTYPES`) ``target_shape + (K,)``
+    with ``K >= 0`` (padding -1), and no keep mask beside it.
+
+    Raises:
+      ValueError: ``keep_ids`` together with ``keep_mask``, or a wrong shape.
+      TypeError: a non-integer dtype.
+    """
+    if ids_shape is None and ids_dtype is None:
+        return False
+    if has_mask:
+        raise ValueError("keep_ids: expected None when keep_mask is given (keep_mask and keep_ids are two forms "
+                         "of one kept set; pass one of them)")
+    if ids_dtype not in INT_DTYPES:
+        raise TypeError(f"keep_ids: expected an integer dtype (global token ids, padding -1), got {ids_dtype}")
+    ks, ts = _shape(ids_shape), _shape(target_shape)
+    if len(ks) != len(ts) + 1 or ks[:-1] != ts:
+        raise ValueError(f"keep_ids: expected shape {ts + ('K',)} (the shape of target + (K,)), got shape {ks}")
+    return True
+
+
+def count_bad_ids(ids, vocab_size: int) -> tuple:
+    """``(count, up to 5 distinct bad ids)`` of a NumPy ``keep_ids`` outside ``[0, vocab_size)`` and not -1.
+
+    The host-side range check of ``validate=True`` (like the target's).
+    """
+    import numpy as np
+
+    a = np.asarray(ids)
+    if a.size == 0:
+        return 0, []
+    a = a.astype(np.int64, copy=False) if a.dtype != np.uint64 else a
+    bad = (a != -1) & ((a < 0) | (a >= vocab_size))
+    n = int(np.count_nonzero(bad))
+    return n, ([int(v) for v in np.unique(a[bad])[:5]] if n else [])
+
+
+def bad_ids_error(count: int, shown, vocab_size: int) -> ValueError:
+    """The ``ValueError`` of :func:`count_bad_ids`'s result (same text on every backend)."""
+    return ValueError(f"keep_ids: expected ids in [0, {vocab_size}) or the padding -1, got {count} out-of-range "
+                      f"id(s), e.g. {list(shown)}")
 
 
 def _check_temperature_tensor(shape, dtype, rows: tuple) -> None:
@@ -273,6 +342,8 @@ def check_linear_args(
     with_entropy=True,
     entropy_grad=True,
     reduce_hidden_grad=True,
+    ids_shape: Optional[Sequence[int]] = None,
+    ids_dtype: Optional[str] = None,
     sequence_parallel=False,
     world_size: int = 1,
     memory_budget=None,
@@ -357,6 +428,8 @@ def check_linear_args(
         ignore_index=ignore_index,
         with_entropy=with_entropy,
         entropy_grad=entropy_grad,
+        ids_shape=ids_shape,
+        ids_dtype=ids_dtype,
     )
     return dataclasses.replace(opt, reduce_hidden_grad=reduce_hidden_grad, sequence_parallel=sequence_parallel)
 
@@ -462,7 +535,7 @@ def agreement_record(
         int(n_rows),
         int(v_local),
         dtype_code,
-        int(options.has_mask),
+        int(options.has_mask) + 2 * int(options.has_ids),  # 0 none, 1 keep_mask, 2 keep_ids
         int(options.with_entropy),
         int(options.entropy_grad),
         tau_bits,
@@ -486,6 +559,8 @@ def agreement_record(
 
 
 def _render(field: str, value: int) -> str:
+    if field == "keep_mask present" and value == 2:
+        return "keep_ids"
     if field in ("temperature", "label_smoothing"):
         return repr(struct.unpack("<d", struct.pack("<q", value))[0])
     if field in ("logits dtype", "hidden dtype"):

@@ -61,7 +61,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from dualvp import spec
-from dualvp.validation import Options, check_args
+from dualvp.validation import Options, bad_ids_error, check_args, count_bad_ids
 from dualvp.validation import check_temperature_values as check_temperature_values_count
 
 from . import chunks, extended, multiprocess
@@ -109,11 +109,12 @@ def _is_row_temperature(temperature) -> bool:
 
 
 def _validate(logits, target, keep_mask, temperature, ignore_index, with_entropy, entropy_grad,
-              multi_target=False, with_sum_p2=False):
+              multi_target=False, with_sum_p2=False, keep_ids=None):
     """Static checks (shapes, dtypes, options); returns the :class:`~dualvp.validation.Options`.
 
     The frozen options object is the static (``jit``) configuration of the op,
-    next to ``axis_name``.
+    next to ``axis_name``; ``opt.has_ids`` says that the op's ``keep``
+    argument holds ``keep_ids`` rather than a mask.
     """
     tau_kw = {}
     if _is_row_temperature(temperature):
@@ -125,6 +126,7 @@ def _validate(logits, target, keep_mask, temperature, ignore_index, with_entropy
     ks = kd = None
     if keep_mask is not None:
         ks, kd = _describe("keep_mask", keep_mask, "None or a bool jax.Array or numpy array [..., V_local]")
+    ids_shape, ids_dtype = _describe_ids(keep_ids)
     return check_args(
         logits_shape=ls,
         logits_dtype=ld,
@@ -136,10 +138,37 @@ def _validate(logits, target, keep_mask, temperature, ignore_index, with_entropy
         ignore_index=ignore_index,
         with_entropy=with_entropy,
         entropy_grad=entropy_grad,
+        ids_shape=ids_shape,
+        ids_dtype=ids_dtype,
         multi_target=multi_target,
         with_sum_p2=with_sum_p2,
         **tau_kw,
     )
+
+
+def _describe_ids(keep_ids):
+    """``(shape, dtype name)`` of ``keep_ids``, ``(None, None)`` for ``None``."""
+    if keep_ids is None:
+        return None, None
+    return _describe("keep_ids", keep_ids, "None or an integer jax.Array or numpy array [..., K] of global ids")
+
+
+def check_ids_range(keep_ids, vocab_size: int) -> None:
+    """Raise ``ValueError`` naming ``keep_ids`` if a concrete ``keep_ids`` holds ids outside ``[0, V)`` other than -1.
+
+    Nothing for ``None`` or traced ids (those ids are ignored: they lie in no
+    shard). Reads this process's addressable part (one host synchronisation,
+    O(T K) bytes); with several JAX processes it runs inside the checks that
+    the processes agree on, so that every one raises or none does.
+    """
+    if keep_ids is None or _is_tracer(keep_ids):
+        return
+    count, shown = 0, []
+    for part in multiprocess._local_parts(keep_ids):
+        c, s = count_bad_ids(part, vocab_size)
+        count, shown = count + c, shown + s
+    if count:
+        raise bad_ids_error(count, sorted(set(shown))[:5], vocab_size)
 
 
 def check_temperature_values(temperature) -> None:
@@ -216,13 +245,16 @@ def _compute_dtype(dtype):
     return jnp.promote_types(dtype, jnp.float32)
 
 
+def _shard_index(axis_name):
+    """``(r, W)``: this shard's index along ``axis_name`` and the shard count (``(0, 1)`` unsharded)."""
+    if axis_name is None:
+        return 0, 1
+    return lax.axis_index(axis_name), lax.axis_size(axis_name)
+
+
 def _shard_position(axis_name, opt: Options, target, v_local: int):
     """``(valid, owns, local, bad)`` for this shard, and the shard count."""
-    if axis_name is None:
-        r, w = 0, 1
-    else:
-        r = lax.axis_index(axis_name)
-        w = lax.axis_size(axis_name)
+    r, w = _shard_index(axis_name)
     valid, owns, local = spec.target_to_local(jnp, target, r, v_local, opt.ignore_index)
     bad = valid & ((target < 0) | (target >= w * v_local))
     return valid, owns, local, bad
@@ -291,11 +323,35 @@ def _shard_stats(logits, local, owns, keep, tau, cdt, with_entropy: bool, tuning
     return {"whole": whole, "chunked": chunked}[tuning.path](logits, local, owns, keep)
 
 
+def _kept_columns(ids, target, axis_name, opt: Options, v_local: int):
+    """``spec.kept_columns`` of this shard: ``(cols, use)``, ``[..., K+1]``."""
+    return spec.kept_columns(jnp, ids, target, _shard_index(axis_name)[0], v_local, opt.ignore_index)
+
+
+def _kept_pair(zk, use, tau):
+    """``spec.kept_pair`` of ``[..., K+1]`` gathered logits, reduced in a fixed tree (``tree=True``).
+
+    XLA:CPU reduces a narrow ``[T, K+1]`` along a path that depends on ``T``
+    (a row of a 257-row call differed from the same row alone); the tree of
+    elementwise ops gives a row the same bits whatever ``T`` (batch invariance).
+    """
+    return spec.kept_pair(jnp, zk, use, tau, tree=True)
+
+
 def _forward(logits, target, keep, axis_name, opt: Options, tuning: Tuning):
     cdt = _compute_dtype(logits.dtype)
     tau = opt.temperature
     valid, owns, local, bad = _shard_position(axis_name, opt, target, logits.shape[-1])
-    stats = _shard_stats(logits, local, owns, keep, tau, cdt, opt.with_entropy, tuning)
+    if opt.has_ids:
+        # keep holds keep_ids: the unmasked statistics of the shard, then the
+        # kept pair from the K + 1 logits gathered at the kept columns; no
+        # [..., V_local] mask exists.
+        stats = _shard_stats(logits, local, owns, None, tau, cdt, opt.with_entropy, tuning)
+        cols, use = _kept_columns(keep, target, axis_name, opt, logits.shape[-1])
+        zk = spec.gather_columns(jnp, logits, cols, use, dtype=cdt)
+        stats = spec.with_kept_pair(jnp, stats, *_kept_pair(zk, use, tau))
+    else:
+        stats = _shard_stats(logits, local, owns, keep, tau, cdt, opt.with_entropy, tuning)
     comb = spec.finalize(jnp, spec.reduce_stats(jnp, _gather(axis_name, stats), axis=0, temperature=tau), tau)
     logprob, entropy = spec.outputs(jnp, comb, valid, tau)
     nan = jnp.full_like(logprob, jnp.nan)
@@ -322,8 +378,20 @@ def _op_bwd(axis_name, opt: Options, tuning: Tuning, res, cotangents):
     valid, owns, local, bad = _shard_position(axis_name, opt, target, logits.shape[-1])
     g_logprob = jnp.asarray(g_logprob, cdt)
     g_entropy = jnp.asarray(g_entropy, cdt) if opt.need_entropy_grad else None
-    g = spec.block_grad(jnp, logits, local, owns, keep, comb, valid, g_logprob, g_entropy, opt.temperature, dtype=cdt,
-                        indicator=INDICATOR)
+    if opt.has_ids:
+        # The unmasked gradient without its q term, cast to the logits' dtype
+        # (fused into the dense pass), then the kept columns' values, from the
+        # K + 1 gathered logits, written over it (an O(T K) scatter in place).
+        g = spec.block_grad_base(jnp, logits, local, owns, comb, valid, g_logprob, g_entropy, opt.temperature,
+                                 dtype=cdt, indicator=INDICATOR)
+        cols, use = _kept_columns(keep, target, axis_name, opt, logits.shape[-1])
+        zk = spec.gather_columns(jnp, logits, cols, use, dtype=cdt)
+        vals = spec.kept_grad(jnp, zk, cols, use, local, owns, comb, valid, g_logprob, g_entropy, opt.temperature)
+        g = jnp.where(bad[..., None], jnp.full_like(g, jnp.nan), g).astype(logits.dtype)
+        vals = jnp.where(bad[..., None], jnp.full_like(vals, jnp.nan), vals)
+        return spec.set_at_columns(jnp, g, cols, vals, use), None, None
+    g = spec.block_grad(jnp, logits, local, owns, keep, comb, valid, g_logprob, g_entropy, opt.temperature,
+                        dtype=cdt, indicator=INDICATOR)
     g = jnp.where(bad[..., None], jnp.full_like(g, jnp.nan), g)
     return g.astype(logits.dtype), None, None
 
@@ -342,6 +410,7 @@ def logprob_entropy(
     entropy_grad: bool = True,
     ignore_index: int = -100,
     validate: bool = True,
+    keep_ids=None,
     multi_target: bool = False,
     with_sum_p2: bool = False,
 ):
@@ -361,6 +430,17 @@ def logprob_entropy(
       keep_mask: ``None`` or ``[..., V_local]`` bool (top-p / top-k replay);
         the log-prob is under the distribution renormalised over
         ``keep_mask`` plus the target. The entropy ignores it.
+      keep_ids: ``None`` or ``[..., K]`` integer *global* token ids (the
+        same on every shard; padding -1): the kept set as ids, the
+        alternative to ``keep_mask`` with its semantics (never both). Each
+        shard uses the ids in its columns; a repeated id counts once; no
+        ``[..., V_local]`` mask is built (O(T K) memory and work beyond the
+        unmasked op). With ``validate=True`` concrete ids outside ``[0, V)``
+        other than -1 raise ``ValueError``; otherwise (or traced) they lie
+        in no shard and are ignored. (Without ``jax_enable_x64`` JAX holds
+        integers as int32: ids beyond its range wrap when converted.)
+        Not yet with ``multi_target``, ``with_sum_p2`` or a temperature
+        array (``NotImplementedError``; pass ``keep_mask`` there).
       temperature: finite float > 0, a Python number (static); or an array
         broadcastable to the rows ``[...]`` (one temperature per row, an
         input of the program: changing it never recompiles), treated as a
@@ -404,23 +484,28 @@ def logprob_entropy(
     """
     return _logprob_entropy(logits, target, axis_name, keep_mask, temperature, with_entropy, entropy_grad,
                             ignore_index, DEFAULT, validate=validate, multi_target=multi_target,
-                            with_sum_p2=with_sum_p2)
+                            with_sum_p2=with_sum_p2, keep_ids=keep_ids)
 
 
 def _logprob_entropy(logits, target, axis_name, keep_mask, temperature, with_entropy, entropy_grad, ignore_index,
-                     tuning: Tuning, validate: bool = True, multi_target: bool = False, with_sum_p2: bool = False):
+                     tuning: Tuning, validate: bool = True, multi_target: bool = False, with_sum_p2: bool = False,
+                     keep_ids=None):
     """:func:`logprob_entropy` with an explicit :class:`~dualvp_jax._tuning.Tuning` (tests reach other paths)."""
     multiprocess.check_flag(validate)
 
     def checks():
         opt = _validate(logits, target, keep_mask, temperature, ignore_index, with_entropy, entropy_grad,
-                        multi_target, with_sum_p2)
-        return opt, int(np.shape(logits)[-1]) if not _is_tracer(logits) else int(logits.shape[-1])
+                        multi_target, with_sum_p2, keep_ids)
+        vocab = int(np.shape(logits)[-1]) if not _is_tracer(logits) else int(logits.shape[-1])
+        if validate and axis_name is None:
+            check_ids_range(keep_ids, vocab)
+        return opt, vocab
 
-    procs = multiprocess.processes_of(logits, target, keep_mask) if validate and axis_name is None else ()
+    procs = multiprocess.processes_of(logits, target, keep_mask, keep_ids) if validate and axis_name is None else ()
     if len(procs) > 1:
         opt = multiprocess.checked(procs, "logprob_entropy", checks, target, ignore_index,
-                                   lambda opt: _record(opt, logits=logits, target=target, keep_mask=keep_mask))
+                                   lambda opt: _record(opt, logits=logits, target=target, keep_mask=keep_mask,
+                                                       keep_ids=keep_ids))
     else:
         opt, vocab = checks()
         if validate and axis_name is None:
@@ -430,17 +515,22 @@ def _logprob_entropy(logits, target, axis_name, keep_mask, temperature, with_ent
     if axis_name is not None:
         _check_varying(logits, axis_name)
     if extended.uses_extended(opt):
+        # check_args refuses keep_ids with the extended options: keep_mask is the mask here
         lp, h, p2 = _ext_apply_jit(logits, target, keep_mask, temperature if opt.row_temperature else None,
                                    axis_name=axis_name, opt=opt, tuning=tuning)
         return (lp, h, p2) if opt.with_sum_p2 else (lp, h)
-    return _apply_jit(logits, target, keep_mask, axis_name=axis_name, opt=opt, tuning=tuning)
+    # One "keep" argument: the mask, or the ids (opt.has_ids says which).
+    keep = keep_ids if opt.has_ids else keep_mask
+    return _apply_jit(logits, target, keep, axis_name=axis_name, opt=opt, tuning=tuning)
 
 
 def _apply(logits, target, keep_mask, axis_name, opt: Options, tuning: Tuning = DEFAULT):
-    """The op on validated arguments (called per shard)."""
+    """The op on validated arguments (called per shard); ``keep_mask`` holds the ids when ``opt.has_ids``."""
     logits = jnp.asarray(logits)
     target = jnp.asarray(target).astype(_int_dtype())
     keep = None if keep_mask is None else jnp.asarray(keep_mask)
+    if opt.has_ids:
+        keep = keep.astype(target.dtype)
     return _outputs(*_op(logits, target, keep, axis_name, opt, tuning), opt)
 
 

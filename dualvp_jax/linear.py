@@ -22,7 +22,7 @@ import jax.numpy as jnp
 from dualvp.validation import Options, check_linear_args
 
 from . import multiprocess
-from .function import _check_temperature_type, _describe, check_target_range
+from .function import _check_temperature_type, _describe, _describe_ids, check_ids_range, check_target_range
 from .linear_blocks import DEFAULT_MEMORY_BUDGET, _apply_jit, _Config, _world, plan
 
 __all__ = ["linear_logprob_entropy", "sharded_linear_logprob_entropy", "DEFAULT_MEMORY_BUDGET"]
@@ -56,7 +56,7 @@ def _check_block(name: str, value) -> None:
 
 def _validate(hidden, weight, target, keep_mask, *, axis_name, temperature, ignore_index, with_entropy,
               entropy_grad, reduce_hidden_grad, sequence_parallel, token_block, vocab_block, memory_budget,
-              world: Optional[int] = None) -> _Config:
+              world: Optional[int] = None, keep_ids=None) -> _Config:
     """Static checks; every error names the argument. Returns the static configuration.
 
     The checks shared with the torch op (shapes, dtypes, options, flags,
@@ -73,6 +73,7 @@ def _validate(hidden, weight, target, keep_mask, *, axis_name, temperature, igno
     ks = kd = None
     if keep_mask is not None:
         ks, kd = _describe("keep_mask", keep_mask, "None or a bool jax.Array or numpy array [..., V_local]")
+    ids_shape, ids_dtype = _describe_ids(keep_ids)
     for name, value in (("token_block", token_block), ("vocab_block", vocab_block)):
         _check_block(name, value)
     w = _world(axis_name) if world is None else world
@@ -82,7 +83,8 @@ def _validate(hidden, weight, target, keep_mask, *, axis_name, temperature, igno
         hidden_shape=hs, hidden_dtype=hd, weight_shape=ws, weight_dtype=wd, target_shape=ts, target_dtype=td,
         keep_shape=ks, keep_dtype=kd, temperature=temperature, ignore_index=ignore_index,
         with_entropy=with_entropy, entropy_grad=entropy_grad, reduce_hidden_grad=reduce_hidden_grad,
-        sequence_parallel=sequence_parallel, world_size=w, memory_budget=memory_budget,
+        sequence_parallel=sequence_parallel, world_size=w, memory_budget=memory_budget, ids_shape=ids_shape,
+        ids_dtype=ids_dtype,
     )
     if axis_name is not None:
         _check_types(hidden, weight, axis_name, opt)
@@ -151,6 +153,7 @@ def linear_logprob_entropy(
     vocab_block: Optional[int] = None,
     memory_budget: Optional[int] = None,
     validate: bool = True,
+    keep_ids=None,
     multi_target: bool = False,
     with_sum_p2: bool = False,
 ):
@@ -181,6 +184,12 @@ def linear_logprob_entropy(
       keep_mask: ``None`` or ``[..., V_local]`` bool, this shard's columns
         (top-p / top-k replay); the target is always kept; the entropy
         ignores it.
+      keep_ids: ``None`` or ``[..., K]`` integer global token ids (padding
+        -1; target's shape + ``(K,)``, the full ``[T, ..., K]`` under
+        sequence parallelism), the kept set as ids: the alternative to
+        ``keep_mask`` (never both), as in :func:`dualvp_jax.logprob_entropy`;
+        each block gathers the logits at the kept columns it holds, no mask
+        is built.
       temperature: finite float > 0, a static Python number.
       with_entropy: ``False``: the entropy output is ``None``.
       entropy_grad: ``False``: the entropy carries no gradient.
@@ -226,19 +235,25 @@ def linear_logprob_entropy(
         cfg = _validate(hidden, weight, target, keep_mask, axis_name=axis_name, temperature=temperature,
                         ignore_index=ignore_index, with_entropy=with_entropy, entropy_grad=entropy_grad,
                         reduce_hidden_grad=reduce_hidden_grad, sequence_parallel=sequence_parallel,
-                        token_block=token_block, vocab_block=vocab_block, memory_budget=memory_budget)
+                        token_block=token_block, vocab_block=vocab_block, memory_budget=memory_budget,
+                        keep_ids=keep_ids)
+        if validate and axis_name is None:
+            check_ids_range(keep_ids, int(weight.shape[0]))
         return cfg, int(weight.shape[0])
 
-    procs = multiprocess.processes_of(hidden, weight, target, keep_mask) if validate and axis_name is None else ()
+    procs = (multiprocess.processes_of(hidden, weight, target, keep_mask, keep_ids)
+             if validate and axis_name is None else ())
     if len(procs) > 1:
         cfg = multiprocess.checked(procs, "linear_logprob_entropy", checks, target, ignore_index,
                                    lambda cfg: _record(cfg, hidden=hidden, weight=weight, target=target,
-                                                       keep_mask=keep_mask))
+                                                       keep_mask=keep_mask, keep_ids=keep_ids))
     else:
         cfg, vocab = checks()
         if validate and axis_name is None:
             check_target_range(target, vocab, ignore_index, processes=procs)
-    return _apply_jit(hidden, weight, target, keep_mask, axis_name=axis_name, cfg=cfg)
+    # One "keep" argument: the mask, or the ids (cfg.opt.has_ids says which).
+    return _apply_jit(hidden, weight, target, keep_ids if cfg.opt.has_ids else keep_mask, axis_name=axis_name,
+                      cfg=cfg)
 
 
 def _not_yet(multi_target, with_sum_p2) -> None:
@@ -270,6 +285,7 @@ def sharded_linear_logprob_entropy(
     vocab_block: Optional[int] = None,
     memory_budget: Optional[int] = None,
     validate: bool = True,
+    keep_ids=None,
     multi_target: bool = False,
     with_sum_p2: bool = False,
 ):
@@ -293,6 +309,9 @@ def sharded_linear_logprob_entropy(
         auto axes).
       vocab_axis: the mesh axis splitting the vocabulary.
       keep_mask: ``None`` or ``[..., V]`` bool, split like the vocabulary.
+      keep_ids: ``None`` or ``[..., K]`` global token ids (padding -1), the
+        kept set as ids (never with ``keep_mask``); sharded like the leading
+        dims of ``hidden`` and replicated over ``vocab_axis``.
       temperature, with_entropy, entropy_grad, ignore_index, token_block,
         vocab_block, memory_budget: as in :func:`linear_logprob_entropy`
         (the block sizes are per shard).
@@ -323,7 +342,9 @@ def sharded_linear_logprob_entropy(
         cfg = _validate(hidden, weight, target, keep_mask, axis_name=None, temperature=temperature,
                         ignore_index=ignore_index, with_entropy=with_entropy, entropy_grad=entropy_grad,
                         reduce_hidden_grad=True, sequence_parallel=sequence_parallel, token_block=token_block,
-                        vocab_block=vocab_block, memory_budget=memory_budget, world=1)
+                        vocab_block=vocab_block, memory_budget=memory_budget, world=1, keep_ids=keep_ids)
+        if validate:
+            check_ids_range(keep_ids, int(weight.shape[0]))
         ws, hs = tuple(weight.shape), tuple(hidden.shape)
         if ws[0] % world:
             raise ValueError(
@@ -342,11 +363,12 @@ def sharded_linear_logprob_entropy(
             )
         return (cfg, ws, hs, explicit, lead), ws[0]
 
-    procs = _processes(mesh, hidden, weight, target, keep_mask) if validate else ()
+    procs = _processes(mesh, hidden, weight, target, keep_mask, keep_ids) if validate else ()
     if len(procs) > 1:
         _, ws, hs, explicit, lead = multiprocess.checked(
             procs, "sharded_linear_logprob_entropy", checks, target, ignore_index,
-            lambda r: dict(_record(r[0], hidden=hidden, weight=weight, target=target, keep_mask=keep_mask),
+            lambda r: dict(_record(r[0], hidden=hidden, weight=weight, target=target, keep_mask=keep_mask,
+                                   keep_ids=keep_ids),
                            mesh=_mesh_record(mesh), vocab_axis=str(vocab_axis), lead=[str(e) for e in r[4]]))
     else:
         (_, ws, hs, explicit, lead), vocab = checks()
@@ -359,11 +381,13 @@ def sharded_linear_logprob_entropy(
         h_spec = P(rows if len(rows) > 1 else vocab_axis, *lead[1:])
     else:
         h_spec = P(*lead)
-    specs = (h_spec, P(vocab_axis, None), P(*lead), P(*lead, vocab_axis))
-    args = [hidden, weight, target, keep_mask]
+    has_ids = keep_ids is not None
+    # keep_ids: global ids, replicated over the vocab axis (every shard picks its own).
+    specs = (h_spec, P(vocab_axis, None), P(*lead), P(*lead, None if has_ids else vocab_axis))
+    args = [hidden, weight, target, keep_ids if has_ids else keep_mask]
     args = [_place(a, mesh, s, explicit) if explicit else (None if a is None else jnp.asarray(a))
             for a, s in zip(args, specs)]
-    static = dict(temperature=temperature, with_entropy=with_entropy, entropy_grad=entropy_grad,
+    static = dict(temperature=temperature, with_entropy=with_entropy, entropy_grad=entropy_grad, has_ids=has_ids,
                   ignore_index=ignore_index, sequence_parallel=sequence_parallel, token_block=token_block,
                   vocab_block=vocab_block, memory_budget=memory_budget)
     lp, h = _run(*args, mesh=mesh, axis_name=vocab_axis, specs=specs, all_manual=explicit,
@@ -382,9 +406,11 @@ def _axes(entry) -> tuple:
 def _run(hidden, weight, target, keep_mask, *, mesh, axis_name, specs, all_manual, static):
     kw = dict(static)
     has_mask = keep_mask is not None
+    keep_name = "keep_ids" if kw.pop("has_ids") else "keep_mask"
 
     def body(h, w, y, *k):
-        lp, ent = linear_logprob_entropy(h, w, y, axis_name=axis_name, keep_mask=k[0] if has_mask else None, **kw)
+        lp, ent = linear_logprob_entropy(h, w, y, axis_name=axis_name, **{keep_name: k[0] if has_mask else None},
+                                         **kw)
         return (lp, ent) if kw["with_entropy"] else (lp,)
 
     t_spec = specs[2]

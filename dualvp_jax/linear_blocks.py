@@ -15,6 +15,12 @@ time, and everything else is the math of :mod:`dualvp.spec`, block by block::
     dh: psum over axis_name (reduce_hidden_grad=True, in float32), or the
         partial sum (False), or psum_scatter (sequence_parallel=True).
 
+With ``keep_ids`` (the kept set as ``[T, K]`` global ids) the blocks'
+statistics are unmasked; the logits at the kept columns are gathered block by
+block into ``zk [T, K+1]`` for the kept pair (``spec.kept_pair``), and each
+backward tile writes ``spec.kept_grad`` at the kept columns it holds over
+``spec.block_grad_base`` (``spec.set_at_columns``): O(T K) more, no mask.
+
 Residuals for the backward: the inputs (references) and the O(T) combined
 statistics. The loop order is vocabulary-major in the backward, so the
 float32 accumulators are ``dh [T, H]`` (needed whole anyway for the float32
@@ -58,7 +64,7 @@ from dualvp import spec
 from dualvp.validation import Options
 
 from ._tuning import INDICATOR
-from .function import _compute_dtype, _gather, _int_dtype, _outputs, _shard_position
+from .function import _compute_dtype, _gather, _int_dtype, _outputs, _shard_index, _shard_position
 
 __all__ = ["DEFAULT_MEMORY_BUDGET", "plan"]
 
@@ -187,13 +193,19 @@ def _over_blocks(n: int, size: int, step, carry, operands=(), lo: int = 0):
     return carry
 
 
-def _row_stats(h, w, keep, local, owns, cfg: _Config, cdt):
+def _row_stats(h, w, keep, local, owns, cfg: _Config, cdt, kept=None):
     """``[n, N_STATS]`` statistics of the rows ``h [n, H]`` over all columns of ``w [V_local, H]``.
 
     ``spec.block_stats`` needs a static ``start`` (it builds the block's
     column ids with ``arange``); inside the loop the target's column is made
     block-relative instead (``local - start``, with ``start=0``), which is the
     same test ``column == local``.
+
+    With ``keep_ids`` (``kept = (cols, use)``, ``[n, K+1]`` from
+    ``spec.kept_columns``; ``keep`` is ``None``) the blocks' statistics are
+    unmasked and each block's logits at the kept columns it holds are
+    gathered into ``zk [n, K+1]`` (carried through the loop); the kept pair
+    comes from ``zk`` at the end.
     """
     tau = cfg.opt.temperature
 
@@ -201,17 +213,29 @@ def _row_stats(h, w, keep, local, owns, cfg: _Config, cdt):
         z = _logits(h, _slice(w, j0, size), cdt)
         k = _slice(keep, j0, size, 1)
         if isinstance(j0, int):
-            return spec.block_stats(jnp, z, local, owns, k, tau, start=j0, dtype=cdt)
-        return spec.block_stats(jnp, z, local - j0, owns, k, tau, start=0, dtype=cdt)
+            return z, spec.block_stats(jnp, z, local, owns, k, tau, start=j0, dtype=cdt)
+        return z, spec.block_stats(jnp, z, local - j0, owns, k, tau, start=0, dtype=cdt)
+
+    def gather(z, j0, size, zk):
+        if kept is None:
+            return zk
+        c, u = spec.columns_in_block(jnp, kept[0], kept[1], j0, size)
+        return spec.gather_columns(jnp, z, c, u, zk, dtype=cdt)
 
     def step(acc, ops, j0, size):
-        return spec.merge_stats(jnp, acc, stats(ops[0], j0, size), tau)
+        st, zk = acc
+        z, sj = stats(ops[0], j0, size)
+        return spec.merge_stats(jnp, st, sj, tau), gather(z, j0, size, zk)
 
-    first = stats(w, 0, min(cfg.vocab_block, w.shape[0]))
-    return _over_blocks(w.shape[0], cfg.vocab_block, step, first, (w,), lo=1)
+    size = min(cfg.vocab_block, w.shape[0])
+    z, first = stats(w, 0, size)
+    out, zk = _over_blocks(w.shape[0], cfg.vocab_block, step, (first, gather(z, 0, size, None)), (w,), lo=1)
+    if kept is None:
+        return out
+    return spec.with_kept_pair(jnp, out, *spec.kept_pair(jnp, zk, kept[1], tau))
 
 
-def _all_stats(h, w, keep, local, owns, cfg: _Config, cdt, axis_name):
+def _all_stats(h, w, keep, local, owns, cfg: _Config, cdt, axis_name, kept=None):
     """``[T, N_STATS]`` statistics of every row, token chunk by token chunk."""
     T = h.shape[0]
     out = _vary(jnp.zeros((T, spec.N_STATS), cdt), axis_name, h, w)
@@ -220,8 +244,9 @@ def _all_stats(h, w, keep, local, owns, cfg: _Config, cdt, axis_name):
 
     def step(out, ops, i0, n):
         h, w = ops
+        kr = None if kept is None else tuple(_slice(a, i0, n) for a in kept)
         st = _row_stats(_slice(h, i0, n), w, _slice(keep, i0, n), _slice(local, i0, n), _slice(owns, i0, n),
-                        cfg, cdt)
+                        cfg, cdt, kr)
         return lax.dynamic_update_slice_in_dim(out, st, i0, axis=0)
 
     return _over_blocks(T, cfg.token_block, step, out, (h, w))
@@ -242,8 +267,15 @@ def _flat(h, target, keep):
     H = h.shape[-1]
     h2 = h.reshape(-1, H)
     y = target.reshape(-1)
-    k = None if keep is None else keep.reshape(y.shape[0], -1)
+    k = None if keep is None else keep.reshape(y.shape[0], keep.shape[-1])
     return h2, y, k
+
+
+def _kept(k, y, axis_name, cfg: _Config, v_local: int):
+    """``(mask, kept)``: with ``keep_ids`` (``k`` holds them) ``(None, spec.kept_columns(...))``, else ``(k, None)``."""
+    if not cfg.opt.has_ids:
+        return k, None
+    return None, spec.kept_columns(jnp, k, y, _shard_index(axis_name)[0], v_local, cfg.opt.ignore_index)
 
 
 def _forward(hidden, weight, target, keep, axis_name, cfg: _Config):
@@ -252,7 +284,8 @@ def _forward(hidden, weight, target, keep, axis_name, cfg: _Config):
     tau = opt.temperature
     h2, y, k = _flat(_gather_hidden(hidden, axis_name, cfg), target, keep)
     valid, owns, local, bad = _shard_position(axis_name, opt, y, weight.shape[0])
-    stats = _all_stats(h2, weight, k, local, owns, cfg, cdt, axis_name)
+    k, kept = _kept(k, y, axis_name, cfg, weight.shape[0])
+    stats = _all_stats(h2, weight, k, local, owns, cfg, cdt, axis_name, kept)
     comb = spec.finalize(jnp, spec.reduce_stats(jnp, _gather(axis_name, stats), axis=0, temperature=tau), tau)
     logprob, entropy = spec.outputs(jnp, comb, valid, tau)
     nan = jnp.full_like(logprob, jnp.nan)
@@ -281,6 +314,7 @@ def _op_bwd(axis_name, cfg: _Config, res, cotangents):
     h2, y, k = _flat(_gather_hidden(hidden, axis_name, cfg), target, keep)
     T, H = h2.shape
     valid, owns, local, bad = _shard_position(axis_name, opt, y, weight.shape[0])
+    k, kept = _kept(k, y, axis_name, cfg, weight.shape[0])
     gl = jnp.asarray(cotangents[0], cdt).reshape(-1)
     ge = jnp.asarray(cotangents[1], cdt).reshape(-1) if opt.need_entropy_grad else None
 
@@ -296,9 +330,19 @@ def _op_bwd(axis_name, cfg: _Config, res, cotangents):
             loc, start = rows(local), j0
         else:
             loc, start = rows(local) - j0, 0
-        g = spec.block_grad(jnp, z, loc, rows(owns), kij, spec.Combined(*(rows(f) for f in comb)), rows(valid),
-                            rows(gl), None if ge is None else rows(ge), tau, start=start, dtype=cdt,
-                            indicator=INDICATOR)
+        cb = spec.Combined(*(rows(f) for f in comb))
+        if kept is None:
+            g = spec.block_grad(jnp, z, loc, rows(owns), kij, cb, rows(valid), rows(gl),
+                                None if ge is None else rows(ge), tau, start=start, dtype=cdt, indicator=INDICATOR)
+        else:
+            # keep_ids: the gradient without its q term, with the kept columns of this tile written over it.
+            ge_rows = None if ge is None else rows(ge)
+            g = spec.block_grad_base(jnp, z, loc, rows(owns), cb, rows(valid), rows(gl), ge_rows, tau, start=start,
+                                     dtype=cdt, indicator=INDICATOR)
+            c, u = spec.columns_in_block(jnp, rows(kept[0]), rows(kept[1]), j0, size)
+            vals = spec.kept_grad(jnp, spec.gather_columns(jnp, z, c, u, dtype=cdt), rows(kept[0]), u, rows(local),
+                                  rows(owns), cb, rows(valid), rows(gl), ge_rows, tau)
+            g = spec.set_at_columns(jnp, g, c, vals, u)
         g = jnp.where(rows(bad)[:, None], jnp.full_like(g, jnp.nan), g)
         dh = lax.dynamic_update_slice_in_dim(dh, rows(dh) + _dot(g, wj, ((1,), (0,)), cdt), i0, axis=0)
         return dh, dwj + _dot(g, hi, ((0,), (0,)), cdt)
@@ -344,11 +388,13 @@ _op.defvjp(_op_fwd, _op_bwd)
 
 
 def _apply(hidden, weight, target, keep_mask, axis_name, cfg: _Config):
-    """The op on validated arguments (per shard)."""
+    """The op on validated arguments (per shard); ``keep_mask`` holds the ids when ``cfg.opt.has_ids``."""
     hidden = jnp.asarray(hidden)
     weight = jnp.asarray(weight)
     target = jnp.asarray(target).astype(_int_dtype())
     keep = None if keep_mask is None else jnp.asarray(keep_mask)
+    if cfg.opt.has_ids:
+        keep = keep.astype(target.dtype)
     return _outputs(*_op(hidden, weight, target, keep, axis_name, cfg), cfg.opt)
 
 

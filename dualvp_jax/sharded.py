@@ -8,7 +8,8 @@ sharding is read from the array's type and the whole mesh is manual inside
 the op; on a mesh with auto axes only ``vocab_axis`` is manual
 (``shard_map(axis_names={vocab_axis})``) and the compiler partitions the
 leading dims over the other axes. ``target`` and
-``keep_mask`` follow the logits. Outputs are sharded like the leading
+``keep_mask`` follow the logits; ``keep_ids`` (global ids) follows the
+leading dims and is replicated over ``vocab_axis``. Outputs are sharded like the leading
 dimensions of the logits and replicated over ``vocab_axis``.
 """
 
@@ -24,7 +25,7 @@ from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 
 from ._tuning import DEFAULT, Tuning
 from . import extended, multiprocess
-from .function import _apply, _record, _validate, check_target_range, check_temperature_values
+from .function import _apply, _record, _validate, check_ids_range, check_target_range, check_temperature_values
 
 __all__ = ["sharded_logprob_entropy"]
 
@@ -116,6 +117,7 @@ def sharded_logprob_entropy(
     entropy_grad: bool = True,
     ignore_index: int = -100,
     validate: bool = True,
+    keep_ids=None,
     multi_target: bool = False,
     with_sum_p2: bool = False,
 ):
@@ -133,6 +135,10 @@ def sharded_logprob_entropy(
         :func:`dualvp_jax.logprob_entropy` (a temperature array is broadcast
         to the rows and sharded like them; with ``multi_target`` the target
         is ``[..., K]`` and its K dim is not split).
+      keep_ids: ``None`` or ``[..., K]`` global token ids (padding -1), the
+        kept set as ids (as in :func:`dualvp_jax.logprob_entropy`; never with
+        ``keep_mask``); replicated over ``vocab_axis`` inside the op, each
+        shard uses the ids in its columns.
       validate: ``True``: a concrete ``target`` is range-checked on the host
         (each process reads only its addressable shards); when ``mesh`` spans
         several JAX processes (``jax.distributed``), the processes also
@@ -157,18 +163,18 @@ def sharded_logprob_entropy(
     """
     return _sharded_logprob_entropy(logits, target, mesh, vocab_axis, keep_mask, temperature, with_entropy,
                                     entropy_grad, ignore_index, DEFAULT, validate=validate,
-                                    multi_target=multi_target, with_sum_p2=with_sum_p2)
+                                    multi_target=multi_target, with_sum_p2=with_sum_p2, keep_ids=keep_ids)
 
 
 def _sharded_logprob_entropy(logits, target, mesh, vocab_axis, keep_mask, temperature, with_entropy, entropy_grad,
                              ignore_index, tuning: Tuning, validate: bool = True, multi_target: bool = False,
-                             with_sum_p2: bool = False):
+                             with_sum_p2: bool = False, keep_ids=None):
     """:func:`sharded_logprob_entropy` with an explicit :class:`~dualvp_jax._tuning.Tuning`."""
     multiprocess.check_flag(validate)
 
     def checks():
         opt = _validate(logits, target, keep_mask, temperature, ignore_index, with_entropy, entropy_grad,
-                        multi_target, with_sum_p2)
+                        multi_target, with_sum_p2, keep_ids)
         world = _mesh_world(mesh, vocab_axis)
         shape = tuple(np.shape(logits)) if not isinstance(logits, jax.core.Tracer) else tuple(logits.shape)
         if shape[-1] % world:
@@ -176,13 +182,15 @@ def _sharded_logprob_entropy(logits, target, mesh, vocab_axis, keep_mask, temper
                 f"logits: expected the vocab size V = logits.shape[-1] divisible by the size {world} "
                 f"of mesh axis {vocab_axis!r}, got shape {shape}"
             )
+        if validate:
+            check_ids_range(keep_ids, shape[-1])
         return (opt, shape), shape[-1]
 
-    procs = _processes(mesh, logits, target, keep_mask) if validate else ()
+    procs = _processes(mesh, logits, target, keep_mask, keep_ids) if validate else ()
     if len(procs) > 1:
         opt, shape = multiprocess.checked(
             procs, "sharded_logprob_entropy", checks, target, ignore_index,
-            lambda r: dict(_record(r[0], logits=logits, target=target, keep_mask=keep_mask),
+            lambda r: dict(_record(r[0], logits=logits, target=target, keep_mask=keep_mask, keep_ids=keep_ids),
                            mesh=_mesh_record(mesh), vocab_axis=str(vocab_axis)))
     else:
         (opt, shape), vocab = checks()
@@ -203,6 +211,7 @@ def _sharded_logprob_entropy(logits, target, mesh, vocab_axis, keep_mask, temper
         logits = _place(logits, mesh, P(*lead, vocab_axis), True)
         target = _place(target, mesh, P(*lead, None) if opt.n_targets else P(*lead), True)
         keep_mask = _place(keep_mask, mesh, P(*lead, vocab_axis), True)
+        keep_ids = _place(keep_ids, mesh, P(*lead, None), True)
         tau = _place(tau, mesh, P(*lead), True)
     else:
         # Auto axes: only the vocab axis goes manual; the compiler keeps the
@@ -210,11 +219,15 @@ def _sharded_logprob_entropy(logits, target, mesh, vocab_axis, keep_mask, temper
         lead = (None,) * (ndim - 1)
         logits, target = jnp.asarray(logits), jnp.asarray(target)
         keep_mask = None if keep_mask is None else jnp.asarray(keep_mask)
+        keep_ids = None if keep_ids is None else jnp.asarray(keep_ids)
     if extended.uses_extended(opt):
+        # check_args refuses keep_ids with the extended options: keep_mask is the mask here
         lp, h, p2 = _run_ext(logits, target, keep_mask, tau, mesh=mesh, axis_name=vocab_axis, opt=opt, lead=lead,
                              all_manual=explicit, tuning=tuning)
         return (lp, h, p2) if opt.with_sum_p2 else (lp, h)
-    lp, h = _run(logits, target, keep_mask, mesh=mesh, axis_name=vocab_axis, opt=opt, lead=lead, all_manual=explicit,
+    # One "keep" argument: the mask, or the ids (opt.has_ids says which).
+    keep = keep_ids if opt.has_ids else keep_mask
+    lp, h = _run(logits, target, keep, mesh=mesh, axis_name=vocab_axis, opt=opt, lead=lead, all_manual=explicit,
                  tuning=tuning)
     return lp, (h if with_entropy else None)
 
@@ -251,12 +264,14 @@ def _run(logits, target, keep_mask, *, mesh, axis_name, opt, lead, all_manual, t
     # dispatch; under an outer jit it is inlined.
     has_mask = keep_mask is not None
     z_spec, t_spec = P(*lead, axis_name), P(*lead)
+    # keep_ids: global ids, replicated over the vocab axis (every shard picks its own).
+    k_spec = P(*lead, None) if opt.has_ids else z_spec
 
     def body(z, y, *k):
         lp, h = _apply(z, y, k[0] if has_mask else None, axis_name, opt, tuning)
         return (lp, h) if opt.with_entropy else (lp,)
 
-    in_specs = (z_spec, t_spec) + ((z_spec,) if has_mask else ())
+    in_specs = (z_spec, t_spec) + ((k_spec,) if has_mask else ())
     out_specs = (t_spec, t_spec) if opt.with_entropy else (t_spec,)
     args = (logits, target) + ((keep_mask,) if has_mask else ())
     axis_names = frozenset(mesh.axis_names) if all_manual else frozenset({axis_name})

@@ -111,14 +111,14 @@ def check_call(group: object, validate: object, impl: object) -> tuple[int, int]
 
 
 def _check_tensors(*expected: tuple[str, object, str]) -> None:
-    # TypeError naming the first (name, x, what) whose x is not a tensor (None passes for keep_mask)
+    # TypeError naming the first (name, x, what) whose x is not a tensor (None passes for keep_mask / keep_ids)
     for name, x, what in expected:
-        if not isinstance(x, torch.Tensor) and not (name == "keep_mask" and x is None):
+        if not isinstance(x, torch.Tensor) and not (name in ("keep_mask", "keep_ids") and x is None):
             raise TypeError(f"{name}: expected {what}, got {kind(x)}")
 
 
 def check_target_keep(
-    *leading: tuple[str, object, str], target: object, keep_mask: object
+    *leading: tuple[str, object, str], target: object, keep_mask: object, keep_ids: object = None
 ) -> dict:
     """Type checks of an op's tensors, then the target/keep-mask keywords of ``validation.check_*args``.
 
@@ -126,26 +126,35 @@ def check_target_keep(
     and weight), checked before ``target [...]`` and ``keep_mask [...,
     V_local]`` so that the first wrong argument in signature order is named.
     Returns ``target_shape``, ``target_dtype``, ``keep_shape`` and
-    ``keep_dtype`` (both ``None`` without a mask).
+    ``keep_dtype`` (both ``None`` without a mask), ``ids_shape`` and
+    ``ids_dtype`` (both ``None`` without ``keep_ids``).
     """
     _check_tensors(
         *leading,
         ("target", target, "an integer torch.Tensor [...]"),
         ("keep_mask", keep_mask, "None or a bool torch.Tensor [..., V_local]"),
+        ("keep_ids", keep_ids, _IDS_WHAT),
     )
     return dict(
         target_shape=tuple(target.shape),
         target_dtype=dtype_name(target.dtype),
         keep_shape=None if keep_mask is None else tuple(keep_mask.shape),
         keep_dtype=None if keep_mask is None else dtype_name(keep_mask.dtype),
+        ids_shape=None if keep_ids is None else tuple(keep_ids.shape),
+        ids_dtype=None if keep_ids is None else dtype_name(keep_ids.dtype),
     )
+
+
+_IDS_WHAT = "None or an integer torch.Tensor [..., K] of global token ids (padding -1)"
 
 
 def logits_options(lm: tuple, tm: tuple, km: Optional[tuple], temperature: object, ignore_index: object,
                    with_entropy: object, entropy_grad: object, inplace_grad: object, multi_target: object = False,
-                   with_sum_p2: object = False, taum: Optional[tuple] = None) -> validation.Options:
+                   with_sum_p2: object = False, taum: Optional[tuple] = None,
+                   im: Optional[tuple] = None) -> validation.Options:
     """The logits op's local checks after the type checks, a pure function of the tensors' :func:`meta`
-    (``tm``, ``km``, ``taum``: its first three fields; ``taum``: a temperature tensor's) and the options."""
+    (``tm``, ``km``, ``taum``, ``im``: its first three fields; ``taum``: a temperature tensor's, ``im``:
+    keep_ids') and the options."""
     tau_kw = {}
     if taum is not None:
         tau_kw = dict(temperature_shape=tuple(taum[0]), temperature_dtype=dtype_name(taum[1]))
@@ -162,6 +171,8 @@ def logits_options(lm: tuple, tm: tuple, km: Optional[tuple], temperature: objec
         with_entropy=with_entropy,
         entropy_grad=entropy_grad,
         inplace_grad=inplace_grad,
+        ids_shape=None if im is None else tuple(im[0]),
+        ids_dtype=None if im is None else dtype_name(im[1]),
         multi_target=multi_target,
         with_sum_p2=with_sum_p2,
         **tau_kw,
@@ -172,6 +183,8 @@ def logits_options(lm: tuple, tm: tuple, km: Optional[tuple], temperature: objec
         raise ValueError(f"target: expected a tensor on the logits' device {lm[2]}, got device {tm[2]}")
     if km is not None and km[2] != lm[2]:
         raise ValueError(f"keep_mask: expected a tensor on the logits' device {lm[2]}, got device {km[2]}")
+    if im is not None and im[2] != lm[2]:
+        raise ValueError(f"keep_ids: expected a tensor on the logits' device {lm[2]}, got device {im[2]}")
     if inplace_grad:
         if lm[3] and lm[4]:
             raise ValueError(
@@ -195,7 +208,8 @@ def _engine_available(engine: str, device: torch.device) -> None:
 @functools.lru_cache(maxsize=256, typed=True)
 def _cached_logits_call(group, validate: bool, engine: str, lm: tuple, tm: tuple, km: Optional[tuple],
                         temperature, ignore_index, with_entropy, entropy_grad, inplace_grad,
-                        label_smoothing, multi_target=False, with_sum_p2=False, taum=None) -> Call:
+                        label_smoothing, multi_target=False, with_sum_p2=False, taum=None,
+                        im: Optional[tuple] = None) -> Call:
     """The logits op's :class:`Call` (every check but the agreement), a pure function of its arguments.
 
     Cached (``typed``: ``1`` and ``True`` are different keys); a call that
@@ -203,7 +217,7 @@ def _cached_logits_call(group, validate: bool, engine: str, lm: tuple, tm: tuple
     """
     rank, world = check_call(group, validate, engine)
     opt = logits_options(lm, tm, km, temperature, ignore_index, with_entropy, entropy_grad, inplace_grad,
-                         multi_target, with_sum_p2, taum)
+                         multi_target, with_sum_p2, taum, im)
     if extended_options(opt) and not engines.ENGINES[engine].spec_stages:
         raise NotImplementedError(
             f"impl: the {engine!r} engine has no kernels for {extended_options(opt)} yet; pass impl='compiled' "
@@ -230,6 +244,7 @@ def logits_call(
     with_entropy: object = True, entropy_grad: object = True, ignore_index: object = -100, validate: object = True,
     inplace_grad: object = False, impl: object = None, label_smoothing: float = 0.0,
     caller_error: Optional[BaseException] = None, multi_target: object = False, with_sum_p2: object = False,
+    keep_ids: object = None,
 ) -> Call:
     """The checked :class:`Call` of a logits-op call: every rank returns or every rank raises.
 
@@ -249,7 +264,8 @@ def logits_call(
     through the agreement step like a local check's error.
     """
     if (caller_error is None and type(logits) is torch.Tensor and type(target) is torch.Tensor
-            and (keep_mask is None or type(keep_mask) is torch.Tensor) and type(temperature) in (float, int)):
+            and (keep_mask is None or type(keep_mask) is torch.Tensor)
+            and (keep_ids is None or type(keep_ids) is torch.Tensor) and type(temperature) in (float, int)):
         # (meta and _meta3 written out: this runs on every call, up to three times)
         try:
             # an explicit engine is checked by the cached call (check_call); None and "compiled" (which falls
@@ -263,7 +279,8 @@ def logits_call(
                 (target.shape, target.dtype, target.device),
                 None if keep_mask is None else (keep_mask.shape, keep_mask.dtype, keep_mask.device),
                 temperature, ignore_index, with_entropy, entropy_grad, inplace_grad, label_smoothing,
-                multi_target, with_sum_p2,
+                multi_target, with_sum_p2, None,
+                None if keep_ids is None else (keep_ids.shape, keep_ids.dtype, keep_ids.device),
             )
         except (TypeError, ValueError):  # (an unhashable argument too) the full checks below name it
             pass
@@ -273,16 +290,18 @@ def logits_call(
             ("logits", logits, "a torch.Tensor [..., V_local] of a floating dtype"),
             ("target", target, "an integer torch.Tensor [...]"),
             ("keep_mask", keep_mask, "None or a bool torch.Tensor [..., V_local]"),
+            ("keep_ids", keep_ids, _IDS_WHAT),
         )
         taum = temperature_meta(temperature)
         opt = logits_options(meta(logits), _meta3(target), _meta3(keep_mask), temperature, ignore_index,
-                             with_entropy, entropy_grad, inplace_grad, multi_target, with_sum_p2, taum)
+                             with_entropy, entropy_grad, inplace_grad, multi_target, with_sum_p2, taum,
+                             _meta3(keep_ids))
         if taum is not None and validate is True:
             check_temperature_values(temperature)
         engine = engines.select(impl, logits.device, triton_default=not extended_options(opt))
         return _cached_logits_call(group, validate, engine, meta(logits), _meta3(target), _meta3(keep_mask),
                                    opt.temperature, opt.ignore_index, with_entropy, entropy_grad, inplace_grad,
-                                   label_smoothing, multi_target, with_sum_p2, taum)
+                                   label_smoothing, multi_target, with_sum_p2, taum, _meta3(keep_ids))
 
     return _checked(local, group, validate, impl, caller_error, logits, fused=False)
 
@@ -387,7 +406,7 @@ def _check_fused_options(hidden: torch.Tensor, engine: str, allow_tf32: object) 
 
 def linear_call(
     hidden: object, weight: object, target: object, keep_mask: object, *, group: object, validate: object,
-    impl: object, allow_tf32: object, kw: dict,
+    impl: object, allow_tf32: object, kw: dict, keep_ids: object = None,
 ) -> Call:
     """The checked :class:`Call` of a fused-op call (see :func:`logits_call`; not cached).
 
@@ -401,6 +420,7 @@ def linear_call(
             ("weight", weight, "a torch.Tensor [V_local, H] of hidden's dtype"),
             target=target,
             keep_mask=keep_mask,
+            keep_ids=keep_ids,
         )
         opt = validation.check_linear_args(
             hidden_shape=tuple(hidden.shape),
@@ -411,11 +431,14 @@ def linear_call(
             world_size=world,
             **kw,
         )
-        for name, x in (("weight", weight), ("target", target), ("keep_mask", keep_mask)):
+        for name, x in (("weight", weight), ("target", target), ("keep_mask", keep_mask), ("keep_ids", keep_ids)):
             if x is not None and x.device != hidden.device:
                 raise ValueError(f"{name}: expected a tensor on hidden's device {hidden.device}, got device {x.device}")
         engine = engines.select(impl, hidden.device, triton_default=False)
         _check_fused_options(hidden, engine, allow_tf32)
+        if keep_ids is not None and not engines.ENGINES[engine].spec_stages:
+            raise ValueError(f"keep_ids: expected None with impl={engine!r} (the fused Triton kernels take a "
+                             "keep_mask); the tile loop (impl=None, 'compiled' or 'eager') takes keep_ids")
         record = None
         if validate and group is not None:
             grad_on = torch.is_grad_enabled()

@@ -79,9 +79,9 @@ def is_dtensor(x) -> bool:
     return False
 
 
-def involves_dtensor(logits, target, keep_mask) -> bool:
+def involves_dtensor(logits, target, keep_mask, keep_ids=None) -> bool:
     """Whether any tensor argument is a DTensor (then this module handles the call)."""
-    return is_dtensor(logits) or is_dtensor(target) or is_dtensor(keep_mask)
+    return is_dtensor(logits) or is_dtensor(target) or is_dtensor(keep_mask) or is_dtensor(keep_ids)
 
 
 def _norm(placements, ndim: int) -> tuple:
@@ -191,7 +191,8 @@ def _contiguous_stride(shape: tuple) -> tuple:
     return tuple(reversed(stride))
 
 
-def logprob_entropy(local_op, logits, target, *, group=None, keep_mask=None, inplace_grad=False, **options):
+def logprob_entropy(local_op, logits, target, *, group=None, keep_mask=None, inplace_grad=False, keep_ids=None,
+                    **options):
     """:func:`dualvp_torch.logprob_entropy` for DTensor logits (see the module docstring for the rules).
 
     Args:
@@ -204,6 +205,9 @@ def logprob_entropy(local_op, logits, target, *, group=None, keep_mask=None, inp
         ``Replicate()``; or a plain integer tensor of this rank's rows. Global ids.
       keep_mask: ``None``, a bool DTensor with the logits' placements, or a
         plain bool tensor shaped like ``logits.to_local()``.
+      keep_ids: ``None``, an integer DTensor ``[..., K]`` of global ids with
+        the target's placements (vocab mesh dim ``Replicate()``), or a plain
+        tensor of this rank's rows: the ids are global and taken as they are.
       group: must be ``None``; the group is ``mesh.get_group(vocab mesh dim)``.
       inplace_grad: as in :func:`dualvp_torch.logprob_entropy` (checked here
         too: ``to_local()`` hides whether the DTensor is a leaf).
@@ -219,7 +223,7 @@ def logprob_entropy(local_op, logits, target, *, group=None, keep_mask=None, inp
       with the logits' placements.
     """
     if not is_dtensor(logits):
-        which = "target" if is_dtensor(target) else "keep_mask"
+        which = "target" if is_dtensor(target) else ("keep_mask" if is_dtensor(keep_mask) else "keep_ids")
         raise TypeError(
             f"{which}: got a DTensor while logits is a {type(logits).__name__}; pass the logits as a DTensor "
             f"(vocab Shard(-1)) too, or all of them as local tensors"
@@ -244,6 +248,9 @@ def logprob_entropy(local_op, logits, target, *, group=None, keep_mask=None, inp
     if is_dtensor(keep_mask):
         _check_companion("keep_mask", keep_mask, logits, placements, tuple(logits.shape))
         keep_mask = keep_mask.to_local()
+    if is_dtensor(keep_ids):
+        _check_companion("keep_ids", keep_ids, logits, out_placements, out_shape + tuple(keep_ids.shape[-1:]))
+        keep_ids = keep_ids.to_local()
     if inplace_grad is True and logits.requires_grad and logits.is_leaf:
         # to_local() returns a non-leaf view of a leaf's storage: the local
         # op's own leaf check cannot see through it.
@@ -263,6 +270,7 @@ def logprob_entropy(local_op, logits, target, *, group=None, keep_mask=None, inp
         group=sub_group,
         keep_mask=keep_mask,
         inplace_grad=inplace_grad,
+        keep_ids=keep_ids,
         **options,
     )
 

@@ -47,6 +47,7 @@ def logprob_entropy(
     validate: bool = True,
     inplace_grad: bool = False,
     impl: Optional[Engine] = None,
+    keep_ids: Optional[torch.Tensor] = None,
     multi_target: bool = False,
     with_sum_p2: bool = False,
 ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
@@ -64,6 +65,18 @@ def logprob_entropy(
       keep_mask: ``[..., V_local]`` bool, the tokens the sampler kept (top-p /
         top-k replay). The log-prob is under the distribution renormalised over
         ``keep_mask`` plus the target (always kept); the entropy is unmasked.
+      keep_ids: ``[..., K]`` integer *global* token ids (padding -1), the
+        kept set as the sampler returns it: the alternative to ``keep_mask``
+        with its semantics (never both). The same tensor on every rank; each
+        rank uses the ids in its shard; a repeated id counts once. Memory
+        O(T K): no ``[..., V_local]`` mask is built (every engine runs
+        unmasked, the kept set's part is a gather and a scatter of ``K + 1``
+        columns per row beside it, :mod:`dualvp_torch.keep_ids`). With
+        ``validate=True`` ids outside ``[0, V)`` other than -1 raise
+        ``ValueError`` on every rank (one host sync more); with
+        ``validate=False`` they lie in no shard and are ignored. Not yet with
+        ``multi_target``, ``with_sum_p2`` or a temperature tensor
+        (``NotImplementedError``; pass ``keep_mask`` there).
       temperature: ``tau > 0``; the op uses ``softmax(logits / tau)`` without
         an extra buffer. A number, or a floating tensor broadcastable to the
         rows ``[...]`` (one temperature per row, e.g. verl's per-token
@@ -133,43 +146,50 @@ def logprob_entropy(
         run = torch.compiler.disable(_extended) if torch.compiler.is_compiling() else _extended
         return run(logits, target, group=group, keep_mask=keep_mask, temperature=temperature,
                    with_entropy=with_entropy, entropy_grad=entropy_grad, ignore_index=ignore_index, validate=validate,
-                   inplace_grad=inplace_grad, impl=impl, multi_target=multi_target, with_sum_p2=with_sum_p2)
+                   inplace_grad=inplace_grad, impl=impl, multi_target=multi_target, with_sum_p2=with_sum_p2,
+                   keep_ids=keep_ids)
     if torch.compiler.is_compiling():
         if library.eligible(logits, target, group=group, keep_mask=keep_mask, temperature=temperature,
                             with_entropy=with_entropy, entropy_grad=entropy_grad, ignore_index=ignore_index,
-                            validate=validate, inplace_grad=inplace_grad, impl=impl):
+                            validate=validate, inplace_grad=inplace_grad, impl=impl, keep_ids=keep_ids):
             # one node of the caller's graph; the op's body runs the checks
             return library.in_graph(
                 logits, target, group=group, keep_mask=keep_mask, temperature=temperature,
                 with_entropy=with_entropy, entropy_grad=entropy_grad, ignore_index=ignore_index, validate=validate,
-                inplace_grad=inplace_grad, impl=impl,
+                inplace_grad=inplace_grad, impl=impl, keep_ids=keep_ids,
             )
         # outside the graph the call takes the branches below (is_compiling() is False there)
         return torch.compiler.disable(logprob_entropy)(
             logits, target, group=group, keep_mask=keep_mask, temperature=temperature, with_entropy=with_entropy,
             entropy_grad=entropy_grad, ignore_index=ignore_index, validate=validate, inplace_grad=inplace_grad,
-            impl=impl,
+            impl=impl, keep_ids=keep_ids,
         )
     if not (type(logits) is torch.Tensor and type(target) is torch.Tensor
-            and (keep_mask is None or type(keep_mask) is torch.Tensor)) and \
-            _dtensor.involves_dtensor(logits, target, keep_mask):
+            and (keep_mask is None or type(keep_mask) is torch.Tensor)
+            and (keep_ids is None or type(keep_ids) is torch.Tensor)) and \
+            _dtensor.involves_dtensor(logits, target, keep_mask, keep_ids):
         return _dtensor.logprob_entropy(  # torch tensor parallelism: see dtensor.py
             logprob_entropy, logits, target, group=group, keep_mask=keep_mask, temperature=temperature,
             with_entropy=with_entropy, entropy_grad=entropy_grad, ignore_index=ignore_index, validate=validate,
-            inplace_grad=inplace_grad, impl=impl,
+            inplace_grad=inplace_grad, impl=impl, keep_ids=keep_ids,
         )
     return library.logprob_entropy(
         logits, target, group=group, keep_mask=keep_mask, temperature=temperature, with_entropy=with_entropy,
         entropy_grad=entropy_grad, ignore_index=ignore_index, validate=validate, inplace_grad=inplace_grad, impl=impl,
+        keep_ids=keep_ids,
     )
 
 
 def _extended(
     logits, target, *, group=None, keep_mask=None, temperature=1.0, with_entropy=True, entropy_grad=True,
     ignore_index=-100, validate=True, inplace_grad=False, impl=None, multi_target=False, with_sum_p2=False,
-    label_smoothing: float = 0.0, caller_error: Optional[BaseException] = None,
+    label_smoothing: float = 0.0, caller_error: Optional[BaseException] = None, keep_ids=None,
 ):
-    """The call with K targets, a temperature tensor or ``sum_p2``: :mod:`dualvp_torch.extended`."""
+    """The call with K targets, a temperature tensor or ``sum_p2``: :mod:`dualvp_torch.extended`.
+
+    ``keep_ids`` goes to the checks only, which refuse it beside these options
+    (``NotImplementedError`` on every rank alike).
+    """
     if caller_error is None and not _plain(logits, target, keep_mask) and \
             _dtensor.involves_dtensor(logits, target, keep_mask):
         raise NotImplementedError(
@@ -180,7 +200,7 @@ def _extended(
         logits, target, keep_mask, group=group, temperature=temperature, with_entropy=with_entropy,
         entropy_grad=entropy_grad, ignore_index=ignore_index, validate=validate, inplace_grad=inplace_grad,
         impl=impl, label_smoothing=label_smoothing, caller_error=caller_error, multi_target=multi_target,
-        with_sum_p2=with_sum_p2,
+        with_sum_p2=with_sum_p2, keep_ids=keep_ids,
     )
     lp, h, p2 = _extended_op.logprob_entropy(logits, target, keep_mask, temperature, call, group)
     return (lp, h, p2) if call.opt.with_sum_p2 else (lp, h)

@@ -83,6 +83,8 @@ from torch.autograd.function import once_differentiable
 from dualvp import spec, validation
 
 from . import checks, collectives, engines, linear_triton, tuning
+from . import keep_ids as _ids
+from .stages import xp as _sxp  # with take_along_axis (the kept columns of keep_ids)
 from .compiled import one_graph_break
 from .linear_tiles import (  # noqa: F401 (re-exported)
     BUDGET_FRACTION,
@@ -177,12 +179,27 @@ def _logits_block(h_i: torch.Tensor, w_j: torch.Tensor, cdt: torch.dtype, out: O
     return torch.mm(_up(h_i, cdt), _up(w_j, cdt).t(), out=out)
 
 
-def _stats(h2, weight, local, owns, keep, tau, tiles, compiled: bool):
-    """``[T, 6]`` statistics of this rank's logits ``h2 weight^T``, tile by tile."""
+def _kept(keep_ids, target, rank: int, v_local: int, opt: validation.Options):
+    """``spec.kept_columns`` ``(cols, use)`` ``[T, K+1]`` of ``keep_ids`` on this rank, or ``None`` without ids."""
+    if keep_ids is None:
+        return None
+    y = target.reshape(-1).to(torch.int64)
+    ids = keep_ids.reshape(y.shape[0], keep_ids.shape[-1]).to(torch.int64)
+    return spec.kept_columns(_sxp, ids, y, rank, v_local, opt.ignore_index)
+
+
+def _stats(h2, weight, local, owns, keep, tau, tiles, compiled: bool, kept=None):
+    """``[T, 6]`` statistics of this rank's logits ``h2 weight^T``, tile by tile.
+
+    ``kept``: ``(cols, use)`` ``[T, K+1]`` of ``keep_ids`` (``keep`` is then
+    ``None``): each tile's logits at the kept columns it holds are gathered
+    into ``zk [T, K+1]``, and the kept pair comes from ``zk`` at the end.
+    """
     n, v = h2.shape[0], weight.shape[0]
     tc, vc = tiles
     cdt = tau.dtype
     buf = TileBuffer(min(tc, n), min(vc, v), cdt, h2.device)
+    zk = None if kept is None else torch.zeros(kept[0].shape, dtype=cdt, device=h2.device)
     parts = []
     for i0, i1 in ranges(n, tc):
         h_i = _fwd_operand(h2[i0:i1], cdt)  # upcast once per token chunk, not once per tile
@@ -191,16 +208,31 @@ def _stats(h2, weight, local, owns, keep, tau, tiles, compiled: bool):
             z = _logits_block(h_i, weight[j0:j1], cdt, buf.take(i1 - i0, j1 - j0))
             kb = None if keep is None else keep[i0:i1, j0:j1]
             blocks.append(engines.block_stats(z, local[i0:i1], owns[i0:i1], kb, tau, start=j0, compiled=compiled))
+            if kept is not None:
+                c, u = spec.columns_in_block(_sxp, kept[0][i0:i1], kept[1][i0:i1], j0, j1 - j0)
+                zk[i0:i1] = spec.gather_columns(_sxp, z, c, u, zk[i0:i1])
             del z  # the tile is not needed once its statistics are taken (off the CPU: freed here)
         parts.append(blocks[0] if len(blocks) == 1 else spec.reduce_stats(xp, torch.stack(blocks), 0, tau))
-    return parts[0] if len(parts) == 1 else torch.cat(parts)
+    stats = parts[0] if len(parts) == 1 else torch.cat(parts)
+    if kept is None:
+        return stats
+    return spec.with_kept_pair(_sxp, stats, *spec.kept_pair(_sxp, zk, kept[1], tau))
 
 
-def _grads(h2, weight, local, owns, keep, res, valid, gl, ge, tau, tiles, need_dh, need_dw, compiled: bool):
+def _grads(h2, weight, local, owns, keep, res, valid, gl, ge, tau, tiles, need_dh, need_dw, compiled: bool,
+           kept=None):
     """``(dh [T, H] float32 or None, dW [V_local, H] in weight's dtype or None)``: the local partial sums.
 
-    ``res``: the ``[5, T]`` row statistics (``engines.merge``).
+    ``res``: the ``[5, T]`` row statistics (``engines.merge``). ``kept``: as
+    in :func:`_stats`; each tile's gradient is then the entropy term alone
+    (``spec.block_grad`` with a zero log-prob cotangent, NaN rows carried in
+    its entropy cotangent) with the kept columns' values
+    (``spec.kept_grad``) written over it.
     """
+    if kept is not None:
+        comb_all = spec.Combined(*res.unbind(0), None)
+        nan_rows = torch.where(valid, 0.0 * comb_all.log_sk, torch.zeros_like(comb_all.log_sk))
+        gl_kept, ge_kept, gl, ge = gl, ge, torch.zeros_like(gl), (nan_rows if ge is None else ge + nan_rows)
     n, hsz = h2.shape
     v = weight.shape[0]
     tc, vc = tiles
@@ -252,10 +284,18 @@ def _grads(h2, weight, local, owns, keep, res, valid, gl, ge, tau, tiles, need_d
                 z = _logits_block(h_i, w_j, cdt, buf.take(i1 - i0, j1 - j0))
             kb = None if keep is None else keep[i0:i1, j0:j1]
             ge_i = None if ge is None else ge[i0:i1]
+            if kept is not None:  # the kept columns' values, from the tile before it holds G
+                c, u = spec.columns_in_block(_sxp, kept[0][i0:i1], kept[1][i0:i1], j0, j1 - j0)
+                vals = spec.kept_grad(
+                    _sxp, spec.gather_columns(_sxp, z, c, u), kept[0][i0:i1], u, local[i0:i1], owns[i0:i1],
+                    spec.Combined(*(f[i0:i1] for f in comb_all[:5]), None), valid[i0:i1], gl_kept[i0:i1],
+                    None if ge_kept is None else ge_kept[i0:i1], tau)
             engines.block_grad_(
                 z, local[i0:i1], owns[i0:i1], kb, res[:, i0:i1], valid[i0:i1], gl[i0:i1], ge_i, tau, start=j0,
                 compiled=compiled,
             )  # z holds G now (float32)
+            if kept is not None:
+                spec.set_at_columns(_sxp, z, c, vals, u)
             if native:
                 for q, g in enumerate(_g_parts(z, h2.dtype)):
                     if need_dh:
@@ -299,14 +339,16 @@ def _check_materialised(opt: validation.Options, grad_logprob, grad_entropy) -> 
 
 
 class LinearLogProbEntropyFunction(torch.autograd.Function):
-    """``(hidden, weight, target, keep_mask, options, group, engine, budget, allow_tf32) -> (logprob, entropy)``.
+    """``(hidden, weight, target, keep_mask, options, group, engine, budget, allow_tf32, keep_ids)
+    -> (logprob, entropy)``.
 
     ``engine``: a name of :data:`dualvp_torch.engines.ENGINES`; its
     ``spec_stages`` run the tile loop here, else the fused Triton kernels.
     """
 
     @staticmethod
-    def forward(ctx, hidden, weight, target, keep_mask, opt: validation.Options, group, engine, budget, allow_tf32):
+    def forward(ctx, hidden, weight, target, keep_mask, opt: validation.Options, group, engine, budget, allow_tf32,
+                keep_ids=None):
         rank, world = collectives.group_rank_world(group)
         eng = engines.ENGINES[engine]
         h = hidden
@@ -318,6 +360,7 @@ class LinearLogProbEntropyFunction(torch.autograd.Function):
         cdt = engines.compute_dtype(hidden.dtype)
         valid, owns, local = spec.target_to_local(xp, target.reshape(-1).to(torch.int64), rank, v, opt.ignore_index)
         keep = None if keep_mask is None else keep_mask.reshape(-1, v)
+        kept = _kept(keep_ids, target, rank, v, opt)
         tau = torch.full((), opt.temperature, dtype=cdt, device=hidden.device)
         fused = not eng.spec_stages
         tiles = tile_shape(n, v, budget, 4 + eng.tile_scratch_bytes)
@@ -327,7 +370,7 @@ class LinearLogProbEntropyFunction(torch.autograd.Function):
             stats = linear_triton.stats(h2, weight, _ycol(local, owns, valid), keep, tau, opt.temperature, allow_tf32)
         else:
             with linear_triton.matmul_precision(h2, allow_tf32):
-                stats = _stats(h2, weight, local, owns, keep, tau, tiles, eng.compiled)
+                stats = _stats(h2, weight, local, owns, keep, tau, tiles, eng.compiled, kept)
         all_stats = collectives.gather_stats(stats, group) if group is not None else stats[None]
         # (the fused Triton kernels: the O(T) merge runs as impl=None would run it)
         merge_compiled = engines.ENGINES[engine if eng.spec_stages else engines.select(None)].compiled
@@ -335,7 +378,10 @@ class LinearLogProbEntropyFunction(torch.autograd.Function):
         logprob, entropy = logprob.reshape(target.shape), entropy.reshape(target.shape)
         ctx.opt, ctx.group, ctx.engine, ctx.tiles = opt, group, engine, tiles
         ctx.budget, ctx.allow_tf32 = budget, allow_tf32
-        ctx.save_for_backward(hidden, weight, keep_mask, local, owns, valid, res)
+        # (keep_ids: the target too, for the kept columns again in the backward; O(T))
+        ctx.save_for_backward(hidden, weight, keep_mask, local, owns, valid, res, keep_ids,
+                              None if keep_ids is None else target)
+        ctx.rank = rank
         if not opt.need_entropy_grad:
             ctx.mark_non_differentiable(entropy)
         return logprob, entropy
@@ -346,10 +392,10 @@ class LinearLogProbEntropyFunction(torch.autograd.Function):
         opt, group = ctx.opt, ctx.group
         _check_materialised(opt, grad_logprob, grad_entropy)
         need_dh, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-        none = (None,) * 7
+        none = (None,) * 8
         if not (need_dh or need_dw):
             return (None, None) + none
-        hidden, weight, keep_mask, local, owns, valid, res = ctx.saved_tensors
+        hidden, weight, keep_mask, local, owns, valid, res, keep_ids, target = ctx.saved_tensors
         eng = engines.ENGINES[ctx.engine]
         _, world = collectives.group_rank_world(group)
         sp = opt.sequence_parallel and group is not None and world > 1
@@ -375,6 +421,7 @@ class LinearLogProbEntropyFunction(torch.autograd.Function):
             with linear_triton.matmul_precision(h2, ctx.allow_tf32):
                 dh, dw = _grads(
                     h2, weight, local, owns, keep, res, valid, gl, ge, tau, ctx.tiles, need_dh, need_dw, eng.compiled,
+                    _kept(keep_ids, target, ctx.rank, v, opt),
                 )
         if need_dh:
             if sp:
@@ -403,6 +450,7 @@ def linear_logprob_entropy(
     memory_budget: Optional[int] = None,
     impl: Optional[engines.Engine] = None,
     allow_tf32: bool = False,
+    keep_ids: Optional[torch.Tensor] = None,
     multi_target: bool = False,
     with_sum_p2: bool = False,
 ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
@@ -432,6 +480,12 @@ def linear_logprob_entropy(
       keep_mask: ``[..., V_local]`` bool (``target.shape + (V_local,)``) or
         ``None``: the tokens the sampler kept; as in
         :func:`dualvp_torch.logprob_entropy`.
+      keep_ids: ``[..., K]`` integer global token ids (padding -1;
+        ``target.shape + (K,)``) or ``None``: the kept set as ids, as in
+        :func:`dualvp_torch.logprob_entropy` (never with ``keep_mask``). Each
+        tile gathers the logits at the kept columns it holds (O(T K) more, no
+        mask). The tile loop only: ``impl="triton"`` (the fused Triton
+        kernels) raises.
       temperature, with_entropy, entropy_grad, ignore_index: as in
         :func:`dualvp_torch.logprob_entropy`.
       reduce_hidden_grad: ``True`` sums ``dh`` over the group in float32 in
@@ -490,8 +544,11 @@ def linear_logprob_entropy(
         reduce_hidden_grad=reduce_hidden_grad, sequence_parallel=sequence_parallel, memory_budget=memory_budget,
     )
     call = checks.linear_call(
-        hidden, weight, target, keep_mask, group=group, validate=validate, impl=impl, allow_tf32=allow_tf32, kw=kw
+        hidden, weight, target, keep_mask, group=group, validate=validate, impl=impl, allow_tf32=allow_tf32, kw=kw,
+        keep_ids=keep_ids,
     )
+    if validate and keep_ids is not None:
+        _ids.check_range(keep_ids, call, group, hidden)
     if validate:
         checks.agree(call, checks.count_bad_targets(target, ignore_index, call.vocab), group, hidden, target, hidden)
     n_rows = target.numel()
@@ -499,6 +556,6 @@ def linear_logprob_entropy(
         n_rows, weight.shape[0], hidden.element_size(), hidden.device.type, engines.ENGINES[call.engine].spec_stages
     )
     logprob, entropy = LinearLogProbEntropyFunction.apply(
-        hidden, weight, target, keep_mask, call.opt, group, call.engine, budget, allow_tf32
+        hidden, weight, target, keep_mask, call.opt, group, call.engine, budget, allow_tf32, keep_ids
     )
     return logprob, (entropy if with_entropy else None)

@@ -59,7 +59,7 @@ class Plan(NamedTuple):
     grad_cfg: tuple  # (grid (T, column blocks), BLOCK_V, num_warps)
     splits: int  # S: column splits of a row in the forward, from V_local alone
     cols_per_split: int
-    finalize: bool  # W = 1 and S = 1: the statistics kernel writes the outputs (no merge launch)
+    finalize: bool  # W = 1 and S = 1 (and no keep_ids): the statistics kernel writes the outputs (no merge launch)
     compiled: bool  # compiled for the GPU (not the interpreter), float32 compute: PTX helpers, fused reductions
     scalars: tuple  # float32: (1/tau hi, lo; log2(e)/tau; (1/tau) / that, hi, lo), pairs hi + lo exact to ~1e-15
 
@@ -127,7 +127,7 @@ def make_plan(opt: validation.Options, rank: int, world: int, T: int, V: int, dt
     compiled = device_type != "cpu" and compute == torch.float32
     return Plan(opt, rank, world, T, V, world * V, rank * V, compute, opt.has_mask, opt.need_entropy_grad,
                 validate, record, stats_cfg, merge_cfg, grad_cfg, splits, cols_per_split,
-                world == 1 and splits == 1, compiled, scalars)
+                world == 1 and splits == 1 and not opt.has_ids, compiled, scalars)
 
 
 def _launch_stats(z, y, keep, plan: Plan, bad, out, logprob, entropy, res) -> None:

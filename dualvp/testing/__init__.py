@@ -1,7 +1,8 @@
 """Conformance fixtures: the shared cases, one oracle, one error metric, typed backend adapters.
 
-* :mod:`~dualvp.testing.cases`: the scenario table :data:`CASES`, :func:`make`
-  (a case's NumPy arrays), the bad-input table :data:`BAD_INPUTS`;
+* :mod:`~dualvp.testing.cases`: the scenario table :data:`CASES` (and
+  :data:`KEEP_IDS_CASES`, its keep-mask cases with the kept set as ids),
+  :func:`make` (a case's NumPy arrays), the bad-input table :data:`BAD_INPUTS`;
 * :mod:`~dualvp.testing.metrics`: :data:`TOLERANCES`, :func:`max_errors` /
   :func:`within_tolerance` (non-finite entries matched in one place) and
   :func:`compare` (report rows);

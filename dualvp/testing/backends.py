@@ -90,8 +90,9 @@ def _compute_dtype(dtype: str):
 def _spec(p: Problem, world: int) -> Outputs:
     c = p.case
     lp, h, g = simulate.over_shards(
-        p.logits, p.target, world, keep_mask=p.keep_mask, temperature=c.temperature, ignore_index=c.ignore_index,
-        grad_logprob=p.grad_logprob, grad_entropy=p.grad_entropy, dtype=_compute_dtype(c.dtype))
+        p.logits, p.target, world, keep_mask=p.keep_mask, keep_ids=p.keep_ids, temperature=c.temperature,
+        ignore_index=c.ignore_index, grad_logprob=p.grad_logprob, grad_entropy=p.grad_entropy,
+        dtype=_compute_dtype(c.dtype))
     return Outputs(*(np.asarray(x, np.float64) for x in (lp, h, g)))
 
 
@@ -124,7 +125,8 @@ def torch_rank_outputs(rank: int, world: int, problems: Sequence[Problem], impl:
         zs, ks = p.shard(rank, world)
         z = put(zs, getattr(torch, c.dtype)).requires_grad_(True)
         keep = None if ks is None else put(ks)
-        lp, h = logprob_entropy(z, put(p.target), group=group, keep_mask=keep,
+        ids = None if p.keep_ids is None else put(p.keep_ids)  # global ids: the same on every rank
+        lp, h = logprob_entropy(z, put(p.target), group=group, keep_mask=keep, keep_ids=ids,
                                 temperature=c.temperature, ignore_index=c.ignore_index, impl=impl)
         torch.autograd.backward([lp, h], [put(p.grad_logprob, lp.dtype), put(p.grad_entropy, h.dtype)])
         outs.append(Outputs(*(x.detach().double().cpu().numpy() for x in (lp, h, z.grad))))
@@ -146,7 +148,8 @@ def _torch_linear(p: LinearProblem, rank: int, world: int, group, impl: Optional
     h = put(p.hidden, dt).requires_grad_(True)
     w = put(ws, dt).requires_grad_(True)
     keep = None if ks is None else put(ks)
-    lp, en = linear_logprob_entropy(h, w, put(p.target), group=group, keep_mask=keep,
+    ids = None if p.keep_ids is None else put(p.keep_ids)
+    lp, en = linear_logprob_entropy(h, w, put(p.target), group=group, keep_mask=keep, keep_ids=ids,
                                     temperature=c.temperature, ignore_index=c.ignore_index,
                                     reduce_hidden_grad=True, impl=impl)
     torch.autograd.backward([lp, en], [put(p.grad_logprob, lp.dtype), put(p.grad_entropy, en.dtype)])
@@ -199,10 +202,11 @@ def _jax(p: Problem, world: int) -> Outputs:
         z = jnp.asarray(p.logits).astype(getattr(jnp, c.dtype))
         y = jnp.asarray(p.target)
         keep = None if p.keep_mask is None else jnp.asarray(p.keep_mask)
+        ids = None if p.keep_ids is None else jnp.asarray(p.keep_ids)
 
         def f(z):
-            return dualvp_jax.sharded_logprob_entropy(z, y, mesh, "tp", keep_mask=keep, temperature=c.temperature,
-                                                      ignore_index=c.ignore_index)
+            return dualvp_jax.sharded_logprob_entropy(z, y, mesh, "tp", keep_mask=keep, keep_ids=ids,
+                                                      temperature=c.temperature, ignore_index=c.ignore_index)
 
         (lp, h), vjp = jax.vjp(f, z)
         (g,) = vjp((jnp.asarray(p.grad_logprob).astype(lp.dtype), jnp.asarray(p.grad_entropy).astype(h.dtype)))
@@ -222,9 +226,10 @@ def _jax_linear(p: LinearProblem, world: int) -> LinearOutputs:
         h, w = jnp.asarray(p.hidden).astype(dt), jnp.asarray(p.weight).astype(dt)
         y = jnp.asarray(p.target)
         keep = None if p.keep_mask is None else jnp.asarray(p.keep_mask)
+        ids = None if p.keep_ids is None else jnp.asarray(p.keep_ids)
 
         def f(h, w):
-            return dualvp_jax.sharded_linear_logprob_entropy(h, w, y, mesh, "tp", keep_mask=keep,
+            return dualvp_jax.sharded_linear_logprob_entropy(h, w, y, mesh, "tp", keep_mask=keep, keep_ids=ids,
                                                              temperature=c.temperature, ignore_index=c.ignore_index)
 
         (lp, en), vjp = jax.vjp(f, h, w)

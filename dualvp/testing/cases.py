@@ -39,6 +39,8 @@ __all__ = [
     "BAD_INPUTS",
     "bad_input_base",
     "make_mask",
+    "ids_from_mask",
+    "KEEP_IDS_CASES",
 ]
 
 _MASKS = ("none", "nucleus", "drop_target", "all_but_target", "random")
@@ -67,6 +69,10 @@ class Case:
         (N(10, 3) with +25 spikes).
       ignore_frac: fraction of rows whose target is ``ignore_index``.
       seed: RNG seed.
+      keep_ids: the kept set of ``mask`` is handed over as token ids
+        (``keep_ids [..., K]``, :func:`ids_from_mask`) instead of a mask;
+        the problem's ``keep_mask`` is then ``None`` and the oracle turns the
+        ids back into a mask itself (:func:`dualvp.reference.mask_from_ids`).
     """
 
     name: str
@@ -80,9 +86,11 @@ class Case:
     ignore_frac: float = 0.0
     seed: int = 0
     ignore_index: int = -100
+    keep_ids: bool = False
 
     def __post_init__(self):
         assert self.mask in _MASKS, self.mask
+        assert not (self.keep_ids and self.mask == "none"), self.name
         assert self.logits in _LOGITS, self.logits
         assert all(self.vocab % w == 0 for w in self.worlds), (self.name, self.vocab, self.worlds)
 
@@ -110,6 +118,7 @@ class Problem:
     grad_logprob: np.ndarray  # [...] float64 upstream gradient
     grad_entropy: np.ndarray  # [...] float64 upstream gradient
     extra: dict = field(default_factory=dict)
+    keep_ids: Optional[np.ndarray] = None  # [..., K] int64 global ids (padding -1), or None; never with keep_mask
 
     def shard(self, rank: int, world: int):
         """Columns of rank ``rank`` of ``world``: ``(logits, keep_mask)``."""
@@ -137,6 +146,7 @@ class LinearProblem:
     grad_logprob: np.ndarray  # [...] float64 upstream gradient
     grad_entropy: np.ndarray  # [...] float64 upstream gradient
     extra: dict = field(default_factory=dict)
+    keep_ids: Optional[np.ndarray] = None  # [..., K] int64 global ids (padding -1), or None; never with keep_mask
 
     def shard(self, rank: int, world: int):
         """Weight rows and keep-mask columns of rank ``rank`` of ``world``: ``(weight [V/W, H], keep_mask)``."""
@@ -235,6 +245,37 @@ def make_mask(rng: np.random.Generator, kind: str, z: np.ndarray, target: np.nda
     return keep.reshape(z.shape)
 
 
+def ids_from_mask(rng: np.random.Generator, keep_mask: np.ndarray, *, pad: int = 2,
+                  repeats: int = 2) -> np.ndarray:
+    """The kept set of ``keep_mask [..., V]`` as ids ``[..., K]`` (int64, padding -1), the way a sampler hands it over.
+
+    Each row holds its kept columns in a random order, ``repeats`` of them a
+    second time (an id repeated counts once), then -1; ``K`` is the longest
+    row plus ``pad``. ``dualvp.reference.mask_from_ids`` gives ``keep_mask``
+    back.
+    """
+    vocab = keep_mask.shape[-1]
+    flat = np.asarray(keep_mask, dtype=bool).reshape(-1, vocab)
+    rows = []
+    for row in flat:
+        cols = np.flatnonzero(row)
+        cols = np.concatenate([cols, rng.permutation(cols)[:repeats]])
+        rows.append(rng.permutation(cols))
+    k = max((len(r) for r in rows), default=0) + pad
+    ids = np.full((flat.shape[0], k), -1, dtype=np.int64)
+    for i, r in enumerate(rows):
+        ids[i, : len(r)] = r
+    return ids.reshape(keep_mask.shape[:-1] + (k,))
+
+
+def _as_ids(case: Case, keep: Optional[np.ndarray]) -> tuple:
+    """``(keep_mask, keep_ids)`` of the problem: the mask, or with ``case.keep_ids`` its ids and no mask."""
+    if not case.keep_ids or keep is None:
+        return keep, None
+    # A generator of its own: the other arrays of the case stay those of the mask form.
+    return None, ids_from_mask(np.random.default_rng((case.seed, 1)), keep)
+
+
 def make(case: Case) -> Problem:
     """Build the arrays of ``case`` (deterministic in ``case.seed``)."""
     rng = np.random.default_rng(case.seed)
@@ -258,7 +299,8 @@ def make(case: Case) -> Problem:
     keep = make_mask(rng, case.mask, z, target, case.ignore_index)
     gl = rng.normal(size=case.lead)
     ge = rng.normal(size=case.lead)
-    return Problem(case, z, target, keep, gl, ge)
+    keep, ids = _as_ids(case, keep)
+    return Problem(case, z, target, keep, gl, ge, keep_ids=ids)
 
 
 def make_linear(case: Case, hidden: int, *, logit_scale: float = 3.0) -> LinearProblem:
@@ -289,7 +331,8 @@ def make_linear(case: Case, hidden: int, *, logit_scale: float = 3.0) -> LinearP
     # float32 values: the backends take the cotangents in float32, the oracle the same numbers
     gl = round_to_dtype(rng.normal(size=lead), "float32")
     ge = round_to_dtype(rng.normal(size=lead), "float32")
-    return LinearProblem(case, h, w, target, keep, gl, ge)
+    keep, ids = _as_ids(case, keep)
+    return LinearProblem(case, h, w, target, keep, gl, ge, keep_ids=ids)
 
 
 def _c(name, **kw) -> Case:
@@ -325,8 +368,15 @@ CASES: tuple[Case, ...] = (
        temperature=1.7, ignore_frac=0.25, logits="neg_inf", seed=15),
 )
 
-_BY_NAME = {c.name: c for c in CASES}
-assert len(_BY_NAME) == len(CASES), "duplicate case names"
+#: The keep-mask cases of :data:`CASES` with the kept set handed over as ids
+#: (``keep_ids``; named ``<case>_ids``): each backend's result must match the
+#: oracle of the mask built from the same ids.
+KEEP_IDS_CASES: tuple[Case, ...] = tuple(
+    dataclasses.replace(c, name=c.name + "_ids", keep_ids=True) for c in CASES if c.mask != "none"
+)
+
+_BY_NAME = {c.name: c for c in CASES + KEEP_IDS_CASES}
+assert len(_BY_NAME) == len(CASES) + len(KEEP_IDS_CASES), "duplicate case names"
 
 
 def case(name: str, **changes) -> Case:
@@ -395,6 +445,15 @@ BAD_INPUTS: tuple[BadInput, ...] = (
     BadInput("keep_mask_int", {"keep_mask": np.ones((4, 8), dtype=np.int64)}, TypeError, "keep_mask"),
     BadInput("keep_mask_shape", {"keep_mask": np.ones((4, 7), dtype=bool)}, ValueError, "keep_mask"),
     BadInput("keep_mask_rows", {"keep_mask": np.ones((8,), dtype=bool)}, ValueError, "keep_mask"),
+    BadInput("keep_ids_and_mask", {"keep_mask": np.ones((4, 8), dtype=bool),
+                                   "keep_ids": np.zeros((4, 2), dtype=np.int64)}, ValueError, "keep_ids"),
+    BadInput("keep_ids_float", {"keep_ids": np.zeros((4, 2), dtype=np.float32)}, TypeError, "keep_ids"),
+    BadInput("keep_ids_bool", {"keep_ids": np.zeros((4, 2), dtype=bool)}, TypeError, "keep_ids"),
+    BadInput("keep_ids_list", {"keep_ids": [[0, 1]] * 4}, TypeError, "keep_ids"),
+    BadInput("keep_ids_rows", {"keep_ids": np.zeros((3, 2), dtype=np.int64)}, ValueError, "keep_ids"),
+    BadInput("keep_ids_no_k", {"keep_ids": np.zeros((4,), dtype=np.int64)}, ValueError, "keep_ids"),
+    BadInput("keep_ids_too_large", {"keep_ids": np.array([[0, 8]] * 4, dtype=np.int64)}, ValueError, "keep_ids"),
+    BadInput("keep_ids_negative", {"keep_ids": np.array([[0, -2]] * 4, dtype=np.int64)}, ValueError, "keep_ids"),
     BadInput("temperature_zero", {"temperature": 0.0}, ValueError, "temperature"),
     BadInput("temperature_negative", {"temperature": -1.0}, ValueError, "temperature"),
     BadInput("temperature_nan", {"temperature": float("nan")}, ValueError, "temperature"),

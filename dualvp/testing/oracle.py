@@ -46,7 +46,7 @@ class LinearOutputs(NamedTuple):
 
 def oracle(problem: Union[Problem, LinearProblem], *, logprob_grad: bool = True,
            entropy_grad: bool = True) -> Union[Outputs, LinearOutputs]:
-    """The float64 oracle of ``problem`` (its keep mask, temperature, ``ignore_index``, upstream gradients).
+    """The float64 oracle of ``problem`` (its keep mask or keep ids, temperature, ``ignore_index``, upstream gradients).
 
     ``logprob_grad`` / ``entropy_grad``: whether the log-prob / entropy term
     (with the problem's upstream gradient) is part of the differentiated loss.
@@ -54,7 +54,8 @@ def oracle(problem: Union[Problem, LinearProblem], *, logprob_grad: bool = True,
     if isinstance(problem, LinearProblem):
         return oracle_linear(problem, logprob_grad=logprob_grad, entropy_grad=entropy_grad)
     c = problem.case
-    kw = dict(keep_mask=problem.keep_mask, temperature=c.temperature, ignore_index=c.ignore_index)
+    kw = dict(keep_mask=problem.keep_mask, keep_ids=problem.keep_ids, temperature=c.temperature,
+              ignore_index=c.ignore_index)
     lp, h = reference.logprob_entropy(problem.logits, problem.target, **kw)
     gl = problem.grad_logprob if logprob_grad else np.zeros_like(problem.grad_logprob)
     ge = problem.grad_entropy if entropy_grad else None
@@ -70,7 +71,8 @@ def oracle_linear(problem: LinearProblem, *, logprob_grad: bool = True, entropy_
     ``logprob_grad`` / ``entropy_grad`` as in :func:`oracle`.
     """
     c = problem.case
-    kw = dict(keep_mask=problem.keep_mask, temperature=c.temperature, ignore_index=c.ignore_index)
+    kw = dict(keep_mask=problem.keep_mask, keep_ids=problem.keep_ids, temperature=c.temperature,
+              ignore_index=c.ignore_index)
     lp, h = reference.linear_logprob_entropy(problem.hidden, problem.weight, problem.target, **kw)
     gl = problem.grad_logprob if logprob_grad else np.zeros_like(problem.grad_logprob)
     ge = problem.grad_entropy if entropy_grad else None

@@ -58,7 +58,7 @@ from typing import Mapping, Optional, Union
 
 import numpy as np
 
-from dualvp import testing
+from dualvp import testing, validation
 from dualvp.testing import cases
 from dualvp.testing.metrics import Row, compare, max_errors, pair_tolerance, tolerance, within_tolerance
 
@@ -90,7 +90,7 @@ def problem_for(args) -> Union[cases.Problem, cases.LinearProblem]:
     return cases.make_linear(c, args.hidden) if linear else cases.make(c)
 
 
-_INPUT_KEYS = ("logits", "target", "keep_mask")
+_INPUT_KEYS = ("logits", "target", "keep_mask", "keep_ids")
 _TORCH_DTYPES = {"torch.float32": "float32", "torch.bfloat16": "bfloat16", "torch.float16": "float16",
                  "torch.float64": "float64"}
 
@@ -150,12 +150,15 @@ def load_input(path: str, *, ignore_index: int = -100, max_rows: Optional[int] =
     The file is a ``torch.save`` of a dict (read with ``weights_only=True``)
     or an ``.npz``, with ``logits [..., V]`` (full vocabulary, float16 /
     bfloat16 / float32 / float64), ``target [...]`` (integer ids in ``[0, V)``
-    or ``ignore_index``) and optionally ``keep_mask [..., V]`` (bool). Leading
-    dims are flattened into rows; ``max_rows`` keeps the first rows only.
+    or ``ignore_index``) and optionally ``keep_mask [..., V]`` (bool) or
+    ``keep_ids [..., K]`` (integer global ids in ``[0, V)``, padding -1: the
+    kept set as the sampler returns it; not both). Leading dims are flattened
+    into rows; ``max_rows`` keeps the first rows only.
 
     Returns:
       ``{"logits": [T, V] float64 (the saved values exactly), "target": [T]
-      int64, "keep_mask": [T, V] bool or None, "dtype": the logits' dtype}``.
+      int64, "keep_mask": [T, V] bool or None, "keep_ids": [T, K] int64 or
+      None, "dtype": the logits' dtype}``.
 
     Raises:
       ValueError whose message starts with ``input:`` (unreadable file, not a
@@ -185,20 +188,37 @@ def load_input(path: str, *, ignore_index: int = -100, max_rows: Optional[int] =
             raise ValueError(f"keep_mask: expected dtype bool, got {kd}")
         if keep.shape != z.shape:
             raise ValueError(f"keep_mask: expected shape {z.shape} (the shape of logits), got shape {keep.shape}")
+    ids = None
+    if data.get("keep_ids") is not None:
+        if keep is not None:
+            raise ValueError("keep_ids: expected no keep_ids beside a keep_mask (two forms of one kept set), "
+                             "got both")
+        ids, idd = _as_numpy("keep_ids", data["keep_ids"])
+        if not np.issubdtype(ids.dtype, np.integer):
+            raise ValueError(f"keep_ids: expected an integer dtype, got {idd}")
+        if ids.ndim != z.ndim or ids.shape[:-1] != z.shape[:-1]:
+            raise ValueError(f"keep_ids: expected shape {z.shape[:-1] + ('K',)} (the leading dims of logits "
+                             f"{z.shape} + (K,)), got shape {ids.shape}")
     v = z.shape[-1]
     z = np.asarray(z, np.float64).reshape(-1, v)
     y = np.asarray(y).astype(np.int64).reshape(-1)
     keep = None if keep is None else np.asarray(keep).reshape(-1, v)
+    ids = None if ids is None else np.asarray(ids).astype(np.int64).reshape(y.shape[0], ids.shape[-1])
     if max_rows is not None:
         z, y = z[:max_rows], y[:max_rows]
         keep = None if keep is None else keep[:max_rows]
+        ids = None if ids is None else ids[:max_rows]
     if z.shape[0] == 0:
         raise ValueError(f"logits: expected at least one row, got shape {z.shape}")
     bad = (y != ignore_index) & ((y < 0) | (y >= v))
     if bad.any():
         raise ValueError(f"target: expected ids in [0, {v}) or ignore_index={ignore_index}, got "
                          f"{int(bad.sum())} out-of-range id(s), e.g. {np.unique(y[bad])[:5].tolist()}")
-    return dict(logits=z, target=y, keep_mask=keep, dtype=zd)
+    if ids is not None:
+        n, shown = validation.count_bad_ids(ids, v)
+        if n:
+            raise validation.bad_ids_error(n, shown, v)
+    return dict(logits=z, target=y, keep_mask=keep, keep_ids=ids, dtype=zd)
 
 
 def input_problem(args) -> cases.Problem:
@@ -213,17 +233,19 @@ def input_problem(args) -> cases.Problem:
     if v % args.tp:
         raise ValueError(f"tp: the vocabulary V = {v} of {args.input!r} is not divisible by --tp {args.tp}")
     dtype = args.dtype or d["dtype"]
-    if d["keep_mask"] is not None and args.mask != "none":
-        raise ValueError(f"mask: {args.input!r} has its own keep_mask; --mask {args.mask} cannot replace it")
+    own = "keep_mask" if d["keep_mask"] is not None else ("keep_ids" if d["keep_ids"] is not None else None)
+    if own is not None and args.mask != "none":
+        raise ValueError(f"mask: {args.input!r} has its own {own}; --mask {args.mask} cannot replace it")
     rng = np.random.default_rng(args.seed)
     z = cases.round_to_dtype(d["logits"], dtype)
     keep = d["keep_mask"]
-    if keep is None:
+    if keep is None and d["keep_ids"] is None:
         keep = cases.make_mask(rng, args.mask, z, d["target"], -100)
     case = cases.Case(name="verify-input", lead=(t,), vocab=v, worlds=(args.tp,), dtype=dtype,
                       temperature=args.temperature, seed=args.seed)
     gl, ge = rng.normal(size=t), rng.normal(size=t)
-    return cases.Problem(case, z, d["target"], keep, gl, ge, extra={"keep_mask_from_file": d["keep_mask"] is not None})
+    return cases.Problem(case, z, d["target"], keep, gl, ge, extra={"keep_mask_from_file": own},
+                         keep_ids=d["keep_ids"])
 
 
 def _progress(step: int, total: int, text: str, t0: Optional[float] = None) -> float:
@@ -282,7 +304,8 @@ def _print_table(rows: list, args, prob: Union[cases.Problem, cases.LinearProble
         print(f"dualvp verify --op linear: W={args.tp} T={c.lead[0]} H={prob.hidden.shape[-1]} V={c.vocab} "
               f"dtype={c.dtype} temperature={args.temperature} mask={args.mask} seed={args.seed}")
     elif getattr(args, "input", None):
-        mask = "from file" if prob.extra.get("keep_mask_from_file") else args.mask
+        own = prob.extra.get("keep_mask_from_file")
+        mask = {"keep_mask": "from file", "keep_ids": "keep_ids from file"}.get(own, args.mask)
         print(f"dualvp verify: input={args.input} W={args.tp} T={c.lead[0]} V={c.vocab} dtype={c.dtype} "
               f"temperature={args.temperature} mask={mask} seed={args.seed}")
     else:
@@ -432,6 +455,7 @@ def _launched_outputs(prob, group, shard: int, width: int, impl, dev):
     zs, ks = prob.shard(shard, width)
     z = put(zs, getattr(torch, c.dtype)).requires_grad_(True)
     lp, h = logprob_entropy(z, put(prob.target), group=group, keep_mask=None if ks is None else put(ks),
+                            keep_ids=None if prob.keep_ids is None else put(prob.keep_ids),
                             temperature=c.temperature, ignore_index=c.ignore_index, impl=impl)
     torch.autograd.backward([lp, h], [put(prob.grad_logprob, lp.dtype), put(prob.grad_entropy, h.dtype)])
     return Outputs(*(x.detach().double().cpu().numpy() for x in (lp, h, z.grad)))

@@ -74,6 +74,28 @@ def test_load_input_reads_exactly_and_flattens(tmp_path):
     assert verify.load_input(str(path), max_rows=4)["logits"].shape == (4, 16)
 
 
+def test_load_input_reads_keep_ids(tmp_path):
+    z, y, k = _saved(lead=(3, 4), vocab=16)
+    ids = torch.where(k, torch.arange(16), -1)  # [3, 4, 16]: the kept columns, -1 elsewhere
+    path = _write(tmp_path, "npz", {"logits": z, "target": y, "keep_ids": ids})
+    d = verify.load_input(path, max_rows=5)
+    assert d["keep_mask"] is None and d["keep_ids"].shape == (5, 16) and d["keep_ids"].dtype == np.int64
+    np.testing.assert_array_equal(d["keep_ids"], ids.reshape(12, 16)[:5].numpy())
+
+
+@pytest.mark.slow
+def test_keep_ids_file_passes_at_tp2(tmp_path):
+    """A saved ``keep_ids [T, K]``: every backend against the oracle of the mask made from the ids."""
+    z, y, k = _saved(seed=2)
+    ids = torch.where(k, torch.arange(64), -1)[..., :40].flip(-1)  # the kept ids below 40, padded with -1
+    path = tmp_path / "ids.pt"
+    torch.save({"logits": z, "target": y, "keep_ids": ids}, path)
+    proc = _verify("--input", str(path), "--tp", "2")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "mask=keep_ids from file" in proc.stdout.splitlines()[0], proc.stdout
+    assert proc.stdout.rstrip().endswith("PASS: 12 checks within tolerance"), proc.stdout
+
+
 def _write(tmp_path, kind, obj):
     if kind == "npz":
         path = tmp_path / "x.npz"
@@ -99,6 +121,13 @@ BAD = [
      "keep_mask:", "shape"),
     ("target range", "pt", {"logits": _Z, "target": torch.tensor([0, 1, 8, -3])}, "target:", "out-of-range"),
     ("empty", "pt", {"logits": torch.zeros(0, 8), "target": torch.zeros(0, dtype=torch.int64)}, "logits:", "row"),
+    ("ids float", "pt", {"logits": _Z, "target": _Y, "keep_ids": torch.zeros(4, 2)}, "keep_ids:", "integer"),
+    ("ids shape", "npz", {"logits": _Z, "target": _Y, "keep_ids": torch.zeros(3, 2, dtype=torch.int64)},
+     "keep_ids:", "shape"),
+    ("ids range", "pt", {"logits": _Z, "target": _Y, "keep_ids": torch.tensor([[0, 8]] * 4)}, "keep_ids:",
+     "out-of-range"),
+    ("ids and mask", "pt", {"logits": _Z, "target": _Y, "keep_mask": torch.ones(4, 8, dtype=torch.bool),
+                            "keep_ids": torch.zeros(4, 2, dtype=torch.int64)}, "keep_ids:", "both"),
 ]
 
 

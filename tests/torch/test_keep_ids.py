@@ -1,0 +1,334 @@
+"""``keep_ids`` (the kept set as global token ids) in dualvp_torch, against the float64 oracle.
+
+The oracle turns the ids into a mask itself (``dualvp.reference.mask_from_ids``),
+so each check is "keep_ids equals the keep mask built from the same ids".
+Fast: a few cases on one process (eager, Triton under the interpreter, the
+fused op's tile loop, the in-place gradient). Slow: the whole table
+(:data:`dualvp.testing.cases.KEEP_IDS_CASES`) compiled, on Triton, on 2 and 4
+gloo ranks, the fused op on 2 ranks, DTensor, and bad ids on one rank only.
+"""
+
+import functools
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+
+import dualvp_torch  # noqa: E402
+from dualvp import reference, testing  # noqa: E402
+from dualvp.testing import backends, cases  # noqa: E402
+
+FAST = ("drop_target_ids", "everything_ids")
+_ENV = {"DUALVP_COMPILE": "0"}
+
+
+def _check(problem, out, what=""):
+    bad = testing.failures(problem, {"torch": out})
+    assert not bad, (what, bad)
+
+
+def _triton_ok():
+    from dualvp_torch import triton_kernels
+
+    return triton_kernels.available() and triton_kernels.interpreting()
+
+
+@pytest.mark.parametrize("name", FAST)
+def test_eager_fast(name):
+    p = cases.make(cases.case(name))
+    _check(p, backends.run("torch", p, 1, impl="eager"))
+
+
+def test_triton_fast():
+    if not _triton_ok():
+        pytest.skip("triton with TRITON_INTERPRET=1 needed")
+    # 768 columns: under the interpreter a row spans several column splits (stats [S, T, 6])
+    p = cases.make(cases.case("everything_ids", vocab=768, worlds=(1, 2)))
+    _check(p, backends.run("torch", p, 1, impl="triton"))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("impl", ["compiled", "triton"])  # eager: on the gloo ranks below
+def test_whole_table_one_process(impl):
+    if impl == "triton" and not _triton_ok():
+        pytest.skip("triton with TRITON_INTERPRET=1 needed")
+    for c in cases.KEEP_IDS_CASES:
+        p = cases.make(c)
+        _check(p, backends.run("torch", p, 1, impl=impl), c.name)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world", [2, 4])
+def test_whole_table_on_gloo_ranks(world):
+    probs = [cases.make(c) for c in cases.KEEP_IDS_CASES if world in c.worlds]
+    outs = backends.run_all("torch", probs, world, impl="eager", env=_ENV, timeout=400)
+    for p, out in zip(probs, outs):
+        _check(p, out, (p.case.name, world))
+
+
+def test_ids_equal_the_backends_own_mask_result():
+    """The op with ids and the op with the mask built from them agree within TOLERANCES."""
+    c = cases.case("random_mask_temp_ids")
+    p = cases.make(c)
+    with_ids = backends.run("torch", p, 1, impl="eager")
+    mask = reference.mask_from_ids(p.keep_ids, c.vocab)
+    masked = cases.Problem(cases.case("random_mask_temp"), p.logits, p.target, mask, p.grad_logprob, p.grad_entropy)
+    with_mask = backends.run("torch", masked, 1, impl="eager")
+    for q in ("logprob", "entropy", "grad"):
+        assert testing.within_tolerance(getattr(with_ids, q), getattr(with_mask, q), testing.tolerance(c.dtype, q)), q
+
+
+def _tensors(p, dtype=None):
+    dt = getattr(torch, dtype or p.case.dtype)
+    z = torch.from_numpy(p.logits).to(dt)
+    return z, torch.from_numpy(p.target), torch.from_numpy(p.keep_ids)
+
+
+@pytest.mark.parametrize("impl", ["eager", "triton"])
+def test_inplace_gradient_and_int32_ids(impl):
+    """inplace_grad=True: the kept logits are read before the gradient overwrites them; int32 ids work too."""
+    if impl == "triton" and not _triton_ok():
+        pytest.skip("triton with TRITON_INTERPRET=1 needed")
+    p = cases.make(cases.case("nucleus_ids"))
+    z0, y, ids = _tensors(p)
+    x = z0.clone().requires_grad_(True)
+    z = x * 1.0  # a non-leaf: the op may overwrite it
+    lp, h = dualvp_torch.logprob_entropy(z, y, keep_ids=ids.to(torch.int32), inplace_grad=True, impl=impl)
+    torch.autograd.backward([lp, h], [torch.from_numpy(p.grad_logprob).float(),
+                                      torch.from_numpy(p.grad_entropy).float()])
+    _check(p, testing.Outputs(lp.detach().double().numpy(), h.detach().double().numpy(), x.grad.double().numpy()))
+
+
+@pytest.mark.parametrize("with_entropy,entropy_grad", [(False, False), (True, False)])
+def test_modes_without_the_entropy_gradient(with_entropy, entropy_grad):
+    p = cases.make(cases.case("everything_ids"))
+    c = p.case
+    z0, y, ids = _tensors(p)
+    z = z0.clone().requires_grad_(True)
+    lp, h = dualvp_torch.logprob_entropy(z, y, keep_ids=ids, temperature=c.temperature, ignore_index=c.ignore_index,
+                                         with_entropy=with_entropy, entropy_grad=entropy_grad, impl="eager")
+    (lp * torch.from_numpy(p.grad_logprob).float()).sum().backward()
+    want = testing.oracle(p, entropy_grad=False)
+    assert testing.within_tolerance(z.grad.double().numpy(), want.grad, testing.tolerance("float32", "grad"))
+    assert (h is None) == (not with_entropy)
+
+
+def test_unvalidated_out_of_range_ids_are_ignored():
+    p = cases.make(cases.case("drop_target_ids"))
+    v = p.case.vocab
+    z, y, ids = _tensors(p)
+    extra = torch.tensor([[v, -7, 10 * v]] * ids.shape[0])
+    lp, _ = dualvp_torch.logprob_entropy(z, y, keep_ids=torch.cat([ids, extra], -1), validate=False, impl="eager")
+    want, _ = reference.logprob_entropy(p.logits, p.target, keep_ids=p.keep_ids)
+    assert torch.isfinite(lp).all()
+    assert testing.within_tolerance(lp.double().numpy(), want, testing.tolerance("float32", "logprob"))
+    with pytest.raises(ValueError, match=r"keep_ids: expected ids in \[0, 64\)"):
+        dualvp_torch.logprob_entropy(z, y, keep_ids=torch.cat([ids, extra], -1), impl="eager")
+
+
+def test_empty_k_keeps_only_the_target():
+    p = cases.make(cases.case("nucleus"))
+    z = torch.from_numpy(p.logits).float()
+    lp, _ = dualvp_torch.logprob_entropy(z, torch.from_numpy(p.target), keep_ids=torch.zeros((6, 0), dtype=torch.long),
+                                         impl="eager")
+    assert torch.equal(lp, torch.zeros_like(lp))
+
+
+def _fused(p, impl, budget=None, group=None, rank=0, world=1):
+    c = p.case
+    dt = getattr(torch, c.dtype)
+    ws, _ = p.shard(rank, world)
+    h = torch.from_numpy(p.hidden).to(dt).requires_grad_(True)
+    w = torch.from_numpy(np.ascontiguousarray(ws)).to(dt).requires_grad_(True)
+    lp, en = dualvp_torch.linear_logprob_entropy(
+        h, w, torch.from_numpy(p.target), keep_ids=torch.from_numpy(p.keep_ids), temperature=c.temperature,
+        ignore_index=c.ignore_index, impl=impl, memory_budget=budget, group=group)
+    gl, ge = (torch.from_numpy(x).to(lp.dtype) for x in (p.grad_logprob, p.grad_entropy))
+    torch.autograd.backward([lp, en], [gl, ge])
+    return testing.LinearOutputs(*(x.detach().double().numpy() for x in (lp, en, h.grad, w.grad)))
+
+
+def test_fused_op_small_tiles_fast():
+    """The fused op's tile loop with tiles smaller than the shard (several token and vocab tiles)."""
+    p = cases.make_linear(cases.case("drop_target_ids", lead=(7,)), 16)
+    _check(p, _fused(p, "eager", budget=600))
+
+
+def test_fused_triton_kernels_refuse_keep_ids():
+    p = cases.make_linear(cases.case("nucleus_ids"), 8)
+    with pytest.raises(ValueError, match="keep_ids: expected None with impl='triton'"):
+        _fused(p, "triton")
+
+
+@pytest.mark.slow
+def test_fused_op_whole_table_one_process():
+    for c in cases.KEEP_IDS_CASES:
+        p = cases.make_linear(c, 16)
+        for budget in (None, 700):
+            _check(p, _fused(p, "eager", budget=budget), (c.name, budget))
+
+
+# --- gloo ranks: the fused op, DTensor, bad ids on one rank -------------------------------
+
+
+def _rank_work(rank, world):
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    out = {}
+    group = dist.group.WORLD
+    p = cases.make_linear(cases.case("everything_ids"), 16)
+    lin = _fused(p, "eager", budget=900, group=group, rank=rank, world=world)
+    out["fused"] = (lin, rank)
+    # DTensor logits (vocab Shard(-1)), ids a replicated DTensor and a plain tensor
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))
+    q = cases.make(cases.case("nucleus_ids"))
+    dts = []
+    for as_dtensor in (True, False):
+        z = distribute_tensor(torch.from_numpy(q.logits).float(), mesh, [Shard(-1)]).requires_grad_(True)
+        y = distribute_tensor(torch.from_numpy(q.target), mesh, [Replicate()])
+        ids = torch.from_numpy(q.keep_ids)
+        ids = distribute_tensor(ids, mesh, [Replicate()]) if as_dtensor else ids
+        lp, h = dualvp_torch.logprob_entropy(z, y, keep_ids=ids, impl="eager")
+        (lp.to_local() * torch.from_numpy(q.grad_logprob).float()).sum().backward()
+        dts.append((lp.full_tensor().detach().double().numpy(), z.grad.full_tensor().double().numpy()))
+    out["dtensor"] = dts
+    # bad ids on rank 0 only: every rank raises instead of waiting in a collective
+    zs = torch.from_numpy(q.shard(rank, world)[0]).float()
+    ids = torch.from_numpy(q.keep_ids).clone()
+    if rank == 0:
+        ids[0, 0] = 10 ** 6
+    try:
+        dualvp_torch.logprob_entropy(zs, torch.from_numpy(q.target), keep_ids=ids, group=group, impl="eager")
+        out["bad"] = None
+    except (ValueError, RuntimeError) as exc:
+        out["bad"] = (type(exc).__name__, str(exc))
+    return out
+
+
+@functools.lru_cache(maxsize=None)
+def _ranks(world):
+    from dualvp_torch.testing import run_ranks
+
+    return run_ranks(_rank_work, world, timeout=300, env=_ENV)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world", [2, 4])
+def test_fused_dtensor_and_bad_ids_on_ranks(world):
+    res = _ranks(world)
+    p = cases.make_linear(cases.case("everything_ids"), 16)
+    first = res[0]["fused"][0]
+    merged = first._replace(dW=np.concatenate([r["fused"][0].dW for r in res], axis=0))
+    bad = testing.failures(p, {"torch": merged})
+    assert not bad, bad
+    q = cases.make(cases.case("nucleus_ids"))
+    want = testing.oracle(q, entropy_grad=False)
+    for r in res:
+        for lp, g in r["dtensor"]:
+            assert testing.within_tolerance(lp, want.logprob, testing.tolerance("float32", "logprob"))
+            assert testing.within_tolerance(g, want.grad, testing.tolerance("float32", "grad"))
+    seen = [r["bad"] for r in res]
+    assert all(s is not None for s in seen), seen
+    assert "keep_ids" in seen[0][1], seen
+    assert all("keep_ids" in s[1] or "validation failed" in s[1] for s in seen), seen
+
+
+# --- memory: no [T, V_local] buffer but the gradient ---------------------------------------
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("impl,dtype", [("compiled", torch.bfloat16)])
+def test_peak_memory_has_no_mask_sized_buffer(impl, dtype):
+    """T = 2048, V_local = 32000, K = 64: forward + backward allocate one B-sized buffer (the gradient).
+
+    The ids' own scratch is O(T K); a float32 copy for a 16-bit scatter (torch's
+    CPU scatter of bfloat16 makes one: spec.set_at_columns goes through int16)
+    or a [T, V_local] mask would show as another allocation of >= B / 4.
+    """
+    from dualvp_torch import tuning
+
+    from ._alloc import allocations, peak
+
+    T, V, K = 2048, 32000, 64
+    g = torch.Generator().manual_seed(0)
+    leaf = torch.randn(T, V, generator=g).to(dtype).requires_grad_(True)
+    y = torch.randint(0, V, (T,), generator=g)
+    ids = torch.randint(0, V, (T, K), generator=g)
+    B = leaf.numel() * leaf.element_size()
+
+    def step():
+        lp, h = dualvp_torch.logprob_entropy(leaf, y, keep_ids=ids, impl=impl, temperature=0.7)
+        (lp.sum() + h.sum()).backward()
+
+    with tuning.using(tuning.Tuning(max_eager_workers=1)):
+        step()  # warm-up (compilation)
+        leaf.grad = None
+        sizes = allocations(step)
+    big = [s for s in sizes if s >= B // 4]
+    assert big == [B], [s / B for s in big]
+    assert peak(sizes) <= 1.1 * B, peak(sizes) / B
+
+
+def test_no_rows():
+    z = torch.zeros(0, 8, requires_grad=True)
+    lp, h = dualvp_torch.logprob_entropy(z, torch.zeros(0, dtype=torch.long), keep_ids=torch.zeros(0, 3,
+                                         dtype=torch.long), impl="eager")
+    (lp.sum() + h.sum()).backward()
+    assert lp.shape == (0,) and z.grad.shape == (0, 8)
+
+
+@pytest.mark.slow
+def test_inside_a_callers_fullgraph_compile():
+    """keep_ids through the custom op: one node of a caller's ``torch.compile(fullgraph=True)`` graph."""
+    p = cases.make(cases.case("everything_ids"))
+    c = p.case
+    z0, y, ids = _tensors(p)
+    gl, ge = (torch.from_numpy(x).float() for x in (p.grad_logprob, p.grad_entropy))
+
+    def loss(z):
+        lp, h = dualvp_torch.logprob_entropy(z, y, keep_ids=ids, temperature=c.temperature,
+                                             ignore_index=c.ignore_index, impl="eager")
+        return (lp * gl).sum() + (h * ge).sum()
+
+    z = z0.clone().requires_grad_(True)
+    torch.compile(loss, fullgraph=True)(z).backward()
+    want = testing.oracle(p)
+    assert testing.within_tolerance(z.grad.double().numpy(), want.grad, testing.tolerance("float32", "grad"))
+
+
+@pytest.mark.parametrize("impl", ["eager", pytest.param("compiled", marks=pytest.mark.slow)])
+def test_batch_invariance(impl):
+    """A row's log-prob and gradient row with keep_ids: bitwise the same alone, in 7 rows and in 257."""
+    from dualvp_torch import tuning
+
+    g = torch.Generator().manual_seed(0)
+    T, V, K = 257, 300, 8
+    z = torch.randn(T, V, generator=g) * 3
+    y, ids = torch.randint(0, V, (T,), generator=g), torch.randint(-1, V, (T, K), generator=g)
+
+    def run(rows):
+        x = z[rows].clone().requires_grad_(True)
+        lp, h = dualvp_torch.logprob_entropy(x, y[rows], keep_ids=ids[rows], impl=impl)
+        (lp.sum() + h.sum()).backward()
+        return lp.detach(), x.grad
+
+    with tuning.using(tuning.Tuning(max_eager_workers=1)):  # (eager: invariant in the calling thread)
+        lp_all, g_all = run(slice(0, T))
+        for i, rows in ((0, slice(0, 1)), (256, slice(256, 257)), (256, slice(250, 257))):
+            lp, gr = run(rows)
+            j = i - rows.start
+            assert torch.equal(lp[j], lp_all[i]) and torch.equal(gr[j], g_all[i]), (i, rows)
+
+
+@pytest.mark.parametrize("extra", ["multi_target", "with_sum_p2", "temperature"])
+def test_keep_ids_with_an_extended_option_is_refused(extra):
+    # The extended op (K targets, a temperature tensor, sum p^2) has no id path:
+    # refused at check time, naming both options, rather than computed without the ids.
+    z = torch.zeros(4, 8)
+    y = torch.zeros((4, 2) if extra == "multi_target" else (4,), dtype=torch.long)
+    kw = {"temperature": torch.ones(4)} if extra == "temperature" else {extra: True}
+    with pytest.raises(NotImplementedError, match="keep_ids.*(multi_target|with_sum_p2|temperature)"):
+        dualvp_torch.logprob_entropy(z, y, keep_ids=torch.zeros(4, 2, dtype=torch.long), impl="eager", **kw)
