@@ -388,7 +388,7 @@ def _triton_merge(all_stats, y, rows, call):
     if rows is not None:
         return rows
     # [W, S, T, 6] -> [W S, T, 6]: the merge is associative over ranks and column splits alike
-    return logits_triton.merge(all_stats.reshape(-1, call.plan.T, 6), y, call.plan)
+    return logits_triton.merge(all_stats.flatten(0, 1), y, call.plan)  # (T may be 0: no reshape(-1, ...))
 
 
 def _triton_grad(z, y, keep, res, gl, ge, call, out=None):
