@@ -39,7 +39,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-__all__ = ["CHUNK_BYTES", "COLUMN_BLOCK", "MIN_ROWS", "chunk_rows", "column_blocks", "map_row_chunks"]
+__all__ = ["CHUNK_BYTES", "COLUMN_BLOCK", "MIN_ROWS", "chunk_rows", "column_blocks", "map_row_chunks",
+           "stats_with_redo"]
 
 #: Fewest rows of one reduction block: :func:`map_row_chunks` pads a call of
 #: fewer rows to this many (batch invariance, docs/decisions.md "Batch
@@ -145,3 +146,21 @@ def map_row_chunks(fn: Callable, arrays: Sequence[Optional[jnp.ndarray]], rows: 
 
     _, ys = lax.scan(body, tuple(present), jnp.arange(k, dtype=jnp.int32))
     return jax.tree_util.tree_map(assemble, ys)
+
+
+def stats_with_redo(run: Callable, args: tuple, has_keep: bool):
+    """A shard's statistics ``run(args, kept_shift)``: without a mask ``"kept"``; with one the fast
+    ``"max"`` pass, then the ``"kept"`` pass for the rows that pass marked (``spec.redo_marked``).
+
+    A row that a block marks stays marked through the merge (its sk is NaN). The predicate is on the
+    device: no host synchronisation. Only the marked rows take the second pass's statistics, as in every
+    backend: a row's result does not depend on another's mark.
+    """
+    from dualvp import spec
+
+    if not has_keep:
+        return run(args, "kept")
+    fast = run(args, "max")
+    return lax.cond(jnp.any(spec.marked_rows(jnp, fast)),
+                    lambda: spec.redo_marked(jnp, fast, run(args, "kept")), lambda: fast)
+

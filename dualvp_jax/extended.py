@@ -99,12 +99,7 @@ def _stats(logits, local, owns, keep, tau, cdt, opt: Options, tuning: Tuning):
         k = local.shape[-1]
         args = (z.reshape(n, v), local.reshape(n, k), owns.reshape(n, k),
                 None if keep is None else keep.reshape(n, v), None if t is None else t.reshape(n))
-        if keep is None:
-            out = run(args, "kept")
-        else:
-            fast = run(args, "max")
-            out = lax.cond(jnp.any(spec.marked_rows(jnp, fast)),
-                           lambda: spec.redo_marked(jnp, fast, run(args, "kept")), lambda: fast)
+        out = chunks.stats_with_redo(run, args, keep is not None)
         return out.reshape(z.shape[:-1] + out.shape[-1:])
 
     t = tau if row_tau else None

@@ -306,16 +306,7 @@ def _shard_stats(logits, local, owns, keep, tau, cdt, with_entropy: bool, tuning
     def chunked(z, local, owns, keep):
         n, v = math.prod(z.shape[:-1]), z.shape[-1]
         args = (z.reshape(n, v), local.reshape(n), owns.reshape(n), None if keep is None else keep.reshape(n, v))
-        if keep is None:
-            out = run(args, "kept")
-        else:
-            fast = run(args, "max")
-            # A row that a block marks stays marked through the merge (its sk
-            # is NaN). The predicate is on the device: no host synchronisation.
-            # Only the marked rows take the second pass's statistics, as in
-            # every backend: a row's result does not depend on another's mark.
-            out = lax.cond(jnp.any(spec.marked_rows(jnp, fast)),
-                           lambda: spec.redo_marked(jnp, fast, run(args, "kept")), lambda: fast)
+        out = chunks.stats_with_redo(run, args, keep is not None)
         return out.reshape(z.shape[:-1] + out.shape[-1:])
 
     if tuning.path == "auto":
