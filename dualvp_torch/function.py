@@ -11,10 +11,16 @@ One call, whatever the engine (``group`` with ``W`` ranks; ``T`` rows; shard ``V
     library._bwd             (autograd) engine grad [T, V_local] -> gradient (no collective)
 
 Inside a caller's ``torch.compile`` an eligible call (plain tensors, options
-of their documented Python types, no ``inplace_grad``) goes to the custom op
-directly, which runs the same checks in its body: one node of the caller's
-graph (``fullgraph=True`` holds). Anything else (DTensor, ``inplace_grad=True``,
-arguments of other types) runs as one graph break.
+of their documented Python types, ``inplace_grad`` included) goes to the custom
+op directly, which runs the same checks in its body: one node of the caller's
+graph (``fullgraph=True`` holds). With ``inplace_grad=True`` the backward graph
+holds the in-place backward op on the saved logits: inductor runs it in place
+(logits that are an input of the compiled function hold the gradient after
+backward, and another node that saved them raises the "modified by an inplace
+operation" error, as eagerly); AOTAutograd's functionalization without
+inductor (``backend="aot_eager"``) writes it into a copy instead (same values,
+the memory of a fresh gradient). Anything else (DTensor, arguments of other
+types) runs as one graph break.
 """
 
 from __future__ import annotations

@@ -214,9 +214,9 @@ def eligible(logits: object, target: object, *, group: object = None, keep_mask:
         and (keep_ids is None or type(keep_ids) is Tensor)
         and (group is None or collectives.is_process_group(group))
         and isinstance(temperature, numbers.Real) and not isinstance(temperature, bool)
-        and all(isinstance(x, bool) for x in (with_entropy, entropy_grad, validate))
+        and all(isinstance(x, bool) for x in (with_entropy, entropy_grad, validate, inplace_grad))
         and isinstance(ignore_index, int) and not isinstance(ignore_index, bool)
-        and inplace_grad is False and (impl is None or isinstance(impl, str))
+        and (impl is None or isinstance(impl, str))
     )
 
 
