@@ -258,9 +258,7 @@ def shard_grad(
             out, ok = _compiled_path.run(_stages.grad_stage, stage_args, ge is not None)
         if ok:
             return out
-    out = z if inplace else torch.empty(z.shape, dtype=z.dtype, device=z.device)
-    _eager_path.grad(z, out, *args[1:-1], _eager_tau(tau, temperature))
-    return out
+    return _eager_path.grad(z, z if inplace else None, *args[1:-1], _eager_tau(tau, temperature))
 
 
 # --- block-level entry points (the fused LM-head op) -----------------------------------

@@ -239,8 +239,9 @@ def _backward(ctx, grad_logprob, grad_entropy):
     if call is not None and torch._C._len_torch_dispatch_stack() == 0:  # (see above)
         if ctx.inplace:
             torch.autograd.graph.increment_version(logits)  # what the op's ADInplaceOrView kernel does
-        return grad(logits, target, keep_mask, res, grad_logprob, grad_entropy, call, inplace=ctx.inplace,
-                    keep_ids=keep_ids)
+        with torch._C._AutoDispatchBelowAutograd():  # as the kernel runs under the op (eager engine: -15% CPU)
+            return grad(logits, target, keep_mask, res, grad_logprob, grad_entropy, call, inplace=ctx.inplace,
+                        keep_ids=keep_ids)
     if ctx.inplace:
         _BWD_INPLACE(logits, target, keep_mask, res, grad_logprob, grad_entropy, *options, keep_ids)
         return logits
