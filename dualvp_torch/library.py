@@ -8,11 +8,15 @@
         -> the gradient of the logits
     dualvp::logprob_entropy_bwd_(...)   the same written into the logits (inplace_grad=True)
 
-with the backward registered through ``register_autograd``. An eager call
-(:func:`dualvp_torch.logprob_entropy`), a caller's ``torch.compile(fullgraph=True)``
-(the ops are opaque nodes of its graph) and a CUDA-graph capture
+defined on a ``torch.library.Library`` fragment, with the forward's autograd
+kernel (one node, :data:`_Autograd`) registered beside its kernel and fake
+kernel. An eager call (:func:`dualvp_torch.logprob_entropy`), a caller's
+``torch.compile(fullgraph=True)`` (the ops are opaque nodes of its graph,
+``inplace_grad=True`` included) and a CUDA-graph capture
 (``mode="reduce-overhead"``; with ``validate=False`` neither op synchronises
-or allocates by data on the Triton engine) all run this one object. Each op
+or allocates by data on the Triton engine) all run this one object; eagerly,
+with nothing but a backend key below autograd, the autograd node runs the
+kernels without a second trip through the dispatcher (see "autograd"). Each op
 body takes the checked call from :func:`dualvp_torch.checks.logits_call`
 (cached per call metadata), then the engine's steps
 (:data:`dualvp_torch.engines.ENGINES`)::
