@@ -230,21 +230,30 @@ def stats(z, local, owns, keep, tau, with_entropy: bool = True) -> torch.Tensor:
     return out[0]
 
 
-def grad(z, out, local, owns, keep, *row_args) -> None:
-    """Write the shard's gradient into ``out`` (``z`` itself for the in-place gradient), chunk by chunk.
+def grad(z, out, local, owns, keep, *row_args) -> torch.Tensor:
+    """The shard's gradient, chunk by chunk, written into ``out`` (``z`` itself for the in-place gradient).
 
-    ``row_args``: ``M, log_s, c, mk, log_sk, valid, gl, ge, tau`` as in
-    :func:`dualvp_torch.engines.shard_grad`.
+    ``out=None``: a fresh gradient (a shard of one chunk: the stage's own
+    output, no copy). ``row_args``: ``M, log_s, c, mk, log_sk, valid, gl,
+    ge, tau`` as in :func:`dualvp_torch.engines.shard_grad`.
     """
     setting = tuning.current()
     *per_row, tau = row_args
-    fraction = INPLACE_FRACTION if out.data_ptr() == z.data_ptr() else GRAD_FRACTION
+    inplace = out is not None and out.data_ptr() == z.data_ptr()
+    fraction = INPLACE_FRACTION if inplace else GRAD_FRACTION
+    n, v = z.shape
+    if out is None and n <= chunk_rows(n, v, z.element_size(), fraction, GRAD_SCRATCH_BYTES, _workers(z, n, setting),
+                                       _cap(z, setting)) and not _split_rows_possible(z, setting):
+        return stages.grad_stage(z, local, owns, keep, *per_row, tau)
+    if out is None:
+        out = torch.empty(z.shape, dtype=z.dtype, device=z.device)
 
     def chunk(i, j):
         rows = [_rows(x, i, j) for x in per_row]
         out[i:j] = stages.grad_stage(z[i:j], local[i:j], owns[i:j], _rows(keep, i, j), *rows, tau)
 
     _map_chunks(chunk, z, fraction, GRAD_SCRATCH_BYTES, setting)
+    return out
 
 
 def redo_marked_rows(out, z, local, owns, keep, tau, with_entropy: bool, setting: Optional[tuning.Tuning] = None):

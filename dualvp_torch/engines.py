@@ -258,9 +258,7 @@ def shard_grad(
             out, ok = _compiled_path.run(_stages.grad_stage, stage_args, ge is not None)
         if ok:
             return out
-    out = z if inplace else torch.empty(z.shape, dtype=z.dtype, device=z.device)
-    _eager_path.grad(z, out, *args[1:-1], _eager_tau(tau, temperature))
-    return out
+    return _eager_path.grad(z, z if inplace else None, *args[1:-1], _eager_tau(tau, temperature))
 
 
 # --- block-level entry points (the fused LM-head op) -----------------------------------
@@ -361,42 +359,43 @@ def _spec_stages(compiled: bool) -> tuple:
 # (plan.finalize) the statistics kernel writes the outputs itself: stats passes them to merge in ``rows``.
 
 
+#: dualvp_torch.logits_triton, once a plan is made: every call's plan is made with its checks, before any of
+#: the steps below run (an import statement per step cost ~1 us of host time each).
+_lt = None
+
+
 def _triton_plan(call):
+    global _lt
     from . import logits_triton
 
+    _lt = logits_triton
     return logits_triton.make_plan(call.opt, call.rank, call.world, call.rows, call.v_local, call.dtype,
                                    call.device_type, False, None)
 
 
 def _triton_stats(z, y, keep, call):
-    from . import logits_triton
-
     # z, keep: [T, V_local] from the op; the kernels want unit column stride (a copy only where it is not)
     z = z if z.stride(-1) == 1 else z.contiguous()
     keep = None if keep is None else (keep if keep.stride(-1) == 1 else keep.contiguous()).view(torch.uint8)
     plan = call.plan
     if plan.finalize:  # one launch: logprob, entropy, res; "stats" is any tensor (a group of 1 gathers it)
-        logprob, entropy, res, _ = logits_triton.stats_outputs(z, y, keep, plan)
+        logprob, entropy, res, _ = _lt.stats_outputs(z, y, keep, plan)
         return res, None, (logprob, entropy, res)
-    st, _ = logits_triton.stats(z, y, keep, plan)  # [S, T, 6]
+    st, _ = _lt.stats(z, y, keep, plan)  # [S, T, 6]
     return st, None, None
 
 
 def _triton_merge(all_stats, y, rows, call):
-    from . import logits_triton
-
     if rows is not None:
         return rows
     # [W, S, T, 6] -> [W S, T, 6]: the merge is associative over ranks and column splits alike
-    return logits_triton.merge(all_stats.flatten(0, 1), y, call.plan)  # (T may be 0: no reshape(-1, ...))
+    return _lt.merge(all_stats.flatten(0, 1), y, call.plan)  # (T may be 0: no reshape(-1, ...))
 
 
 def _triton_grad(z, y, keep, res, gl, ge, call, out=None):
-    from . import logits_triton
-
     z = z if z.stride(-1) == 1 else z.contiguous()
     keep = None if keep is None else (keep if keep.stride(-1) == 1 else keep.contiguous()).view(torch.uint8)
-    return logits_triton.grad(z, y, keep, res, gl, ge, call.plan, out=out)
+    return _lt.grad(z, y, keep, res, gl, ge, call.plan, out=out)
 
 
 def _no_plan(call):

@@ -3,18 +3,25 @@
 One call, whatever the engine (``group`` with ``W`` ranks; ``T`` rows; shard ``V_local``)::
 
     DTensor logits           dtensor.logprob_entropy unwraps them and calls the local op below
-    library.logprob_entropy  checks.logits_call: local checks (cached per call metadata), the
-                             engine (engines.select)
-    library._fwd             the custom op: engine stats [T, V_local] -> [T, 6]; validate=True:
+    library.run_op           arguments of the op's schema types (library.eligible): the op as is
+    library.logprob_entropy  other argument types: checks.logits_call first, then the op
+    dualvp::logprob_entropy_fwd   the op (library): checks.logits_call (cached per call metadata), the
+                             engine (engines.select); engine stats [T, V_local] -> [T, 6]; validate=True:
                              the agreement ([W, 10] int64, 1 host sync); all-gather -> [W, T, 6];
                              merge -> logprob, entropy, res [5, T] (identical on every rank)
-    library._bwd             (autograd) engine grad [T, V_local] -> gradient (no collective)
+    dualvp::logprob_entropy_bwd   (autograd) engine grad [T, V_local] -> gradient (no collective)
 
 Inside a caller's ``torch.compile`` an eligible call (plain tensors, options
-of their documented Python types, no ``inplace_grad``) goes to the custom op
-directly, which runs the same checks in its body: one node of the caller's
-graph (``fullgraph=True`` holds). Anything else (DTensor, ``inplace_grad=True``,
-arguments of other types) runs as one graph break.
+of their documented Python types, ``inplace_grad`` included) goes to the custom
+op directly, which runs the same checks in its body: one node of the caller's
+graph (``fullgraph=True`` holds). With ``inplace_grad=True`` the backward graph
+holds the in-place backward op on the saved logits: inductor runs it in place
+(logits that are an input of the compiled function hold the gradient after
+backward, and another node that saved them raises the "modified by an inplace
+operation" error, as eagerly); AOTAutograd's functionalization without
+inductor (``backend="aot_eager"``) writes it into a copy instead (same values,
+the memory of a fresh gradient). Anything else (DTensor, arguments of other
+types) runs as one graph break.
 """
 
 from __future__ import annotations
@@ -142,6 +149,16 @@ def logprob_entropy(
       >>> [round(v, 4) for v in lp.tolist()], [round(v, 4) for v in h.tolist()]
       ([-1.3863, -0.3408], [1.3863, 0.9183])
     """
+    if multi_target is False and with_sum_p2 is False and library.eligible(
+            logits, target, group=group, keep_mask=keep_mask, temperature=temperature, with_entropy=with_entropy,
+            entropy_grad=entropy_grad, ignore_index=ignore_index, validate=validate, inplace_grad=inplace_grad,
+            impl=impl, keep_ids=keep_ids):
+        # the custom op as is, eagerly and as one node of a caller's graph alike; its body runs the checks
+        return library.run_op(
+            logits, target, group=group, keep_mask=keep_mask, temperature=temperature, with_entropy=with_entropy,
+            entropy_grad=entropy_grad, ignore_index=ignore_index, validate=validate, inplace_grad=inplace_grad,
+            impl=impl, keep_ids=keep_ids,
+        )
     if multi_target is not False or with_sum_p2 is not False or checks.temperature_meta(temperature) is not None:
         run = torch.compiler.disable(_extended) if torch.compiler.is_compiling() else _extended
         return run(logits, target, group=group, keep_mask=keep_mask, temperature=temperature,
@@ -149,15 +166,6 @@ def logprob_entropy(
                    inplace_grad=inplace_grad, impl=impl, multi_target=multi_target, with_sum_p2=with_sum_p2,
                    keep_ids=keep_ids)
     if torch.compiler.is_compiling():
-        if library.eligible(logits, target, group=group, keep_mask=keep_mask, temperature=temperature,
-                            with_entropy=with_entropy, entropy_grad=entropy_grad, ignore_index=ignore_index,
-                            validate=validate, inplace_grad=inplace_grad, impl=impl, keep_ids=keep_ids):
-            # one node of the caller's graph; the op's body runs the checks
-            return library.in_graph(
-                logits, target, group=group, keep_mask=keep_mask, temperature=temperature,
-                with_entropy=with_entropy, entropy_grad=entropy_grad, ignore_index=ignore_index, validate=validate,
-                inplace_grad=inplace_grad, impl=impl, keep_ids=keep_ids,
-            )
         # outside the graph the call takes the branches below (is_compiling() is False there)
         return torch.compiler.disable(logprob_entropy)(
             logits, target, group=group, keep_mask=keep_mask, temperature=temperature, with_entropy=with_entropy,
@@ -173,6 +181,7 @@ def logprob_entropy(
             with_entropy=with_entropy, entropy_grad=entropy_grad, ignore_index=ignore_index, validate=validate,
             inplace_grad=inplace_grad, impl=impl, keep_ids=keep_ids,
         )
+    # arguments of other types (a 0-d tensor temperature, an int flag, ...): checked, then the op
     return library.logprob_entropy(
         logits, target, group=group, keep_mask=keep_mask, temperature=temperature, with_entropy=with_entropy,
         entropy_grad=entropy_grad, ignore_index=ignore_index, validate=validate, inplace_grad=inplace_grad, impl=impl,

@@ -8,11 +8,15 @@
         -> the gradient of the logits
     dualvp::logprob_entropy_bwd_(...)   the same written into the logits (inplace_grad=True)
 
-with the backward registered through ``register_autograd``. An eager call
-(:func:`dualvp_torch.logprob_entropy`), a caller's ``torch.compile(fullgraph=True)``
-(the ops are opaque nodes of its graph) and a CUDA-graph capture
+defined on a ``torch.library.Library`` fragment, with the forward's autograd
+kernel (one node, :data:`_Autograd`) registered beside its kernel and fake
+kernel. An eager call (:func:`dualvp_torch.logprob_entropy`), a caller's
+``torch.compile(fullgraph=True)`` (the ops are opaque nodes of its graph,
+``inplace_grad=True`` included) and a CUDA-graph capture
 (``mode="reduce-overhead"``; with ``validate=False`` neither op synchronises
-or allocates by data on the Triton engine) all run this one object. Each op
+or allocates by data on the Triton engine) all run this one object; eagerly,
+with nothing but a backend key below autograd, the autograd node runs the
+kernels without a second trip through the dispatcher (see "autograd"). Each op
 body takes the checked call from :func:`dualvp_torch.checks.logits_call`
 (cached per call metadata), then the engine's steps
 (:data:`dualvp_torch.engines.ENGINES`)::
@@ -65,9 +69,10 @@ def forward(logits: Tensor, target: Tensor, keep_mask: Optional[Tensor], call: c
     """
     eng = engines.ENGINES[call.engine]
     v = call.v_local
-    z = logits.reshape(-1, v)
-    y = target.reshape(-1)
-    keep = None if keep_mask is None else keep_mask.reshape(-1, v)
+    flat = target.dim() == 1  # logits [T, V_local] (no reshape: a view each, ~1 us of host time)
+    z = logits if flat else logits.reshape(-1, v)
+    y = target if flat else target.reshape(-1)
+    keep = keep_mask if keep_mask is None or flat else keep_mask.reshape(-1, v)
     ids = None if keep_ids is None else keep_ids.reshape(y.shape[0], keep_ids.shape[-1])
     if ids is not None and call.validate:
         _ids.check_range(ids, call, group, z)
@@ -80,6 +85,8 @@ def forward(logits: Tensor, target: Tensor, keep_mask: Optional[Tensor], call: c
         checks.agree(call, bad, group, z, y)
     all_stats = stats[None] if group is None else collectives.gather_stats(stats, group)
     logprob, entropy, res = eng.merge(all_stats, y, rows, call)
+    if flat:
+        return logprob, entropy, res
     return logprob.view(target.shape), entropy.view(target.shape), res
 
 
@@ -93,34 +100,65 @@ def grad(logits: Tensor, target: Tensor, keep_mask: Optional[Tensor], res: Tenso
     """
     eng = engines.ENGINES[call.engine]
     v = call.v_local
-    z = logits.reshape(-1, v)
-    keep = None if keep_mask is None else keep_mask.reshape(-1, v)
-    ge = grad_entropy.reshape(-1) if call.opt.with_entropy and call.opt.entropy_grad else None
+    flat = target.dim() == 1  # (as in forward)
+    z = logits if flat else logits.reshape(-1, v)
+    keep = keep_mask if keep_mask is None or flat else keep_mask.reshape(-1, v)
+    gl = grad_logprob if flat else grad_logprob.reshape(-1)
+    ge = None
+    if call.opt.with_entropy and call.opt.entropy_grad:
+        ge = grad_entropy if flat else grad_entropy.reshape(-1)
+    y = target if flat else target.reshape(-1)
     if keep_ids is not None:
-        y = target.reshape(-1)
-        g = _ids.grad_with_ids(eng, z, y, keep_ids.reshape(y.shape[0], keep_ids.shape[-1]), res,
-                               grad_logprob.reshape(-1), ge, call, out=z if inplace else None)
-        return g.view(logits.shape)
-    g = eng.grad(z, target.reshape(-1), keep, res, grad_logprob.reshape(-1), ge, call, out=z if inplace else None)
-    return g.view(logits.shape)
+        g = _ids.grad_with_ids(eng, z, y, keep_ids.reshape(y.shape[0], keep_ids.shape[-1]), res, gl, ge, call,
+                               out=z if inplace else None)
+    else:
+        g = eng.grad(z, y, keep, res, gl, ge, call, out=z if inplace else None)
+    return g if flat else g.view(logits.shape)
 
 
-@torch.library.custom_op("dualvp::logprob_entropy_fwd", mutates_args=())
-def _fwd(
-    logits: Tensor, target: Tensor, keep_mask: Optional[Tensor], group_name: str, temperature: float,
-    with_entropy: bool, entropy_grad: bool, ignore_index: int, validate: bool, inplace_grad: bool, impl: str,
-    label_smoothing: float, keep_ids: Optional[Tensor] = None,
-) -> tuple[Tensor, Tensor, Tensor]:
-    group = _group(group_name) if group_name else None
-    call = checks.logits_call(
-        logits, target, keep_mask, group=group, temperature=temperature, with_entropy=with_entropy,
+# --- the ops, registered with torch's dispatcher -------------------------------------------
+#
+# Defined on a ``torch.library.Library`` fragment with the registrations that ``torch.library.custom_op``
+# makes (schema, a kernel for every device, a fake kernel, an autograd kernel, the mutated argument's version
+# bump), written out: custom_op wraps each of them in Python layers that cost ~190 us per forward + backward
+# on a CPU (the setup-context path's fill_defaults rebuilds the 13-argument schema 14 times, ~110 us; each
+# kernel runs under a dynamo-disabling wrapper and an aliasing check; the forward goes through a generated
+# autograd.Function with a metadata object), 2.5x the whole op's host time in the launch-stubbed benchmark
+# (benchmarks/host_overhead.py; docs/decisions.md, "Host time and the eager engine").
+
+_LIB = torch.library.Library("dualvp", "FRAGMENT")
+_OPTIONS = ("str group_name, float temperature, bool with_entropy, bool entropy_grad, SymInt ignore_index, "
+            "bool validate, bool inplace_grad, str impl, float label_smoothing")
+_BWD_OPTIONS = "str group_name, float temperature, bool with_entropy, bool entropy_grad, SymInt ignore_index, str impl"
+_PT2 = (torch.Tag.pt2_compliant_tag,)
+_LIB.define(f"logprob_entropy_fwd(Tensor logits, Tensor target, Tensor? keep_mask, {_OPTIONS}, Tensor? keep_ids=None) "
+            "-> (Tensor, Tensor, Tensor)", tags=_PT2)
+_LIB.define("logprob_entropy_bwd(Tensor logits, Tensor target, Tensor? keep_mask, Tensor res, Tensor grad_logprob, "
+            f"Tensor grad_entropy, {_BWD_OPTIONS}, Tensor? keep_ids=None) -> Tensor", tags=_PT2)
+_LIB.define("logprob_entropy_bwd_(Tensor(a!) logits, Tensor target, Tensor? keep_mask, Tensor res, "
+            f"Tensor grad_logprob, Tensor grad_entropy, {_BWD_OPTIONS}, Tensor? keep_ids=None) -> ()", tags=_PT2)
+_FWD = torch.ops.dualvp.logprob_entropy_fwd.default
+_BWD = torch.ops.dualvp.logprob_entropy_bwd.default
+_BWD_INPLACE = torch.ops.dualvp.logprob_entropy_bwd_.default
+
+
+def _call_of(logits, target, keep_mask, group_name, temperature, with_entropy, entropy_grad, ignore_index, validate,
+             inplace_grad, impl, label_smoothing, keep_ids=None) -> checks.Call:
+    return checks.logits_call(
+        logits, target, keep_mask, group=_group(group_name) if group_name else None, temperature=temperature, with_entropy=with_entropy,
         entropy_grad=entropy_grad, ignore_index=ignore_index, validate=validate, inplace_grad=inplace_grad,
         impl=impl or None, label_smoothing=label_smoothing, keep_ids=keep_ids,
     )
-    return forward(logits, target, keep_mask, call, group, keep_ids)
 
 
-@_fwd.register_fake
+def _fwd_impl(logits, target, keep_mask, group_name, temperature, with_entropy, entropy_grad, ignore_index, validate,
+              inplace_grad, impl, label_smoothing, keep_ids=None):
+    # (the dispatcher leaves out a trailing argument equal to its default: keep_ids=None)
+    call = _call_of(logits, target, keep_mask, group_name, temperature, with_entropy, entropy_grad, ignore_index,
+                    validate, inplace_grad, impl, label_smoothing, keep_ids)
+    return forward(logits, target, keep_mask, call, _group(group_name) if group_name else None, keep_ids)
+
+
 def _fwd_fake(logits, target, keep_mask, group_name, temperature, with_entropy, entropy_grad, ignore_index,
               validate, inplace_grad, impl, label_smoothing, keep_ids=None):
     cdt = compute_dtype(logits.dtype)
@@ -129,7 +167,7 @@ def _fwd_fake(logits, target, keep_mask, group_name, temperature, with_entropy, 
 
 
 def _bwd_call(logits, target, keep_mask, group_name, temperature, with_entropy, entropy_grad, ignore_index, impl,
-              keep_ids=None):
+              keep_ids):
     # the forward's call again (its options and engine), from the cache: no agreement, no sync
     return checks.logits_call(
         logits, target, keep_mask, group=_group(group_name) if group_name else None, temperature=temperature,
@@ -138,42 +176,97 @@ def _bwd_call(logits, target, keep_mask, group_name, temperature, with_entropy, 
     )
 
 
-@torch.library.custom_op("dualvp::logprob_entropy_bwd", mutates_args=())
-def _bwd(
-    logits: Tensor, target: Tensor, keep_mask: Optional[Tensor], res: Tensor, grad_logprob: Tensor,
-    grad_entropy: Tensor, group_name: str, temperature: float, with_entropy: bool, entropy_grad: bool,
-    ignore_index: int, impl: str, keep_ids: Optional[Tensor] = None,
-) -> Tensor:
+def _bwd_impl(logits, target, keep_mask, res, grad_logprob, grad_entropy, group_name, temperature, with_entropy,
+              entropy_grad, ignore_index, impl, keep_ids=None):
     return grad(logits, target, keep_mask, res, grad_logprob, grad_entropy,
                 _bwd_call(logits, target, keep_mask, group_name, temperature, with_entropy, entropy_grad,
                           ignore_index, impl, keep_ids), keep_ids=keep_ids)
 
 
-@_bwd.register_fake
 def _bwd_fake(logits, *rest):
     return torch.empty_like(logits, memory_format=torch.contiguous_format)
 
 
-@torch.library.custom_op("dualvp::logprob_entropy_bwd_", mutates_args=("logits",))
-def _bwd_inplace(
-    logits: Tensor, target: Tensor, keep_mask: Optional[Tensor], res: Tensor, grad_logprob: Tensor,
-    grad_entropy: Tensor, group_name: str, temperature: float, with_entropy: bool, entropy_grad: bool,
-    ignore_index: int, impl: str, keep_ids: Optional[Tensor] = None,
-) -> None:
+def _bwd_inplace_impl(logits, target, keep_mask, res, grad_logprob, grad_entropy, group_name, temperature,
+                      with_entropy, entropy_grad, ignore_index, impl, keep_ids=None):
     call = _bwd_call(logits, target, keep_mask, group_name, temperature, with_entropy, entropy_grad, ignore_index,
                      impl, keep_ids)
     grad(logits, target, keep_mask, res, grad_logprob, grad_entropy, call, inplace=True, keep_ids=keep_ids)
 
 
-@_bwd_inplace.register_fake
+def _bwd_inplace_version(keyset, logits, *rest):
+    # ADInplaceOrView: the mutated logits' version counter moves (another autograd node that saved them then
+    # raises torch's "modified by an inplace operation" error), then the kernel below runs
+    torch.autograd.graph.increment_version(logits)
+    return _BWD_INPLACE.redispatch(keyset & torch._C._after_ADInplaceOrView_keyset, logits, *rest)
+
+
 def _bwd_inplace_fake(logits, *rest):
     return None
 
 
-def _setup_context(ctx, inputs, output):
-    (logits, target, keep_mask, group_name, temperature, with_entropy, entropy_grad, ignore_index, _, inplace_grad,
-     impl, _, keep_ids) = inputs
-    ctx.save_for_backward(logits, target, keep_mask, output[2], keep_ids)
+for _name, _impl, _fake in (("logprob_entropy_fwd", _fwd_impl, _fwd_fake), ("logprob_entropy_bwd", _bwd_impl, _bwd_fake),
+                            ("logprob_entropy_bwd_", _bwd_inplace_impl, _bwd_inplace_fake)):
+    _LIB.impl(_name, _impl, "CompositeExplicitAutograd")  # every device: the engine is the call's
+    torch.library.register_fake(f"dualvp::{_name}", _fake, lib=_LIB)
+_LIB.impl("logprob_entropy_bwd_", _bwd_inplace_version, "ADInplaceOrView", with_keyset=True)
+
+
+# --- autograd ----------------------------------------------------------------------------
+#
+# The forward op's autograd kernel records one node (``_Autograd``) and runs the op below autograd. Where
+# nothing but a backend key (CPU, CUDA) is left below autograd (no tracing mode, fake or functional tensor,
+# torch function transform), the dispatcher's redispatch would run the CompositeExplicitAutograd kernel and
+# nothing else: the node calls it directly (one boxing of 13 arguments less) and keeps the checked call for
+# its backward, which then runs the backward kernel directly too (no lookup of the call again) unless a
+# dispatch mode is active by then. Anything else goes through the dispatcher: a caller's torch.compile
+# traces the ops (their fake kernels), never their bodies.
+
+_AFTER_AUTOGRAD = torch._C._after_autograd_keyset
+_DIRECT = frozenset({torch._C.DispatchKey.CPU, torch._C.DispatchKey.CUDA})
+
+
+def _backward(ctx, grad_logprob, grad_entropy):
+    """The gradient w.r.t. the logits (``None`` when none reaches them): the backward op or its kernel."""
+    if grad_logprob is None and grad_entropy is None:
+        return None
+    logits, target, keep_mask, res, keep_ids = ctx.saved_tensors
+    options = ctx.options
+    call = ctx.call
+    if grad_logprob is None:  # only the entropy reaches the loss: the log-prob term is zero (one fill)
+        grad_logprob = torch.zeros(target.shape, dtype=res.dtype, device=res.device)
+    if grad_entropy is None or not ctx.need_entropy_grad:  # no entropy term: the call without its gradient
+        grad_entropy = grad_logprob  # (not read)
+        if ctx.need_entropy_grad:
+            options = options[:3] + (False,) + options[4:]
+            call = None if call is None else _bwd_call(logits, target, keep_mask, *options, keep_ids)
+    if call is not None and torch._C._len_torch_dispatch_stack() == 0:  # (see above)
+        if ctx.inplace:
+            torch.autograd.graph.increment_version(logits)  # what the op's ADInplaceOrView kernel does
+        with torch._C._AutoDispatchBelowAutograd():  # as the kernel runs under the op (eager engine: -15% CPU)
+            return grad(logits, target, keep_mask, res, grad_logprob, grad_entropy, call, inplace=ctx.inplace,
+                        keep_ids=keep_ids)
+    if ctx.inplace:
+        _BWD_INPLACE(logits, target, keep_mask, res, grad_logprob, grad_entropy, *options, keep_ids)
+        return logits
+    return _BWD(logits, target, keep_mask, res, grad_logprob, grad_entropy, *options, keep_ids)
+
+
+_backward_once = torch.autograd.function.once_differentiable(_backward)
+
+
+def _autograd_forward(ctx, below, logits, target, keep_mask, keep_ids, options):
+    # options: the op's 9 arguments between keep_mask and keep_ids (one Python value through apply)
+    args = (logits, target, keep_mask, *options, keep_ids)
+    ctx.call = None
+    with torch._C._AutoDispatchBelowAutograd():
+        if below.highestPriorityTypeId() in _DIRECT:
+            ctx.call = _call_of(*args)
+            out = forward(logits, target, keep_mask, ctx.call, _group(options[0]) if options[0] else None, keep_ids)
+        else:
+            out = _FWD.redispatch(below, *args)
+    group_name, temperature, with_entropy, entropy_grad, ignore_index, _, inplace_grad, impl, _ = options
+    ctx.save_for_backward(logits, target, keep_mask, out[2], keep_ids)
     ctx.options = (group_name, temperature, with_entropy, entropy_grad, ignore_index, impl)
     ctx.need_entropy_grad = with_entropy and entropy_grad
     ctx.inplace = inplace_grad
@@ -181,26 +274,36 @@ def _setup_context(ctx, inputs, output):
     # (materialising its gradient would launch a fill kernel on every backward), and _backward treats a None
     # log-prob or entropy gradient explicitly as zero (never by skipping a term it needs: docs/design.md).
     ctx.set_materialize_grads(False)
+    return out
 
 
-def _backward(ctx, grad_logprob, grad_entropy, grad_res):
-    none = (None,) * 12
-    if not ctx.needs_input_grad[0] or (grad_logprob is None and grad_entropy is None):
-        return (None,) + none
-    logits, target, keep_mask, res, keep_ids = ctx.saved_tensors
-    options = ctx.options
-    if grad_logprob is None:  # only the entropy reaches the loss: the log-prob term is zero (one fill)
-        grad_logprob = torch.zeros(target.shape, dtype=res.dtype, device=res.device)
-    if grad_entropy is None or not ctx.need_entropy_grad:  # no entropy term: the call without its gradient
-        grad_entropy = grad_logprob  # (not read)
-        options = options[:3] + (False,) + options[4:]
-    if ctx.inplace:
-        _bwd_inplace(logits, target, keep_mask, res, grad_logprob, grad_entropy, *options, keep_ids)
-        return (logits,) + none
-    return (_bwd(logits, target, keep_mask, res, grad_logprob, grad_entropy, *options, keep_ids),) + none
+def _autograd_backward(ctx, grad_logprob, grad_entropy, grad_res):
+    # create_graph=True: once_differentiable's wrapper, so that a second differentiation raises (the backward
+    # ops have no derivative)
+    g = (_backward_once if torch.is_grad_enabled() else _backward)(ctx, grad_logprob, grad_entropy)
+    return None, g, None, None, None, None
 
 
-_fwd.register_autograd(_backward, setup_context=_setup_context)
+#: The forward op's autograd node (``grad_fn`` is a ``dualvp_logprob_entropy_fwdBackward``), the one backward
+#: definition of the logits op: the backward op (or its kernel) of the saved logits, target, mask and ``res``.
+_Autograd = type("dualvp_logprob_entropy_fwd", (torch.autograd.Function,), {
+    "forward": staticmethod(_autograd_forward), "backward": staticmethod(_autograd_backward)})
+
+
+def _fwd_autograd(keyset, logits, target, keep_mask, group_name, temperature, with_entropy, entropy_grad,
+                  ignore_index, validate, inplace_grad, impl, label_smoothing, keep_ids=None):
+    below = keyset & _AFTER_AUTOGRAD
+    options = (group_name, temperature, with_entropy, entropy_grad, ignore_index, validate, inplace_grad, impl,
+               label_smoothing)
+    if logits.requires_grad and torch.is_grad_enabled():
+        return _Autograd.apply(below, logits, target, keep_mask, keep_ids, options)
+    with torch._C._AutoDispatchBelowAutograd():
+        if below.highestPriorityTypeId() in _DIRECT:
+            return _fwd_impl(logits, target, keep_mask, *options, keep_ids)
+        return _FWD.redispatch(below, logits, target, keep_mask, *options, keep_ids)
+
+
+_LIB.impl("logprob_entropy_fwd", _fwd_autograd, "Autograd", with_keyset=True)
 
 
 def eligible(logits: object, target: object, *, group: object = None, keep_mask: object = None,
@@ -208,15 +311,18 @@ def eligible(logits: object, target: object, *, group: object = None, keep_mask:
              ignore_index: object = -100, validate: object = True, inplace_grad: object = False,
              impl: object = None, keep_ids: object = None) -> bool:
     """Whether a call's arguments fit the custom op's schema as they are (plain tensors, options of their
-    documented Python types); else the caller's ``torch.compile`` runs the op as one graph break."""
+    documented Python types): then :func:`run_op`; else the checks convert them first
+    (:func:`logprob_entropy`), and in a caller's ``torch.compile`` the call is one graph break."""
+    # (written out, no generator: this runs on every call)
     return (
         type(logits) is Tensor and type(target) is Tensor and (keep_mask is None or type(keep_mask) is Tensor)
         and (keep_ids is None or type(keep_ids) is Tensor)
+        and type(with_entropy) is bool and type(entropy_grad) is bool and type(validate) is bool
+        and type(inplace_grad) is bool
+        and (type(temperature) is float or isinstance(temperature, numbers.Real) and not isinstance(temperature, bool))
+        and (type(ignore_index) is int or isinstance(ignore_index, int) and not isinstance(ignore_index, bool))
+        and (impl is None or isinstance(impl, str))
         and (group is None or collectives.is_process_group(group))
-        and isinstance(temperature, numbers.Real) and not isinstance(temperature, bool)
-        and all(isinstance(x, bool) for x in (with_entropy, entropy_grad, validate))
-        and isinstance(ignore_index, int) and not isinstance(ignore_index, bool)
-        and inplace_grad is False and (impl is None or isinstance(impl, str))
     )
 
 
@@ -238,7 +344,7 @@ def logprob_entropy(
         impl=impl, label_smoothing=label_smoothing, caller_error=caller_error, keep_ids=keep_ids,
     )
     opt = call.opt
-    logprob, entropy, _ = _fwd(logits, target, keep_mask, "" if group is None else group.group_name, opt.temperature,
+    logprob, entropy, _ = _FWD(logits, target, keep_mask, "" if group is None else group.group_name, opt.temperature,
                                opt.with_entropy, opt.entropy_grad, opt.ignore_index, validate, opt.inplace_grad,
                                call.engine, opt.label_smoothing, keep_ids)
     if not opt.with_entropy:
@@ -246,16 +352,16 @@ def logprob_entropy(
     return logprob, (entropy if opt.entropy_grad else entropy.detach())
 
 
-def in_graph(
+def run_op(
     logits: Tensor, target: Tensor, *, group=None, keep_mask: Optional[Tensor] = None, temperature: float = 1.0,
     with_entropy: bool = True, entropy_grad: bool = True, ignore_index: int = -100, validate: bool = True,
     inplace_grad: bool = False, impl: Optional[str] = None, keep_ids: Optional[Tensor] = None,
 ) -> tuple[Tensor, Optional[Tensor]]:
-    """The call that a caller's ``torch.compile`` traces (an :func:`eligible` call): the custom op as is.
+    """An :func:`eligible` call, eagerly or in a caller's ``torch.compile``: the custom op as is.
 
-    Its body runs the checks (from the cache), so errors are an eager call's.
+    Its body runs the checks (from the cache; errors are the same either way).
     """
-    logprob, entropy, _ = _fwd(logits, target, keep_mask, "" if group is None else group.group_name,
+    logprob, entropy, _ = _FWD(logits, target, keep_mask, "" if group is None else group.group_name,
                                float(temperature), with_entropy, entropy_grad, ignore_index, validate, inplace_grad,
                                impl or "", 0.0, keep_ids)
     if not with_entropy:

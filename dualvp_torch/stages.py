@@ -89,7 +89,8 @@ def grad_stage(z, local, owns, keep: Optional[torch.Tensor], M, log_s, c, mk, lo
     """``spec.block_grad`` of the shard, in ``z.dtype``."""
     comb = spec.Combined(M=M, log_s=log_s, c=c, mk=mk, log_sk=log_sk, zy=None)
     g = spec.block_grad(xp, z, local, owns, as_bool(keep), comb, valid, gl, ge, tau, dtype=compute_dtype(z.dtype))
-    return xp.astype(g, z.dtype)
+    # (the array API's astype copies even to the same dtype: a pass over the block on the eager path)
+    return g if g.dtype == z.dtype else xp.astype(g, z.dtype)
 
 
 def grad_inplace_stage(z, local, owns, keep: Optional[torch.Tensor], M, log_s, c, mk, log_sk, valid, gl, ge, tau):

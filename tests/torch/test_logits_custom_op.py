@@ -7,6 +7,7 @@ dynamo's ``aot_eager`` backend (AOTAutograd traces the op's fake and its autogra
 compiled engine, and inductor as the caller's backend.
 """
 
+import contextlib
 import os
 
 import numpy as np
@@ -82,3 +83,37 @@ def test_compiled_caller_equals_eager_caller_bit_for_bit():
     for a, b in zip(*outs):
         assert torch.equal(a, b)
     assert np.isfinite(outs[0][2].numpy()).all()
+
+
+@pytest.mark.parametrize("inplace", [False, True], ids=["fresh-grad", "inplace-grad"])
+def test_dispatch_modes_see_the_ops_with_the_same_bits(inplace):
+    """Eagerly, with only a backend below autograd, the op's autograd node runs its kernels without a second
+    trip through the dispatcher (library, "autograd"); under a dispatch mode the ops go through it. Both
+    routes: the mode sees the forward and backward ops, and values and gradients are bit for bit equal."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Seen(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.ops = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.ops.append(str(func))
+            return func(*args, **(kwargs or {}))
+
+    p = cases.make(cases.case("nucleus", lead=(2, 3), vocab=72))
+    keep, y = torch.from_numpy(p.keep_mask), torch.from_numpy(p.target)
+    gl = torch.from_numpy(p.grad_logprob).float()
+    outs = []
+    for mode in (None, Seen()):
+        x = torch.tensor(p.logits, dtype=torch.float32, requires_grad=True)
+        z = x * 1
+        with mode if mode is not None else contextlib.nullcontext():
+            lp, h = logprob_entropy(z, y, keep_mask=keep, temperature=0.8, impl="eager", inplace_grad=inplace)
+            ((lp * gl).sum() + 0.5 * h.sum()).backward()
+        outs.append((lp.detach(), h.detach(), x.grad))
+        if mode is not None:
+            bwd = "dualvp.logprob_entropy_bwd_.default" if inplace else "dualvp.logprob_entropy_bwd.default"
+            assert "dualvp.logprob_entropy_fwd.default" in mode.ops and bwd in mode.ops
+    for a, b in zip(*outs):
+        assert torch.equal(a, b)

@@ -138,11 +138,49 @@ def test_fullgraph_errors_are_the_ops():
     with pytest.raises(ValueError) as compiled:
         torch.compile(lambda x: logprob_entropy(x, bad)[0].sum(), fullgraph=True, backend="aot_eager")(x)
     assert str(compiled.value) == str(eager.value) and str(eager.value).startswith("target:")
-    # inplace_grad (the gradient into the logits' storage) stays a graph break, which fullgraph refuses
-    in_place = torch.compile(lambda x: logprob_entropy(x * 1, torch.tensor([1, 2, 3, 4]), inplace_grad=True)[0].sum(),
-                             fullgraph=True, backend="aot_eager")
-    with pytest.raises(torch._dynamo.exc.Unsupported):
-        in_place(x)
+    # inplace_grad on a leaf that requires grad: the eager call's error, raised by the op in the graph
+    y = torch.tensor([1, 2, 3, 4])
+    with pytest.raises(ValueError) as eager:
+        logprob_entropy(x, y, inplace_grad=True)
+    with pytest.raises(ValueError) as compiled:
+        torch.compile(lambda x: logprob_entropy(x, y, inplace_grad=True)[0].sum(), fullgraph=True,
+                      backend="aot_eager")(x)
+    assert str(compiled.value) == str(eager.value) and str(eager.value).startswith("inplace_grad:")
+
+
+@pytest.mark.parametrize("backend", ["counter", "aot_eager"])
+def test_inplace_grad_in_a_fullgraph_compile(backend):
+    """``inplace_grad=True`` holds in ``fullgraph=True``: one frame, values and gradients bit for bit, and
+    logits passed into the compiled function hold their gradient after backward, as eagerly; another node
+    that saved them raises torch's in-place error, as eagerly."""
+    gen = torch.Generator().manual_seed(0)
+    x0 = torch.randn(5, 12, generator=gen)
+    y = torch.tensor([0, 3, -100, 11, 7])
+    gw = torch.linspace(0.5, 1.5, 5)
+
+    def loss(z):
+        lp, h = logprob_entropy(z, y, inplace_grad=True, impl="eager", temperature=0.8)
+        return (lp * gw).sum() + 0.1 * (h * h).sum()
+
+    counter = CompileCounter()
+    compiled = torch.compile(loss, fullgraph=True, backend=counter if backend == "counter" else backend)
+    got = []
+    for fn in (loss, compiled):
+        x = x0.clone().requires_grad_()
+        z = x * 2  # logits made outside the loss: the op overwrites them with their gradient
+        value = fn(z)
+        value.backward()
+        got.append((value.detach(), x.grad, z.detach().clone()))
+    (v_e, g_e, z_e), (v_c, g_c, z_c) = got
+    assert torch.equal(v_c, v_e) and torch.equal(g_c, g_e) and torch.equal(z_c, z_e)
+    assert torch.equal(z_e, g_e / 2)  # z holds dloss/dz, and dloss/dx = 2 dloss/dz
+    if backend == "counter":
+        assert counter.frame_count == 1
+    x = x0.clone().requires_grad_()
+    z = x * 2
+    saved = z * z  # another node saved z
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        (compiled(z) + saved.sum()).backward()
 
 
 def _fullgraph_ranks(rank, world_size):
