@@ -202,7 +202,7 @@ def _extended(
         impl=impl, label_smoothing=label_smoothing, caller_error=caller_error, multi_target=multi_target,
         with_sum_p2=with_sum_p2, keep_ids=keep_ids,
     )
-    lp, h, p2 = _extended_op.logprob_entropy(logits, target, keep_mask, temperature, call, group)
+    lp, h, p2 = _extended_op.logprob_entropy(logits, target, keep_mask, temperature, call, group, keep_ids)
     return (lp, h, p2) if call.opt.with_sum_p2 else (lp, h)
 
 
