@@ -248,8 +248,8 @@ def logits_call(
     broadcastable to the rows; its values are checked here with
     ``validate=True``, one host sync, so a bad value raises on every rank
     through the agreement) select the extended op
-    (:mod:`dualvp_torch.extended`); ``impl=None`` never chooses the Triton
-    engine for it, ``impl="triton"`` raises ``NotImplementedError``.
+    (:mod:`dualvp_torch.extended`); ``impl=None`` does not choose the Triton
+    engine for it (``impl="triton"`` runs it).
 
     From the cache when the call's types allow; otherwise (an argument of
     another type, such as a 0-d tensor temperature, or a call that fails a

@@ -8,17 +8,30 @@ base op's, over the extended statistics of :mod:`dualvp.spec`
 target logits and, with a mask, the K dropped flags: one ``[T, width]``
 tensor)::
 
-    stats   [T, V_local] -> [T, width]         the engine (compiled or eager spec stage)
+    stats   [T, V_local] -> [T, width]         the engine (compiled or eager spec stage, or Triton kernel)
+    ids     keep_ids: the kept pair and dropped flags from the ids, O(T K) (keep_ids.ext_stats_with_ids)
     agree   validate=True: the agreement        checks.agree (1 host sync; + 1 for a temperature tensor)
     gather  [T, width] -> [W, T, width]         collectives.gather_stats: ONE all-gather, whatever K
     merge   -> logprob [..., K], entropy, sum_p2, the reduced statistics (saved, O(T K))
     grad    [T, V_local] (backward; no collective)
 
-Engines: ``compiled`` (``torch.compile`` of the spec stages) and ``eager``
-(the same over row chunks). The Triton kernels do not compute these
-statistics yet: ``impl=None`` chooses ``compiled`` / ``eager`` for such calls
-and ``impl="triton"`` raises ``NotImplementedError`` naming the option
-(:func:`dualvp_torch.checks.logits_call`).
+Engines: ``compiled`` (``torch.compile`` of the spec stages), ``eager``
+(the same over row chunks) and ``triton``: the logits op's statistics
+kernel without a target (``HAS_TARGET=False``; ``s2`` and a per-row
+temperature by constexpr switches), its ``[S, T, 7]`` column splits merged
+here, the K target logits and dropped flags gathered here (O(T K)); the
+gradient is ``logits_ext_grad_kernel`` (``spec.ext_block_grad`` without the
+target terms, from per-row coefficients formed here), then the targets'
+columns written over it (``spec.ext_block_grad`` at the gathered logits,
+one scatter: at most K columns a row, no per-element compare with K
+targets). ``impl=None`` chooses ``compiled`` / ``eager`` for such calls.
+
+``keep_ids`` (the kept set as ids, :mod:`dualvp_torch.keep_ids`): the engine
+runs unmasked; the shared kept pair comes from the ids' gathered logits and
+target k's dropped flag from a compare with the ids (O(T K K_ids)); the
+gradient's dense pass has no q-term (it lives on the kept columns only) and
+the kept and target columns are written over it as above. No ``[T,
+V_local]`` mask is built.
 
 Semantics: with a keep mask each target is kept for its own log-prob (target
 k's distribution is renormalised over the mask plus ``y_k``); the gradient is

@@ -16,6 +16,10 @@ ids in this rank's shard and the target; :func:`dualvp.spec.kept_columns`):
               column outside the kept set, where q = 0); the kept columns'
               values (spec.kept_grad) written over it with one scatter
 
+The extended op (K targets, a temperature tensor, sum p^2) takes the ids the
+same way (:func:`ext_stats_with_ids`, and its backward in
+:mod:`dualvp_torch.extended`).
+
 Memory: O(T K) beyond the unmasked op; nothing of size ``[T, V_local]`` but
 the gradient itself. The engines' kernels are unchanged: the Triton engine's
 kernels never see the ids (the simplest correct route; its statistics pass

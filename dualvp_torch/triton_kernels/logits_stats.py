@@ -37,6 +37,17 @@ per-element compare: the split that owns it starts its kept pair at
 and the residuals ``res [5, T]`` itself (``logits_common.store_outputs``, as
 the merge kernel would). Otherwise writes ``[S, T, 6]`` statistics ``(m, s, t,
 mk, sk, zy)`` (``spec.STATS``) in the output's dtype for the merge.
+The extended op (:mod:`dualvp_torch.extended`, ``spec.ext_block_stats``)
+runs this kernel with ``HAS_TARGET=False``: no target in the row statistics
+(``zy = 0``, the kept pair over the mask alone; the host gathers the K
+targets' logits), ``WITH_SUM_P2``: ``s2 = sum e^(2d)`` as a fourth (fifth
+under a mask) operand of the block's sum reduction, rescaled by ``e^(2 dm)``
+with ``s`` (written as column 6, ``N_OUT = 7``), and ``ROW_TAU``: ``1/tau``
+loaded per row from ``tau_ptr`` and the base-2 scale formed from it as the
+host forms the scalars. The base op passes ``HAS_TARGET=True``,
+``WITH_SUM_P2=ROW_TAU=False``, ``N_OUT=6``: the code of the kernel without
+the switches.
+
 ``HAS_COUNTER``: adds the number of rows whose target is neither
 ``ignore_index`` nor in ``[0, vocab)`` to ``bad_ptr`` (an int32 device counter
 that only ``validate=True`` allocates and reads).
