@@ -192,7 +192,6 @@ def logits_stats_kernel(
     split = tl.program_id(1)
     c_lo = split * cols_per_split
     c_hi = tl.minimum(V, c_lo + cols_per_split)
-    z_row = z_ptr + row * stride_z
     if HAS_TARGET:
         # spec.target_to_local, and the range check of validate=True
         y = tl.load(y_ptr + row).to(tl.int64)
@@ -203,11 +202,6 @@ def logits_stats_kernel(
         local64 = y - v_lo
         owns = valid & (local64 >= c_lo) & (local64 < c_hi)  # this split holds the target's column
         local = tl.where(owns, local64, 0).to(tl.int32)
-        # zy: one gather per row, not a compare-and-sum over the row
-        zy = tl.load(z_row + local, mask=owns, other=0.0).to(COMPUTE)
-        zy = tl.where(owns, zy, 0.0)
-    else:  # the extended op's statistics (spec.ext_block_stats): no target in the row statistics, zy = 0
-        zy = tl.zeros([], COMPUTE)
     # base-2 scale: u = (z - m) * l2e_tau, e^d = 2^u
     if ROW_TAU:
         # one temperature per row (compute dtype): the host's scalars below, formed per row in float64
@@ -228,6 +222,14 @@ def logits_stats_kernel(
         else:
             l2e_tau = l2e_tau32
             ratio = tl.cast(ratio_hi, tl.float64) + tl.cast(ratio_lo, tl.float64)
+
+    z_row = z_ptr + row * stride_z
+    if HAS_TARGET:
+        # zy: one gather per row, not a compare-and-sum over the row
+        zy = tl.load(z_row + local, mask=owns, other=0.0).to(COMPUTE)
+        zy = tl.where(owns, zy, 0.0)
+    else:  # the extended op's statistics (spec.ext_block_stats): no target in the row statistics, zy = 0
+        zy = tl.zeros([], COMPUTE)
 
     ninf = float("-inf")
     m = tl.full([], ninf, COMPUTE)
