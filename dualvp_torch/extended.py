@@ -13,18 +13,20 @@ tensor)::
     agree   validate=True: the agreement        checks.agree (1 host sync; + 1 for a temperature tensor)
     gather  [T, width] -> [W, T, width]         collectives.gather_stats: ONE all-gather, whatever K
     merge   -> logprob [..., K], entropy, sum_p2, the reduced statistics (saved, O(T K))
-    grad    [T, V_local] (backward; no collective)
+    grad    [T, V_local] (backward; no collective): the engine's dense pass without the K targets' terms,
+            then each target's column written over it (spec.ext_block_grad at the gathered logits, one
+            scatter of O(T K) values, rounded once), on every engine
 
 Engines: ``compiled`` (``torch.compile`` of the spec stages), ``eager``
 (the same over row chunks) and ``triton``: the logits op's statistics
 kernel without a target (``HAS_TARGET=False``; ``s2`` and a per-row
 temperature by constexpr switches), its ``[S, T, 7]`` column splits merged
 here, the K target logits and dropped flags gathered here (O(T K)); the
-gradient is ``logits_ext_grad_kernel`` (``spec.ext_block_grad`` without the
-target terms, from per-row coefficients formed here), then the targets'
-columns written over it (``spec.ext_block_grad`` at the gathered logits,
-one scatter: at most K columns a row, no per-element compare with K
-targets). ``impl=None`` chooses ``compiled`` / ``eager`` for such calls.
+gradient's dense pass is ``logits_ext_grad_kernel`` (``spec.ext_block_grad``
+without the target terms, from per-row coefficients formed here).
+``impl=None`` chooses ``compiled`` / ``eager`` for such calls. A one-row
+call runs the compiled stages as two rows (``compiled.run``), as the base
+op does: a row's results are bitwise the same alone and in a batch.
 
 ``keep_ids`` (the kept set as ids, :mod:`dualvp_torch.keep_ids`): the engine
 runs unmasked; the shared kept pair comes from the ids' gathered logits and
@@ -79,14 +81,12 @@ def ext_stats_stage(z, local, owns, keep: Optional[torch.Tensor], tau, acc_dtype
 
 def ext_grad_stage(z, local, owns, keep: Optional[torch.Tensor], red, valid, gl, ge, gs, tau, k, has_mask,
                    with_sum_p2):
-    """``spec.ext_block_grad`` of the shard from the reduced statistics ``red [T, width]``, in ``z.dtype``."""
+    """``spec.ext_block_grad`` of the shard from the reduced statistics ``red [T, width]``, in ``z.dtype``,
+    without the K targets' terms (the backward writes those columns over it: :func:`_column_values`)."""
     lay = spec.ExtLayout(k, has_mask, with_sum_p2)
     ec = spec.ext_finalize(xp, red, lay, tau)
     g = spec.ext_block_grad(xp, z, local, owns, as_bool(keep), ec, valid, gl, ge, tau,
                             dtype=compute_dtype(z.dtype), g_sum_p2=gs, target_terms=False)
-    # the K target terms as one scatter-add per row (repeated ids add up), not K compares over the shard
-    w = spec.ext_target_weights(xp, ec, valid, gl, tau)
-    g = g.scatter_add(-1, torch.where(owns, local, 0), torch.where(owns, w, 0.0))
     return xp.astype(g, z.dtype)
 
 
@@ -104,7 +104,7 @@ def _stats(z, local, owns, keep, tau, opt, compiled: bool) -> torch.Tensor:
     width = _layout(opt, engine=True).width
     if n == 0:
         return torch.zeros((0, width), dtype=compute_dtype(z.dtype), device=z.device)
-    if compiled and n > 1:
+    if compiled:  # one row: as two (compiled._run_one_row: batch invariance)
         args = (z, local, owns, mask_arg(keep, z), tau, accumulation_dtype(z), opt.with_entropy, opt.with_sum_p2)
         out, ok = _compiled_path.run(ext_stats_stage, args, opt.with_entropy or opt.with_sum_p2)
         if ok:
@@ -116,18 +116,25 @@ def _stats(z, local, owns, keep, tau, opt, compiled: bool) -> torch.Tensor:
     return out
 
 
-def _grad(z, local, owns, keep, red, valid, gl, ge, gs, tau, opt, compiled: bool, out: torch.Tensor):
+def _grad(z, local, owns, keep, red, valid, gl, ge, gs, tau, opt, compiled: bool,
+          out: Optional[torch.Tensor]) -> torch.Tensor:
+    # ext_grad_stage into ``out`` (z itself for in place) or, None, a fresh [T, V_local] (compiled: the stage's own
+    # output, no second buffer)
     n, v = z.shape
     if n == 0:
-        return out
+        return torch.empty(z.shape, dtype=z.dtype, device=z.device) if out is None else out
     lay = _layout(opt, engine=True)
-    if compiled and n > 1:
+    if compiled:  # one row: as two (compiled._run_one_row: batch invariance)
         args = (z, local, owns, mask_arg(keep, z), red, valid, gl, ge, gs, tau, lay.k, lay.has_mask,
                 lay.with_sum_p2)
         g, ok = _compiled_path.run(ext_grad_stage, args, ge is not None)
         if ok:
+            if out is None:
+                return g
             out.copy_(g)
             return out
+    if out is None:
+        out = torch.empty(z.shape, dtype=z.dtype, device=z.device)
     for i, j in _chunks(n, v):
         out[i:j] = ext_grad_stage(z[i:j], local[i:j], owns[i:j], _rows(keep, i, j), red[i:j], valid[i:j],
                                   gl[i:j], _rows(ge, i, j), _rows(gs, i, j), _rows(tau, i, j) if tau.ndim else tau,
@@ -271,18 +278,11 @@ class _ExtOp(torch.autograd.Function):
         if opt.need_entropy_grad and g_entropy is not None:
             ge = g_entropy.reshape(-1).to(cdt).contiguous()
         gs = g_sum_p2.reshape(-1).to(cdt).contiguous() if opt.with_sum_p2 and g_sum_p2 is not None else None
-        if opt.inplace_grad:
-            out = z
-        else:
-            out = torch.empty(z.shape, dtype=z.dtype, device=z.device)
-        triton = call.engine == "triton"
-        if not triton and ids is None:  # the spec stage does every term, the targets' by a scatter-add
-            _grad(z, local, owns, keep, red, valid, gl, ge, gs, tau, opt, engines.ENGINES[call.engine].compiled,
-                  out)
-            return (out.view(logits.shape),) + none
+        out = z if opt.inplace_grad else None
         # a dense pass without the targets' terms (with keep_ids: without the q-terms, which live on the kept
         # columns only), then the host's columns written over it: the targets' and the kept set's, each from
-        # spec.ext_block_grad at the gathered logits (gathered first: the in-place gradient overwrites z)
+        # spec.ext_block_grad at the gathered logits (gathered first: the in-place gradient overwrites z), in
+        # the compute dtype and rounded once; at most K (+ K_ids) columns a row, no K compares over the shard
         lay = _layout(opt)
         ec = spec.ext_finalize(xp, red, lay, tau)
         cols, use = _host_columns(y.to(torch.int64), owns, ids, call)
@@ -294,16 +294,16 @@ class _ExtOp(torch.autograd.Function):
         else:
             kbits = None
         vals = _column_values(zk, kbits, cols, use, local, owns, ec, valid, gl, ge, gs, tau)
-        if triton:
+        gl_dense = gl if ids is None else torch.zeros_like(gl)  # keep_ids: no q-term off the kept columns
+        if call.engine == "triton":
             from . import logits_triton
 
             zc, k8 = _unit_stride(z, keep)
-            coef = _triton_coef(ec, valid, gl if ids is None else torch.zeros_like(gl), ge, gs, tau,
-                                keep is not None, call.plan)
-            logits_triton.ext_grad(zc, k8, coef, ge is not None, gs is not None, call.plan, out=out)
-        else:  # keep_ids on the spec stages: unmasked, no log-prob cotangent (the entropy's and sum_p2's terms)
-            _grad(z, local, owns, None, red, valid, torch.zeros_like(gl), ge, gs, tau, opt,
-                  engines.ENGINES[call.engine].compiled, out)
+            coef = _triton_coef(ec, valid, gl_dense, ge, gs, tau, keep is not None, call.plan)
+            out = logits_triton.ext_grad(zc, k8, coef, ge is not None, gs is not None, call.plan, out=out)
+        else:
+            out = _grad(z, local, owns, keep, red, valid, gl_dense, ge, gs, tau, opt,
+                        engines.ENGINES[call.engine].compiled, out)
         spec.set_at_columns(xp, out, cols, vals, use)
         return (out.view(logits.shape),) + none
 

@@ -423,6 +423,34 @@ def test_extended_ids_peak_memory_has_no_mask_sized_buffer(impl):
     assert peak(sizes) <= 1.1 * B, peak(sizes) / B
 
 
+@pytest.mark.parametrize("impl", ["eager", "triton", pytest.param("compiled", marks=pytest.mark.slow)])
+def test_extended_ids_batch_invariance(impl):
+    """K = 3 targets, a temperature per row, sum p^2 and keep_ids: a row alone, in 7 rows, bitwise the same."""
+    from dualvp_torch import tuning
+
+    if impl == "triton" and not _triton_ok():
+        pytest.skip("triton with TRITON_INTERPRET=1 needed")
+    g = torch.Generator().manual_seed(1)
+    T, V, K = 7, 300, 8
+    z = torch.randn(T, V, generator=g) * 3
+    y, ids = torch.randint(0, V, (T, 3), generator=g), torch.randint(-1, V, (T, K), generator=g)
+    y[1, 2] = ids[1, 0].clamp(min=0)  # a listed target beside dropped ones
+    tau = torch.rand(T, generator=g) + 0.5
+
+    def run(rows):
+        x = z[rows].clone().requires_grad_(True)
+        lp, h, p2 = dualvp_torch.logprob_entropy(x, y[rows], keep_ids=ids[rows], temperature=tau[rows],
+                                                 multi_target=True, with_sum_p2=True, impl=impl)
+        (lp.sum() + h.sum() + 0.5 * p2.sum()).backward()
+        return lp.detach(), h.detach(), p2.detach(), x.grad
+
+    with tuning.using(tuning.Tuning(max_eager_workers=1)):
+        full = run(slice(0, T))
+        for i in (0, 1, T - 1):
+            one = run(slice(i, i + 1))
+            assert all(torch.equal(a[0], b[i]) for a, b in zip(one, full)), i
+
+
 def test_keep_ids_with_an_extended_option_raises_in_jax_only():
     # torch takes them together (above); the shared checks refuse the pair unless the backend says it takes it
     from dualvp import validation
