@@ -109,6 +109,7 @@ __all__ = [
     "ext_outputs",
     "ext_block_grad",
     "ext_target_weights",
+    "ext_q_coefficient",
 ]
 
 #: ``block_stats(kept_shift="max")`` shifts the kept sum by the overall max,
@@ -1088,6 +1089,25 @@ def ext_target_weights(xp, ec: ExtCombined, valid, g_logprob, temperature=1.0):
     return xp.where(ec.dropped, gl * (1.0 - q_y), gl)
 
 
+def ext_q_coefficient(xp, ec: ExtCombined, valid, g_logprob, temperature=1.0, *, masked: bool):
+    """``[...]``: the row coefficient of the q-terms of :func:`ext_block_grad`, ``sum_k gL_k q^k_v / tau = A x_v``.
+
+    Without a mask ``q^k = p`` for every k: ``A = sum_k gL_k / tau`` and
+    ``x = p``. With one (``masked``), on a kept column ``q^k_v = e^((z_v -
+    Mk) / tau) e^((Mk - Mk_k) / tau - log Sk_k)``: ``A = sum_k gL_k
+    e^((Mk - Mk_k) / tau - log Sk_k) / tau`` and ``x_v = e^((z_v - Mk) /
+    tau)`` (0 on dropped columns). Invalid targets, zero ``gL_k`` and (with a
+    mask) targets with no kept mass are left out by the selects.
+    """
+    tr, _ = row_temperature(xp, temperature, ec.zy.dtype if _is_row_array(temperature) else None)
+    gl = xp.where(valid, g_logprob, 0.0) / _row_k(tr)  # [..., K]
+    if not masked:
+        return xp.sum(gl, axis=-1)
+    mk0 = _finite_or_zero(xp, ec.comb.mk)
+    return xp.sum(xp.where(valid & (gl != 0), gl * xp.exp((mk0[..., None] - ec.mk) / _row_k(tr) - ec.log_sk), 0.0),
+                  axis=-1)
+
+
 def ext_block_grad(xp, z, local, owns, keep, ec: ExtCombined, valid, g_logprob, g_entropy, temperature=1.0, *,
                    start: int = 0, dtype=None, g_sum_p2=None, target_terms: bool = True):
     """Gradient of ``sum(sum_k gL_k L_k + gH H)`` w.r.t. one column block of logits.
@@ -1111,18 +1131,13 @@ def ext_block_grad(xp, z, local, owns, keep, ec: ExtCombined, valid, g_logprob, 
     tr, tc = row_temperature(xp, temperature, z.dtype if _is_row_array(temperature) else None)
     comb = ec.comb
     d = _shifted(xp, z, comb.M, tc, products=g_entropy is not None)
-    gl = xp.where(valid, g_logprob, 0.0) / _row_k(tr)  # [..., K]
     p = None
+    a = ext_q_coefficient(xp, ec, valid, g_logprob, temperature, masked=keep is not None)
     if keep is None:
         p = xp.exp(d - comb.log_s[..., None])
-        g = -xp.sum(gl, axis=-1)[..., None] * p
+        g = -a[..., None] * p
     else:
-        mk0 = _finite_or_zero(xp, comb.mk)
-        # sum_k gL_k e^((Mk - Mk_k) / tau - log Sk_k): a kept column's q-term is its e^((z - Mk) / tau) times it.
-        # Rows or targets with no kept mass (and invalid targets) are left out by the selects.
-        a = xp.sum(xp.where(valid & (gl != 0), gl * xp.exp((mk0[..., None] - ec.mk) / _row_k(tr) - ec.log_sk), 0.0),
-                   axis=-1)
-        eq = xp.exp(_over_tau(z - mk0[..., None], tc))
+        eq = xp.exp(_over_tau(z - _finite_or_zero(xp, comb.mk)[..., None], tc))
         g = -xp.where(keep, eq * a[..., None], 0.0)
     if target_terms:
         # at target k's column: gL_k (1 - q^k_(y_k) if y_k is dropped, else 1) / tau

@@ -176,8 +176,13 @@ def check_args(
     temperature_shape: Optional[Sequence[int]] = None,
     temperature_dtype: Optional[str] = None,
     with_sum_p2=False,
+    ids_with_extended: bool = False,
 ) -> Options:
     """Check shapes, dtypes and options; return them as :class:`Options`.
+
+    ``ids_with_extended``: the backend takes ``keep_ids`` together with
+    ``multi_target``, ``with_sum_p2`` or a temperature tensor (the torch
+    backend); otherwise that combination raises ``NotImplementedError``.
 
     ``multi_target=True``: ``target [..., K]`` (K >= 1 targets per row, the
     leading dims of logits). ``temperature_shape`` / ``temperature_dtype``
@@ -236,7 +241,7 @@ def check_args(
     _check_flag("with_entropy", with_entropy)
     _check_flag("entropy_grad", entropy_grad)
     _check_flag("inplace_grad", inplace_grad)
-    if has_ids:
+    if has_ids and not ids_with_extended:
         # keep_ids rides the single-target core op; the extended op (K targets, a
         # temperature tensor, sum p^2) has no id path yet. Raised here, from
         # shapes and flags alone, so every rank raises alike.

@@ -175,6 +175,7 @@ def logits_options(lm: tuple, tm: tuple, km: Optional[tuple], temperature: objec
         ids_dtype=None if im is None else dtype_name(im[1]),
         multi_target=multi_target,
         with_sum_p2=with_sum_p2,
+        ids_with_extended=True,
         **tau_kw,
     )
     if taum is not None and taum[2] != lm[2]:
@@ -218,11 +219,6 @@ def _cached_logits_call(group, validate: bool, engine: str, lm: tuple, tm: tuple
     rank, world = check_call(group, validate, engine)
     opt = logits_options(lm, tm, km, temperature, ignore_index, with_entropy, entropy_grad, inplace_grad,
                          multi_target, with_sum_p2, taum, im)
-    if extended_options(opt) and not engines.ENGINES[engine].spec_stages:
-        raise NotImplementedError(
-            f"impl: the {engine!r} engine has no kernels for {extended_options(opt)} yet; pass impl='compiled' "
-            "or impl='eager' (impl=None chooses one of them for such calls)"
-        )
     if label_smoothing:
         opt = dataclasses.replace(opt, label_smoothing=float(label_smoothing))
     _engine_available(engine, lm[2])
@@ -252,8 +248,8 @@ def logits_call(
     broadcastable to the rows; its values are checked here with
     ``validate=True``, one host sync, so a bad value raises on every rank
     through the agreement) select the extended op
-    (:mod:`dualvp_torch.extended`); ``impl=None`` never chooses the Triton
-    engine for it, ``impl="triton"`` raises ``NotImplementedError``.
+    (:mod:`dualvp_torch.extended`); ``impl=None`` does not choose the Triton
+    engine for it (``impl="triton"`` runs it).
 
     From the cache when the call's types allow; otherwise (an argument of
     another type, such as a 0-d tensor temperature, or a call that fails a

@@ -8,17 +8,32 @@ base op's, over the extended statistics of :mod:`dualvp.spec`
 target logits and, with a mask, the K dropped flags: one ``[T, width]``
 tensor)::
 
-    stats   [T, V_local] -> [T, width]         the engine (compiled or eager spec stage)
+    stats   [T, V_local] -> [T, width]         the engine (compiled or eager spec stage, or Triton kernel)
+    ids     keep_ids: the kept pair and dropped flags from the ids, O(T K) (keep_ids.ext_stats_with_ids)
     agree   validate=True: the agreement        checks.agree (1 host sync; + 1 for a temperature tensor)
     gather  [T, width] -> [W, T, width]         collectives.gather_stats: ONE all-gather, whatever K
     merge   -> logprob [..., K], entropy, sum_p2, the reduced statistics (saved, O(T K))
-    grad    [T, V_local] (backward; no collective)
+    grad    [T, V_local] (backward; no collective): the engine's dense pass without the K targets' terms,
+            then each target's column written over it (spec.ext_block_grad at the gathered logits, one
+            scatter of O(T K) values, rounded once), on every engine
 
-Engines: ``compiled`` (``torch.compile`` of the spec stages) and ``eager``
-(the same over row chunks). The Triton kernels do not compute these
-statistics yet: ``impl=None`` chooses ``compiled`` / ``eager`` for such calls
-and ``impl="triton"`` raises ``NotImplementedError`` naming the option
-(:func:`dualvp_torch.checks.logits_call`).
+Engines: ``compiled`` (``torch.compile`` of the spec stages), ``eager``
+(the same over row chunks) and ``triton``: the logits op's statistics
+kernel without a target (``HAS_TARGET=False``; ``s2`` and a per-row
+temperature by constexpr switches), its ``[S, T, 7]`` column splits merged
+here, the K target logits and dropped flags gathered here (O(T K)); the
+gradient's dense pass is ``logits_ext_grad_kernel`` (``spec.ext_block_grad``
+without the target terms, from per-row coefficients formed here).
+``impl=None`` chooses ``compiled`` / ``eager`` for such calls. A one-row
+call runs the compiled stages as two rows (``compiled.run``), as the base
+op does: a row's results are bitwise the same alone and in a batch.
+
+``keep_ids`` (the kept set as ids, :mod:`dualvp_torch.keep_ids`): the engine
+runs unmasked; the shared kept pair comes from the ids' gathered logits and
+target k's dropped flag from a compare with the ids (O(T K K_ids)); the
+gradient's dense pass has no q-term (it lives on the kept columns only) and
+the kept and target columns are written over it as above. No ``[T,
+V_local]`` mask is built.
 
 Semantics: with a keep mask each target is kept for its own log-prob (target
 k's distribution is renormalised over the mask plus ``y_k``); the gradient is
@@ -30,6 +45,7 @@ tensor must be the same on every rank (like the target).
 
 from __future__ import annotations
 
+import math
 from typing import Optional
 
 import torch
@@ -38,6 +54,7 @@ from dualvp import spec
 
 from . import checks, collectives, engines
 from . import compiled as _compiled_path
+from . import keep_ids as _ids
 from .engines import accumulation_dtype
 from .stages import as_bool, compute_dtype, mask_arg, xp
 
@@ -47,8 +64,10 @@ __all__ = ["logprob_entropy"]
 CHUNK_ELEMENTS = 1 << 16
 
 
-def _layout(opt) -> spec.ExtLayout:
-    return spec.ExtLayout(max(opt.n_targets, 1), opt.has_mask, opt.with_sum_p2)
+def _layout(opt, engine: bool = False) -> spec.ExtLayout:
+    # the call's statistics (keep_ids: the dropped flags of a mask); ``engine``: what the engine computes (with
+    # keep_ids it runs unmasked, the kept set's part is added beside it: :mod:`dualvp_torch.keep_ids`)
+    return spec.ExtLayout(max(opt.n_targets, 1), opt.has_mask or (opt.has_ids and not engine), opt.with_sum_p2)
 
 
 # --- the stages (their names key the compile cache: dualvp_torch.compiled) ------------
@@ -62,14 +81,12 @@ def ext_stats_stage(z, local, owns, keep: Optional[torch.Tensor], tau, acc_dtype
 
 def ext_grad_stage(z, local, owns, keep: Optional[torch.Tensor], red, valid, gl, ge, gs, tau, k, has_mask,
                    with_sum_p2):
-    """``spec.ext_block_grad`` of the shard from the reduced statistics ``red [T, width]``, in ``z.dtype``."""
+    """``spec.ext_block_grad`` of the shard from the reduced statistics ``red [T, width]``, in ``z.dtype``,
+    without the K targets' terms (the backward writes those columns over it: :func:`_column_values`)."""
     lay = spec.ExtLayout(k, has_mask, with_sum_p2)
     ec = spec.ext_finalize(xp, red, lay, tau)
     g = spec.ext_block_grad(xp, z, local, owns, as_bool(keep), ec, valid, gl, ge, tau,
                             dtype=compute_dtype(z.dtype), g_sum_p2=gs, target_terms=False)
-    # the K target terms as one scatter-add per row (repeated ids add up), not K compares over the shard
-    w = spec.ext_target_weights(xp, ec, valid, gl, tau)
-    g = g.scatter_add(-1, torch.where(owns, local, 0), torch.where(owns, w, 0.0))
     return xp.astype(g, z.dtype)
 
 
@@ -84,10 +101,10 @@ def _rows(x, i, j):
 
 def _stats(z, local, owns, keep, tau, opt, compiled: bool) -> torch.Tensor:
     n, v = z.shape
-    width = _layout(opt).width
+    width = _layout(opt, engine=True).width
     if n == 0:
         return torch.zeros((0, width), dtype=compute_dtype(z.dtype), device=z.device)
-    if compiled and n > 1:
+    if compiled:  # one row: as two (compiled._run_one_row: batch invariance)
         args = (z, local, owns, mask_arg(keep, z), tau, accumulation_dtype(z), opt.with_entropy, opt.with_sum_p2)
         out, ok = _compiled_path.run(ext_stats_stage, args, opt.with_entropy or opt.with_sum_p2)
         if ok:
@@ -99,23 +116,103 @@ def _stats(z, local, owns, keep, tau, opt, compiled: bool) -> torch.Tensor:
     return out
 
 
-def _grad(z, local, owns, keep, red, valid, gl, ge, gs, tau, opt, compiled: bool, out: torch.Tensor):
+def _grad(z, local, owns, keep, red, valid, gl, ge, gs, tau, opt, compiled: bool,
+          out: Optional[torch.Tensor]) -> torch.Tensor:
+    # ext_grad_stage into ``out`` (z itself for in place) or, None, a fresh [T, V_local] (compiled: the stage's own
+    # output, no second buffer)
     n, v = z.shape
     if n == 0:
-        return out
-    lay = _layout(opt)
-    if compiled and n > 1:
+        return torch.empty(z.shape, dtype=z.dtype, device=z.device) if out is None else out
+    lay = _layout(opt, engine=True)
+    if compiled:  # one row: as two (compiled._run_one_row: batch invariance)
         args = (z, local, owns, mask_arg(keep, z), red, valid, gl, ge, gs, tau, lay.k, lay.has_mask,
                 lay.with_sum_p2)
         g, ok = _compiled_path.run(ext_grad_stage, args, ge is not None)
         if ok:
+            if out is None:
+                return g
             out.copy_(g)
             return out
+    if out is None:
+        out = torch.empty(z.shape, dtype=z.dtype, device=z.device)
     for i, j in _chunks(n, v):
         out[i:j] = ext_grad_stage(z[i:j], local[i:j], owns[i:j], _rows(keep, i, j), red[i:j], valid[i:j],
                                   gl[i:j], _rows(ge, i, j), _rows(gs, i, j), _rows(tau, i, j) if tau.ndim else tau,
                                   lay.k, lay.has_mask, lay.with_sum_p2)
     return out
+
+
+# --- the Triton engine (dualvp_torch/logits_triton.py) ------------------------------------------
+
+
+def _unit_stride(z, keep):
+    z = z if z.stride(-1) == 1 else z.contiguous()
+    keep = None if keep is None else (keep if keep.stride(-1) == 1 else keep.contiguous()).view(torch.uint8)
+    return z, keep
+
+
+def _triton_stats(z, local, owns, keep, tau, opt, plan) -> torch.Tensor:
+    """``spec.ext_block_stats`` of the shard ``[T, width]``: the kernel's row statistics (and ``s2``) per column
+    split, merged here (``spec.ext_reduce_stats``, O(S T)), then the K target logits and dropped flags (an O(T K)
+    gather)."""
+    from . import logits_triton
+
+    n = z.shape[0]
+    cdt = compute_dtype(z.dtype)
+    if n == 0:
+        return torch.zeros((0, _layout(opt, engine=True).width), dtype=cdt, device=z.device)
+    zc, k8 = _unit_stride(z, keep)
+    st = logits_triton.ext_stats(zc, k8, tau if tau.ndim else None, opt.with_entropy, opt.with_sum_p2, plan)
+    if st.shape[0] == 1:
+        base = st[0]
+    else:  # column splits (from V_local alone), merged as ranks are
+        base = spec.ext_reduce_stats(xp, st, spec.ExtLayout(0, False, opt.with_sum_p2), axis=0, temperature=tau)
+    cols = [base, torch.where(owns, z.gather(1, local), 0.0).to(cdt)]
+    if keep is not None:
+        cols.append((owns & ~keep.gather(1, local)).to(cdt))
+    return torch.cat(cols, dim=-1)
+
+
+def _triton_coef(ec, valid, gl, ge, gs, tau, masked: bool, plan) -> torch.Tensor:
+    """The extended gradient kernel's per-row coefficients ``[len(EXT_COEF), T]`` (``logits_ext_grad_kernel``)."""
+    from . import logits_triton
+
+    comb = ec.comb
+    cdt = comb.M.dtype
+    a = spec.ext_q_coefficient(xp, ec, valid, gl, tau, masked=masked)
+    zero = torch.zeros_like(comb.M)
+    if tau.ndim:  # one temperature per row: log2(e) / tau formed (in float64) and rounded as the kernel forms it
+        l2e = (math.log2(math.e) / tau.to(torch.float64)).to(cdt)
+    else:  # the plan's number, as the statistics kernel used it
+        l2e = torch.full_like(comb.M, plan.scalars[2] if cdt == torch.float32 else math.log2(math.e) / plan.opt.temperature)
+    rows = dict(
+        M=comb.M, log_s=comb.log_s, c=comb.c, sum_p2=zero if ec.sum_p2 is None else ec.sum_p2, A=a,
+        GE=zero if ge is None else ge * (math.log(2.0) / tau), GS=zero if gs is None else 2.0 * gs / tau,
+        Mk=comb.mk, l2e_tau=l2e,
+    )
+    return torch.stack([rows[name].to(cdt) for name in logits_triton.EXT_COEF]).contiguous()
+
+
+# --- the columns written by the host (the K targets, and keep_ids' kept set) ------------------------------
+
+
+def _host_columns(y, owns, ids, call):
+    """``(cols, use)`` ``[T, C]``: each shard column whose gradient the host writes, once per row: the targets'
+    (on this shard) and, with ``keep_ids``, the kept set's (``spec.kept_columns``' dedup)."""
+    cand = torch.where(owns, y, -1)
+    if ids is not None:
+        cand = torch.cat([cand, ids.to(torch.int64)], dim=-1)
+    none = torch.full(cand.shape[:-1], -1, dtype=torch.int64, device=cand.device)
+    return spec.kept_columns(xp, cand, none, call.rank, call.v_local, -1)
+
+
+def _column_values(zk, kbits, cols, use, local, owns, ec, valid, gl, ge, gs, tau):
+    """``[T, C]``: ``spec.ext_block_grad`` at the gathered columns, the targets' terms included (repeated targets
+    add up), in the compute dtype."""
+    g = spec.ext_block_grad(xp, zk, local, owns, kbits, ec, valid, gl, ge, tau, g_sum_p2=gs, target_terms=False)
+    w = spec.ext_target_weights(xp, ec, valid, gl, tau)  # [T, K]
+    hit = use[:, :, None] & owns[:, None, :] & (cols[:, :, None] == local[:, None, :])  # [T, C, K]
+    return g + torch.where(hit, w[:, None, :], 0.0).sum(-1)
 
 
 # --- autograd ------------------------------------------------------------------------------
@@ -127,16 +224,23 @@ def _positions(y, call):
 
 class _ExtOp(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, logits, target, keep_mask, tau, call, group):
+    def forward(ctx, logits, target, keep_mask, tau, keep_ids, call, group):
         opt = call.opt
-        compiled = engines.ENGINES[call.engine].compiled
         v = call.v_local
         z = logits.detach().reshape(-1, v)
         k = max(opt.n_targets, 1)
         y = target.reshape(-1, k)
         keep = None if keep_mask is None else keep_mask.reshape(-1, v)
+        ids = None if keep_ids is None else keep_ids.reshape(y.shape[0], keep_ids.shape[-1])
+        if ids is not None and call.validate:
+            _ids.check_range(ids, call, group, z)
         valid, owns, local = _positions(y, call)
-        stats = _stats(z, local, owns, keep, tau, opt, compiled)
+        if call.engine == "triton":
+            stats = _triton_stats(z, local, owns, keep, tau, opt, call.plan)
+        else:
+            stats = _stats(z, local, owns, keep, tau, opt, engines.ENGINES[call.engine].compiled)
+        if ids is not None:
+            stats = _ids.ext_stats_with_ids(stats, z, y, owns, ids, tau, call)
         if call.validate:
             checks.agree(call, checks.count_bad_targets(y, opt.ignore_index, call.vocab), group, z, y)
         all_stats = stats[None] if group is None else collectives.gather_stats(stats, group)
@@ -146,7 +250,7 @@ class _ExtOp(torch.autograd.Function):
         lp, h, p2 = spec.ext_outputs(xp, ec, valid, tau)
         if p2 is None:
             p2 = torch.zeros_like(h)
-        ctx.save_for_backward(logits, y, keep_mask, tau, red)
+        ctx.save_for_backward(logits, y, keep_mask, tau, red, keep_ids)
         ctx.call = call
         ctx.mark_non_differentiable(red)
         lead = tuple(target.shape[:-1]) if opt.n_targets else tuple(target.shape)
@@ -155,15 +259,17 @@ class _ExtOp(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, g_logprob, g_entropy, g_sum_p2, _):
+        none = (None,) * 6
         if not ctx.needs_input_grad[0]:
-            return None, None, None, None, None, None
-        logits, y, keep_mask, tau, red = ctx.saved_tensors
+            return (None,) + none
+        logits, y, keep_mask, tau, red, keep_ids = ctx.saved_tensors
         call = ctx.call
         opt = call.opt
         v = call.v_local
         z = logits.detach().reshape(-1, v)
         k = max(opt.n_targets, 1)
         keep = None if keep_mask is None else keep_mask.reshape(-1, v)
+        ids = None if keep_ids is None else keep_ids.reshape(y.shape[0], keep_ids.shape[-1])
         valid, owns, local = _positions(y, call)
         cdt = compute_dtype(z.dtype)
         gl = (torch.zeros((z.shape[0], k), dtype=cdt, device=z.device) if g_logprob is None
@@ -172,15 +278,37 @@ class _ExtOp(torch.autograd.Function):
         if opt.need_entropy_grad and g_entropy is not None:
             ge = g_entropy.reshape(-1).to(cdt).contiguous()
         gs = g_sum_p2.reshape(-1).to(cdt).contiguous() if opt.with_sum_p2 and g_sum_p2 is not None else None
-        if opt.inplace_grad:
-            out = z
+        out = z if opt.inplace_grad else None
+        # a dense pass without the targets' terms (with keep_ids: without the q-terms, which live on the kept
+        # columns only), then the host's columns written over it: the targets' and the kept set's, each from
+        # spec.ext_block_grad at the gathered logits (gathered first: the in-place gradient overwrites z), in
+        # the compute dtype and rounded once; at most K (+ K_ids) columns a row, no K compares over the shard
+        lay = _layout(opt)
+        ec = spec.ext_finalize(xp, red, lay, tau)
+        cols, use = _host_columns(y.to(torch.int64), owns, ids, call)
+        zk = spec.gather_columns(xp, z, cols, use, dtype=cdt)
+        if keep is not None:
+            kbits = keep.gather(1, cols)
+        elif ids is not None:
+            kbits = ((cols + call.rank * v)[:, :, None] == ids.to(torch.int64)[:, None, :]).any(-1)
         else:
-            out = torch.empty(z.shape, dtype=z.dtype, device=z.device)
-        _grad(z, local, owns, keep, red, valid, gl, ge, gs, tau, opt, engines.ENGINES[call.engine].compiled, out)
-        return out.view(logits.shape), None, None, None, None, None
+            kbits = None
+        vals = _column_values(zk, kbits, cols, use, local, owns, ec, valid, gl, ge, gs, tau)
+        gl_dense = gl if ids is None else torch.zeros_like(gl)  # keep_ids: no q-term off the kept columns
+        if call.engine == "triton":
+            from . import logits_triton
+
+            zc, k8 = _unit_stride(z, keep)
+            coef = _triton_coef(ec, valid, gl_dense, ge, gs, tau, keep is not None, call.plan)
+            out = logits_triton.ext_grad(zc, k8, coef, ge is not None, gs is not None, call.plan, out=out)
+        else:
+            out = _grad(z, local, owns, keep, red, valid, gl_dense, ge, gs, tau, opt,
+                        engines.ENGINES[call.engine].compiled, out)
+        spec.set_at_columns(xp, out, cols, vals, use)
+        return (out.view(logits.shape),) + none
 
 
-def logprob_entropy(logits, target, keep_mask, temperature, call: checks.Call, group):
+def logprob_entropy(logits, target, keep_mask, temperature, call: checks.Call, group, keep_ids=None):
     """The extended op on a checked call: ``(logprob, entropy or None, sum_p2 or None)``.
 
     ``target`` is ``[...]`` (``call.opt.n_targets == 0``) or ``[..., K]``;
@@ -194,7 +322,7 @@ def logprob_entropy(logits, target, keep_mask, temperature, call: checks.Call, g
         tau = temperature.detach().to(cdt).broadcast_to(lead).reshape(-1).contiguous()
     else:
         tau = torch.full((), opt.temperature, dtype=cdt, device=logits.device)
-    lp, h, p2, _ = _ExtOp.apply(logits, target, keep_mask, tau, call, group)
+    lp, h, p2, _ = _ExtOp.apply(logits, target, keep_mask, tau, keep_ids, call, group)
     if not opt.with_entropy:
         h = None
     elif not opt.entropy_grad:

@@ -81,9 +81,9 @@ def logprob_entropy(
         columns per row beside it, :mod:`dualvp_torch.keep_ids`). With
         ``validate=True`` ids outside ``[0, V)`` other than -1 raise
         ``ValueError`` on every rank (one host sync more); with
-        ``validate=False`` they lie in no shard and are ignored. Not yet with
-        ``multi_target``, ``with_sum_p2`` or a temperature tensor
-        (``NotImplementedError``; pass ``keep_mask`` there).
+        ``validate=False`` they lie in no shard and are ignored. With
+        ``multi_target``, ``with_sum_p2`` or a temperature tensor as well
+        (O(T K) beside the unmasked engine, :mod:`dualvp_torch.extended`).
       temperature: ``tau > 0``; the op uses ``softmax(logits / tau)`` without
         an extra buffer. A number, or a floating tensor broadcastable to the
         rows ``[...]`` (one temperature per row, e.g. verl's per-token
@@ -118,9 +118,9 @@ def logprob_entropy(
         on the device types of ``tuning.Tuning.triton_default_devices`` (none
         by default) when the ``triton`` package is installed, else
         ``DUALVP_COMPILE`` selects ``"compiled"`` (unset) or ``"eager"`` (0).
-        The Triton engine does not take ``multi_target``, ``with_sum_p2``
-        or a temperature tensor yet: ``impl=None`` never chooses it for
-        them, ``impl="triton"`` raises ``NotImplementedError``.
+        ``multi_target``, ``with_sum_p2`` and a temperature tensor run on
+        every engine; ``impl=None`` does not choose ``"triton"`` for them
+        (not yet measured on a GPU): pass ``impl="triton"``.
       multi_target: ``True``: ``target`` is ``[..., K]`` (K >= 1 ids per row)
         and the log-prob ``[..., K]``, in ONE pass and one collective round
         whatever K (the row statistics are shared). Under ``keep_mask`` each
@@ -194,11 +194,7 @@ def _extended(
     ignore_index=-100, validate=True, inplace_grad=False, impl=None, multi_target=False, with_sum_p2=False,
     label_smoothing: float = 0.0, caller_error: Optional[BaseException] = None, keep_ids=None,
 ):
-    """The call with K targets, a temperature tensor or ``sum_p2``: :mod:`dualvp_torch.extended`.
-
-    ``keep_ids`` goes to the checks only, which refuse it beside these options
-    (``NotImplementedError`` on every rank alike).
-    """
+    """The call with K targets, a temperature tensor or ``sum_p2``: :mod:`dualvp_torch.extended`."""
     if caller_error is None and not _plain(logits, target, keep_mask) and \
             _dtensor.involves_dtensor(logits, target, keep_mask):
         raise NotImplementedError(
@@ -211,7 +207,7 @@ def _extended(
         impl=impl, label_smoothing=label_smoothing, caller_error=caller_error, multi_target=multi_target,
         with_sum_p2=with_sum_p2, keep_ids=keep_ids,
     )
-    lp, h, p2 = _extended_op.logprob_entropy(logits, target, keep_mask, temperature, call, group)
+    lp, h, p2 = _extended_op.logprob_entropy(logits, target, keep_mask, temperature, call, group, keep_ids)
     return (lp, h, p2) if call.opt.with_sum_p2 else (lp, h)
 
 

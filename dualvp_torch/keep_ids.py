@@ -16,6 +16,10 @@ ids in this rank's shard and the target; :func:`dualvp.spec.kept_columns`):
               column outside the kept set, where q = 0); the kept columns'
               values (spec.kept_grad) written over it with one scatter
 
+The extended op (K targets, a temperature tensor, sum p^2) takes the ids the
+same way (:func:`ext_stats_with_ids`, and its backward in
+:mod:`dualvp_torch.extended`).
+
 Memory: O(T K) beyond the unmasked op; nothing of size ``[T, V_local]`` but
 the gradient itself. The engines' kernels are unchanged: the Triton engine's
 kernels never see the ids (the simplest correct route; its statistics pass
@@ -36,7 +40,7 @@ from dualvp import spec, validation
 
 from .stages import compute_dtype, xp
 
-__all__ = ["kept_columns", "stats_with_ids", "grad_with_ids", "count_bad_ids"]
+__all__ = ["kept_columns", "stats_with_ids", "grad_with_ids", "ext_stats_with_ids", "count_bad_ids"]
 
 
 def kept_columns(ids: torch.Tensor, y: torch.Tensor, call) -> tuple:
@@ -91,6 +95,27 @@ def grad_with_ids(eng, z: torch.Tensor, y: torch.Tensor, ids: torch.Tensor, res:
     else:
         g = eng.grad(z, y, None, res, torch.zeros_like(gl), (ge + nan_rows).contiguous(), call, out=out)
     return spec.set_at_columns(xp, g, cols, vals, use)
+
+
+def ext_stats_with_ids(stats: torch.Tensor, z: torch.Tensor, y: torch.Tensor, owns: torch.Tensor, ids: torch.Tensor,
+                       tau: torch.Tensor, call) -> torch.Tensor:
+    """The extended op's unmasked statistics ``[T, N_STATS (+ s2) + K]`` as with a mask: ``[T, width + K]``.
+
+    (:mod:`dualvp_torch.extended`, ``spec.ext_block_stats`` with the kept set
+    as ids.) The shared kept pair is the ids' alone (no target: each target is
+    merged into its own kept set after the reduce, ``spec.ext_finalize``), from
+    the gathered logits ``[T, K_ids + 1]``; the dropped flag of target k is
+    "owned here and not among the row's ids", an O(T K K_ids) compare. ``y``,
+    ``owns``: ``[T, K]``; ``tau``: 0-d or ``[T]``.
+    """
+    none = torch.full(y.shape[:-1], -1, dtype=torch.int64, device=y.device)
+    cols, use = spec.kept_columns(xp, ids.to(torch.int64), none, call.rank, call.v_local, -1)
+    zk = spec.gather_columns(xp, z, cols, use, dtype=stats.dtype)
+    mk, sk = spec.kept_pair(xp, zk, use, tau[:, None] if tau.ndim else tau)
+    base = spec.with_kept_pair(xp, stats[:, :spec.N_STATS], mk, sk)
+    listed = (y.to(torch.int64)[:, :, None] == ids.to(torch.int64)[:, None, :]).any(-1)
+    dropped = (owns & ~listed).to(stats.dtype)
+    return torch.cat([base, stats[:, spec.N_STATS:], dropped], dim=-1)
 
 
 def count_bad_ids(ids: torch.Tensor, vocab_size: int) -> tuple:

@@ -30,11 +30,11 @@ import triton.language as tl
 
 from dualvp import validation
 
-from .triton_kernels.logits_grad import logits_grad_kernel
+from .triton_kernels.logits_grad import EXT_COEF, logits_ext_grad_kernel, logits_grad_kernel
 from .triton_kernels.logits_merge import logits_merge_kernel
 from .triton_kernels.logits_stats import logits_stats_kernel
 
-__all__ = ["Plan", "make_plan", "stats", "stats_outputs", "merge", "grad"]
+__all__ = ["Plan", "make_plan", "stats", "stats_outputs", "merge", "grad", "ext_stats", "ext_grad", "EXT_COEF"]
 
 _TL = {torch.float32: tl.float32, torch.float64: tl.float64}
 
@@ -134,11 +134,11 @@ def _launch_stats(z, y, keep, plan: Plan, bad, out, logprob, entropy, res) -> No
     grid, bv, nw = plan.stats_cfg
     k = z if keep is None else keep  # any pointer when HAS_KEEP is off
     logits_stats_kernel[grid](
-        z, z.stride(0), y, k, k.stride(0), out, z if bad is None else bad, logprob, entropy, res,
+        z, z.stride(0), y, k, k.stride(0), out, z if bad is None else bad, logprob, entropy, res, z,
         plan.T, plan.V, plan.v_lo, plan.vocab, plan.opt.ignore_index, plan.cols_per_split, *plan.scalars,
         HAS_KEEP=keep is not None, WITH_ENTROPY=plan.opt.with_entropy, HAS_COUNTER=bad is not None,
         FINALIZE=out is None, COMPILED=plan.compiled, COMPUTE=_TL[plan.compute], ACC=tl.float64, BLOCK_V=bv,
-        KEEP_VEC=16 // z.element_size(), num_warps=nw,
+        KEEP_VEC=16 // z.element_size(), HAS_TARGET=True, WITH_SUM_P2=False, ROW_TAU=False, N_OUT=6, num_warps=nw,
     )
 
 
@@ -214,3 +214,54 @@ def grad(z: torch.Tensor, y: torch.Tensor, keep: Optional[torch.Tensor], res: to
             BLOCK_V=bv, KEEP_VEC=16 // z.element_size(), num_warps=nw,
         )
     return g
+
+
+# --- the extended op (K targets, a temperature tensor, sum p^2: dualvp_torch.extended) ------------------------
+#
+# The same statistics kernel without a target (HAS_TARGET=False: spec.ext_block_stats' shared row statistics,
+# zy = 0, the kept pair over the mask alone), with s2 (WITH_SUM_P2) and one temperature per row (ROW_TAU);
+# the K target logits and dropped flags are an O(T K) gather on the host. The gradient is
+# logits_ext_grad_kernel (spec.ext_block_grad without its target terms), the target columns written over it by
+# the host. Launch sizes, splits and grids are the base op's plan (from V_local alone).
+
+
+def ext_stats(z: torch.Tensor, keep: Optional[torch.Tensor], tau_rows: Optional[torch.Tensor], with_entropy: bool,
+              with_sum_p2: bool, plan: Plan) -> torch.Tensor:
+    """``[S, T, 6 (+1 with sum_p2)]``: ``spec.ext_block_stats``' row statistics (and ``s2``) of each column split.
+
+    ``z [T, V]`` unit column stride; ``keep`` uint8 ``[T, V]`` or ``None``;
+    ``tau_rows``: ``[T]`` contiguous temperatures in the compute dtype, or
+    ``None`` (the plan's number). ``with_entropy`` is forced by ``with_sum_p2``
+    (``s2`` needs ``s``), as in the spec.
+    """
+    n_out = 7 if with_sum_p2 else 6
+    out = torch.empty((plan.splits, plan.T, n_out), dtype=plan.compute, device=z.device)
+    if plan.T:
+        grid, bv, nw = plan.stats_cfg
+        k = z if keep is None else keep
+        logits_stats_kernel[grid](
+            z, z.stride(0), z, k, k.stride(0), out, z, out, out, out, z if tau_rows is None else tau_rows,
+            plan.T, plan.V, plan.v_lo, plan.vocab, plan.opt.ignore_index, plan.cols_per_split, *plan.scalars,
+            HAS_KEEP=keep is not None, WITH_ENTROPY=with_entropy or with_sum_p2, HAS_COUNTER=False, FINALIZE=False,
+            COMPILED=plan.compiled, COMPUTE=_TL[plan.compute], ACC=tl.float64, BLOCK_V=bv,
+            KEEP_VEC=16 // z.element_size(), HAS_TARGET=False, WITH_SUM_P2=with_sum_p2, ROW_TAU=tau_rows is not None,
+            N_OUT=n_out, num_warps=nw,
+        )
+    return out
+
+
+def ext_grad(z: torch.Tensor, keep: Optional[torch.Tensor], coef: torch.Tensor, entropy: bool, sum_p2: bool,
+             plan: Plan, out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """``spec.ext_block_grad`` (``target_terms=False``) of ``z [T, V]`` into ``out`` (``z`` for in place) or a fresh
+    ``[T, V]`` buffer, from the per-row ``coef [len(EXT_COEF), T]`` (compute dtype, contiguous)."""
+    if out is None:
+        out = torch.empty((plan.T, plan.V), dtype=z.dtype, device=z.device)
+    grid, bv, nw = plan.grad_cfg
+    k = z if keep is None else keep
+    if plan.T:
+        logits_ext_grad_kernel[grid](
+            z, z.stride(0), out, out.stride(0), k, k.stride(0), coef, plan.T, plan.V,
+            HAS_KEEP=keep is not None, ENTROPY=entropy, SUM_P2=sum_p2, COMPILED=plan.compiled,
+            COMPUTE=_TL[plan.compute], BLOCK_V=bv, KEEP_VEC=16 // z.element_size(), num_warps=nw,
+        )
+    return out

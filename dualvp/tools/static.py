@@ -45,11 +45,15 @@ import subprocess
 import tempfile
 import time
 
-__all__ = ["Launch", "hopper_target", "drive_logits", "drive_fused", "analyse", "sass_loops", "LOGITS_MODES",
-           "FUSED_MODES"]
+__all__ = ["Launch", "hopper_target", "drive_logits", "drive_logits_ext", "drive_fused", "analyse", "sass_loops",
+           "LOGITS_MODES", "EXT_LOGITS_MODES", "FUSED_MODES"]
 
 #: logits op modes: name -> (with_entropy, keep mask)
 LOGITS_MODES = {"lp": (False, False), "lp+ent": (True, False), "lp+ent+keep": (True, True)}
+#: the extended logits op's modes (K = 4 targets per row, a temperature per row, sum p^2): name -> (with_entropy,
+#: keep mask, with_sum_p2)
+EXT_LOGITS_MODES = {"k4+tau": (True, False, False), "k4+tau+p2": (True, False, True),
+                    "k4+tau+p2+keep": (True, True, True), "k4+keep": (False, True, False)}
 #: fused op modes: name -> (with_entropy, keep mask, hidden grad, weight grad)
 FUSED_MODES = {"lp": (False, False, True, True), "lp+ent": (True, False, True, True),
                "lp+ent+keep": (True, True, True, True), "lp+ent,frozen-w": (True, False, True, False),
@@ -235,6 +239,29 @@ def drive_logits(launches, T: int, V: int, dtype: str, mode: str, temperature: f
     lp, h = dualvp_torch.logprob_entropy(z, y, keep_mask=km, temperature=temperature, with_entropy=ent,
                                          validate=False, impl="triton")
     loss = lp.sum() if h is None else lp.sum() + h.sum()
+    loss.backward()
+
+
+def drive_logits_ext(launches, T: int, V: int, dtype: str, mode: str) -> None:
+    """Forward + backward of the extended ``logprob_entropy(multi_target=True, impl="triton", validate=False)``
+    with 4 targets per row and a temperature tensor on ``[T, V]`` logits (W = 1); :data:`EXT_LOGITS_MODES`."""
+    import torch
+
+    import dualvp_torch
+
+    ent, keep, p2 = EXT_LOGITS_MODES[mode]
+    dt = getattr(torch, dtype)
+    z = torch.empty((T, V), dtype=dt).requires_grad_(True)
+    y = torch.zeros((T, 4), dtype=torch.int64)
+    km = torch.zeros((T, V), dtype=torch.bool) if keep else None
+    tau = torch.full((T,), 0.7, dtype=torch.float32)
+    _set_label(launches, f"logits-ext {T}x{V} {dtype} {mode}")
+    out = dualvp_torch.logprob_entropy(z, y, keep_mask=km, temperature=tau, with_entropy=ent, validate=False,
+                                       impl="triton", multi_target=True, with_sum_p2=p2)
+    loss = out[0].sum()
+    for o in out[1:]:
+        if o is not None:
+            loss = loss + o.sum()
     loss.backward()
 
 

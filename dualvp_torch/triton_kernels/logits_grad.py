@@ -29,7 +29,7 @@ import triton.language as tl
 
 from .logits_common import exp2, ln2, log2e, keep_bits, select
 
-__all__ = ["logits_grad_kernel"]
+__all__ = ["logits_grad_kernel", "logits_ext_grad_kernel", "EXT_COEF"]
 
 
 @triton.jit
@@ -120,3 +120,81 @@ def logits_grad_kernel(
             gy += ge * tl.where(py == 0, 0.0, py * (c2 - uy))
         tl.debug_barrier()
         tl.store(g_row + local, gy.to(g_ptr.dtype.element_ty))
+
+
+#: the rows of the extended gradient kernel's per-row coefficients ``coef [len, T]`` (compute dtype)
+EXT_COEF = ("M", "log_s", "c", "sum_p2", "A", "GE", "GS", "Mk", "l2e_tau")
+
+
+@triton.jit
+def logits_ext_grad_kernel(
+    z_ptr, stride_z, g_ptr, stride_g, keep_ptr, stride_k, coef_ptr, T, V,
+    HAS_KEEP: tl.constexpr, ENTROPY: tl.constexpr, SUM_P2: tl.constexpr, COMPILED: tl.constexpr,
+    COMPUTE: tl.constexpr, BLOCK_V: tl.constexpr, KEEP_VEC: tl.constexpr,
+):
+    """:func:`dualvp.spec.ext_block_grad` with ``target_terms=False`` of a ``[1, BLOCK_V]`` tile (the extended op).
+
+    Per row, from ``coef [9, T]`` (:data:`EXT_COEF`) that the host formed from
+    ``spec.ext_finalize`` (O(T K) work: :mod:`dualvp_torch.extended`): ``M``,
+    ``log S``, ``c``, ``sum_p2``, ``A``, ``GE = gH ln2 / tau``, ``GS = 2 gS /
+    tau``, the shared kept max ``Mk`` (over the mask alone) and ``log2(e) /
+    tau`` (one temperature per row, or the same for all). ``A`` is the q-term's row
+    coefficient: ``sum_k gL_k / tau`` without a mask (``q^k = p``), ``sum_k
+    gL_k e^((Mk - Mk_k) / tau - log Sk_k) / tau`` with one (on a kept column
+    ``q^k_v = e^((z_v - Mk) / tau)`` times target k's factor)::
+
+        g_v = -A p_v                      (no mask)
+              -A e^((z_v - Mk) / tau)     (kept column; 0 on a dropped one)
+              + GE p_v (c log2(e) - u_v)  (ENTROPY, u = (z - M) log2(e) / tau)
+              + GS p_v (p_v - sum_p2)     (SUM_P2)
+
+    One exponential per element under a mask (kept columns shifted by the
+    kept max, ``p = e^((z - Mk) / tau) e^((Mk - M) / tau - log S)`` there), as
+    in :func:`logits_grad_kernel`. The K targets' own terms (at most K columns
+    per row) are not here: the host writes those columns' values over the
+    tile afterwards (``spec.ext_block_grad`` on the gathered columns, one
+    scatter), so the tile has no per-element compare with K targets.
+    """
+    row = tl.program_id(0).to(tl.int64)
+    col0 = tl.program_id(1) * BLOCK_V
+    cols = col0 + tl.arange(0, BLOCK_V)
+    l2e = log2e(COMPUTE)
+    ninf = float("-inf")
+    cr = coef_ptr + row
+    M = tl.load(cr).to(COMPUTE)
+    ls2 = tl.load(cr + T).to(COMPUTE) * l2e  # log S in base 2
+    A = tl.load(cr + 4 * T).to(COMPUTE)
+    l2e_tau = tl.load(cr + 8 * T).to(COMPUTE)
+    M_sh = tl.where(M == ninf, 0.0, M)
+    if ENTROPY:
+        c2 = tl.load(cr + 2 * T).to(COMPUTE) * l2e
+        ge = tl.load(cr + 5 * T).to(COMPUTE)
+    if SUM_P2:
+        p2 = tl.load(cr + 3 * T).to(COMPUTE)
+        gs = tl.load(cr + 6 * T).to(COMPUTE)
+
+    inb = cols < V
+    z_row = z_ptr + row * stride_z
+    z = tl.load(z_row + cols, mask=inb, other=0.0).to(COMPUTE)
+    u = (z - M_sh) * l2e_tau
+    if HAS_KEEP:
+        mk = tl.load(cr + 7 * T).to(COMPUTE)
+        mk_sh = tl.where(mk == ninf, 0.0, mk)
+        kcols = tl.max_contiguous(tl.multiple_of(cols, KEEP_VEC), KEEP_VEC)
+        km = keep_bits(tl.load(keep_ptr + row * stride_k + kcols, mask=inb, other=0), COMPILED)
+        # kept columns: e^((z - Mk) / tau) (<= 1); dropped: p
+        ek = exp2((z - select(km, mk_sh, M_sh, COMPUTE, COMPILED)) * l2e_tau - select(km, 0.0, ls2, COMPUTE, COMPILED),
+                  COMPILED)
+        g = select(km, -A * ek, 0.0, COMPUTE, COMPILED)
+        if ENTROPY or SUM_P2:
+            rho = tl.exp2((mk_sh - M_sh) * l2e_tau - ls2)  # p = ek rho on the kept columns
+            p = select(km, ek * rho, ek, COMPUTE, COMPILED)
+    else:
+        p = exp2(u - ls2, COMPILED)
+        g = -A * p
+    if ENTROPY:
+        # a banned column (p = 0, u = -inf) adds 0, not 0 * inf (see logits_grad_kernel)
+        g += ge * (p * (c2 - tl.maximum(u, -1.0e38, propagate_nan=tl.PropagateNan.ALL)))
+    if SUM_P2:
+        g += gs * (p * (p - p2))
+    tl.store(g_ptr + row * stride_g + cols, g.to(g_ptr.dtype.element_ty), mask=inb)

@@ -11,6 +11,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from dualvp.testing import cases
 from dualvp.testing import extended as ext
 from dualvp_torch import logprob_entropy
 
@@ -19,16 +20,30 @@ _COLLECTIVES = ("all_gather", "all_gather_into_tensor", "all_reduce", "broadcast
                 "reduce_scatter_tensor", "all_to_all_single", "barrier", "all_gather_object")
 
 
-def run_case(prob: ext.ExtProblem, rank: int, world: int, group, impl: str) -> dict:
-    """This rank's ``(logprob, entropy, sum_p2, grad shard)`` as float64 NumPy arrays."""
+def keep_ids_of(prob: ext.ExtProblem) -> np.ndarray:
+    """The problem's keep mask as global ids ``[..., K]`` (padding -1, some ids repeated), the same on every rank."""
+    return cases.ids_from_mask(np.random.default_rng(prob.case.base.seed + 7), prob.keep_mask)
+
+
+def run_case(prob: ext.ExtProblem, rank: int, world: int, group, impl: str, ids: bool = False,
+             inplace: bool = False) -> dict:
+    """This rank's ``(logprob, entropy, sum_p2, grad shard)`` as float64 NumPy arrays.
+
+    ``ids``: the keep mask handed over as ``keep_ids`` (:func:`keep_ids_of`);
+    ``inplace``: ``inplace_grad=True`` on a non-leaf copy of the logits.
+    """
     c = prob.case
     z, keep = prob.shard(rank, world)
     cdt = torch.float64 if c.dtype == "float64" else torch.float32
-    x = torch.tensor(z, dtype=torch.float64).to(_DT[c.dtype]).requires_grad_(True)
+    leaf = torch.tensor(z, dtype=torch.float64).to(_DT[c.dtype]).requires_grad_(True)
+    x = leaf * 1 if inplace else leaf
     tau = torch.tensor(prob.temperature, dtype=cdt) if c.row_temperature else prob.temperature
-    out = logprob_entropy(x, torch.tensor(prob.target), group=group,
-                          keep_mask=None if keep is None else torch.tensor(keep), temperature=tau,
-                          ignore_index=c.ignore_index, multi_target=c.targets > 0, with_sum_p2=c.sum_p2, impl=impl)
+    kw = {}
+    if keep is not None:
+        kw = {"keep_ids": torch.tensor(keep_ids_of(prob))} if ids else {"keep_mask": torch.tensor(keep)}
+    out = logprob_entropy(x, torch.tensor(prob.target), group=group, temperature=tau, inplace_grad=inplace,
+                          ignore_index=c.ignore_index, multi_target=c.targets > 0, with_sum_p2=c.sum_p2, impl=impl,
+                          **kw)
     lp, h = out[0], out[1]
     loss = ((lp * torch.tensor(prob.grad_logprob, dtype=cdt)).sum()
             + (h * torch.tensor(prob.grad_entropy, dtype=cdt)).sum())
@@ -36,7 +51,7 @@ def run_case(prob: ext.ExtProblem, rank: int, world: int, group, impl: str) -> d
         loss = loss + (out[2] * torch.tensor(prob.grad_sum_p2, dtype=cdt)).sum()
     loss.backward()
     f = lambda a: a.detach().to(torch.float64).numpy()  # noqa: E731
-    return dict(logprob=f(lp), entropy=f(h), sum_p2=f(out[2]) if c.sum_p2 else None, grad=f(x.grad))
+    return dict(logprob=f(lp), entropy=f(h), sum_p2=f(out[2]) if c.sum_p2 else None, grad=f(leaf.grad))
 
 
 def count_collectives(rank: int, world: int, group, k: int, validate: bool) -> dict:
@@ -100,3 +115,8 @@ def rank_suite(rank: int, world: int, names: tuple, impl: str) -> dict:
     results = {name: run_case(ext.make_ext(ext.ext_case(name)), rank, world, group, impl) for name in names}
     counts = {(k, v): count_collectives(rank, world, group, k, v) for k in (1, 8) for v in (True, False)}
     return {"results": results, "counts": counts, "disagree": disagree(rank, group)}
+
+
+def rank_cases(rank: int, world: int, probs: list, impl: str, ids: bool = False) -> list:
+    """This rank's outputs of each problem (:func:`run_case`), nothing else."""
+    return [run_case(p, rank, world, dist.group.WORLD, impl, ids) for p in probs]

@@ -3,7 +3,8 @@
 A child process (``dualvp.tools.static.hopper_target``) makes the host code
 believe it runs on one sm_90 device, then runs forward + backward of the
 public ops with ``impl="triton"`` at each input dtype and each mode the host
-launches: the logits op (log-prob; + entropy; + keep mask) and the fused
+launches: the logits op (log-prob; + entropy; + keep mask; the extended op's
+K targets with a temperature per row, sum p^2 and a keep mask) and the fused
 LM-head op (the same, plus frozen hidden / frozen weight in bfloat16). Each
 ``kernel[grid](...)`` compiles with the launch parameters and runtime
 specialisation the host picks, and only compiles. For every compiled kernel:
@@ -50,6 +51,9 @@ with static.hopper_target() as launches:
         for mode in static.LOGITS_MODES:
             for T, V in LOGITS:
                 static.drive_logits(launches, T, V, dt, mode)
+        for mode in static.EXT_LOGITS_MODES:  # K targets, a temperature per row, sum p^2 (dualvp_torch.extended)
+            for T, V in LOGITS:
+                static.drive_logits_ext(launches, T, V, dt, mode)
     for dt in DTYPES:
         modes = list(static.FUSED_MODES) if dt == "bfloat16" else ["lp+ent"]
         for mode in modes:
@@ -99,8 +103,12 @@ def _kernels(rows, name):
 @pytest.mark.slow
 def test_every_launched_kernel_compiles(compiled):
     names = {r["kernel"] for r in compiled}
-    # the logits op launches a statistics and a gradient kernel at least; the fused op its pair
+    # the logits op launches a statistics and a gradient kernel at least (the extended op its own gradient
+    # kernel); the fused op its pair
     assert any("stats" in n for n in names) and any("grad" in n for n in names), names
+    assert "logits_ext_grad_kernel" in names, names
+    ext_stats = [r for r in _kernels(compiled, "logits_stats_kernel") if r["constexprs"].get("HAS_TARGET") == "False"]
+    assert {r["constexprs"]["WITH_SUM_P2"] for r in ext_stats} == {"True", "False"}, ext_stats
     assert {"linear_stats_kernel", "linear_grad_kernel"} <= names, names
     # every dtype of the fused pair compiled (the 16-bit ones failed on dot() before)
     for name in ("linear_stats_kernel", "linear_grad_kernel"):
@@ -125,7 +133,7 @@ def test_streaming_loops_move_16_byte_vectors(compiled):
         # by bytes per thread: the stream's logits in 16-byte vectors, beside per-row scalars (target, statistics,
         # upstream gradients) and, in the gradient kernel (one tile per program, no loop), the keep mask in the
         # logits' own layout (8-byte vectors beside 16-bit logits): at least a third; scalar code would give ~0
-        least = 1 / 3 if r["kernel"] == "logits_grad_kernel" else 1 / 2
+        least = 1 / 3 if r["kernel"] in ("logits_grad_kernel", "logits_ext_grad_kernel") else 1 / 2
         assert r["load16"] is not None and r["load16"] >= least, ("16-byte loads", r["load16"], what)
         # every store of the stream is a 16-byte vector; the logits gradient kernel adds one narrow store per
         # row after its tile (the target column's value, written once: no per-element compare with the target)

@@ -323,12 +323,140 @@ def test_batch_invariance(impl):
             assert torch.equal(lp[j], lp_all[i]) and torch.equal(gr[j], g_all[i]), (i, rows)
 
 
-@pytest.mark.parametrize("extra", ["multi_target", "with_sum_p2", "temperature"])
-def test_keep_ids_with_an_extended_option_is_refused(extra):
-    # The extended op (K targets, a temperature tensor, sum p^2) has no id path:
-    # refused at check time, naming both options, rather than computed without the ids.
-    z = torch.zeros(4, 8)
-    y = torch.zeros((4, 2) if extra == "multi_target" else (4,), dtype=torch.long)
-    kw = {"temperature": torch.ones(4)} if extra == "temperature" else {extra: True}
-    with pytest.raises(NotImplementedError, match="keep_ids.*(multi_target|with_sum_p2|temperature)"):
-        dualvp_torch.logprob_entropy(z, y, keep_ids=torch.zeros(4, 2, dtype=torch.long), impl="eager", **kw)
+# --- keep_ids with the extended options (K targets, a temperature tensor, sum p^2) ---------------------------
+
+_EXT_IDS = ("k_masked", "row_tau_masked", "p2_masked", "all_drop_target", "all_nucleus", "all_all_but_target",
+            "all_ignored_masked", "all_neg_inf_masked", "all_everything", "all_bfloat16")
+_EXT_IDS_FAST = ("all_drop_target", "all_everything", "all_neg_inf_masked")
+
+
+def _ext_ids_params(impls_fast):
+    from dualvp.testing import extended as ext
+
+    return [pytest.param(ext.ext_case(n), impl,
+                         marks=() if (n in _EXT_IDS_FAST and impl in impls_fast) else pytest.mark.slow,
+                         id=f"{n}-{impl}")
+            for impl in ("eager", "triton", "compiled") for n in _EXT_IDS]
+
+
+@pytest.mark.parametrize("case,impl", _ext_ids_params(("eager", "triton")))
+def test_extended_options_with_ids(case, impl):
+    """K targets, a temperature tensor and sum p^2 with the kept set as ids (repeated, padded): the float64
+    oracle of the mask built from the same ids (each target kept for its own log-prob)."""
+    from dualvp.testing import extended as ext
+
+    from . import _ext_ranks
+
+    if impl == "triton" and not _triton_ok():
+        pytest.skip("triton with TRITON_INTERPRET=1 needed")
+    prob = ext.make_ext(case)
+    with_ids = _ext_ranks.run_case(prob, 0, 1, None, impl, ids=True)
+    out = ext.ExtOutputs(with_ids["logprob"], with_ids["entropy"], with_ids["grad"], with_ids["sum_p2"])
+    assert not ext.ext_failures(prob, out), (case.name, impl, ext.ext_failures(prob, out))
+
+
+@pytest.mark.parametrize("impl", ["eager", "triton"])
+def test_extended_ids_inplace_and_wide(impl):
+    """A row over several column splits (Triton: V = 768 under the interpreter), the in-place gradient."""
+    import dataclasses
+
+    from dualvp.testing import extended as ext
+
+    from . import _ext_ranks
+
+    if impl == "triton" and not _triton_ok():
+        pytest.skip("triton with TRITON_INTERPRET=1 needed")
+    case = dataclasses.replace(ext.ext_case("all_everything"), base=cases.case("everything", vocab=768, worlds=(1, 2)))
+    prob = ext.make_ext(case)
+    o = _ext_ranks.run_case(prob, 0, 1, None, impl, ids=True, inplace=True)
+    out = ext.ExtOutputs(o["logprob"], o["entropy"], o["grad"], o["sum_p2"])
+    assert not ext.ext_failures(prob, out)
+
+
+@pytest.mark.slow  # gloo ranks spawned
+@pytest.mark.parametrize("impl", ["eager", "triton"])
+def test_extended_ids_on_two_gloo_ranks(impl):
+    from dualvp.testing import extended as ext
+    from dualvp_torch.testing import run_ranks
+
+    from . import _ext_ranks
+
+    if impl == "triton" and not _triton_ok():
+        pytest.skip("triton with TRITON_INTERPRET=1 needed")
+    probs = [ext.make_ext(ext.ext_case(n)) for n in _EXT_IDS]
+    res = run_ranks(_ext_ranks.rank_cases, 2, probs, impl, True, timeout=600, env=_ENV)
+    for i, prob in enumerate(probs):
+        outs = [r[i] for r in res]
+        out = ext.ExtOutputs(outs[0]["logprob"], outs[0]["entropy"],
+                             np.concatenate([o["grad"] for o in outs], axis=-1), outs[0]["sum_p2"])
+        assert not ext.ext_failures(prob, out), (prob.case.name, ext.ext_failures(prob, out))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("impl", ["eager", "compiled"])
+def test_extended_ids_peak_memory_has_no_mask_sized_buffer(impl):
+    """K = 4 targets, a temperature per row and sum p^2 with ids: T = 2048, V_local = 32000, 64 ids per row;
+    forward + backward allocate one B-sized buffer (the gradient), nothing of the mask's size (B / 2 in bf16)."""
+    from dualvp_torch import tuning
+
+    from ._alloc import allocations, peak
+
+    T, V, K = 2048, 32000, 64
+    g = torch.Generator().manual_seed(0)
+    leaf = torch.randn(T, V, generator=g).to(torch.bfloat16).requires_grad_(True)
+    y = torch.randint(0, V, (T, 4), generator=g)
+    ids = torch.randint(0, V, (T, K), generator=g)
+    tau = torch.rand(T, generator=g) + 0.5
+    B = leaf.numel() * leaf.element_size()
+
+    def step():
+        lp, h, p2 = dualvp_torch.logprob_entropy(leaf, y, keep_ids=ids, impl=impl, temperature=tau,
+                                                 multi_target=True, with_sum_p2=True)
+        (lp.sum() + h.sum() + p2.sum()).backward()
+
+    with tuning.using(tuning.Tuning(max_eager_workers=1)):
+        step()  # warm-up (compilation)
+        leaf.grad = None
+        sizes = allocations(step)
+    big = [s for s in sizes if s >= B // 4]
+    assert big == [B], [s / B for s in big]
+    assert peak(sizes) <= 1.1 * B, peak(sizes) / B
+
+
+@pytest.mark.parametrize("impl", ["eager", "triton", pytest.param("compiled", marks=pytest.mark.slow)])
+def test_extended_ids_batch_invariance(impl):
+    """K = 3 targets, a temperature per row, sum p^2 and keep_ids: a row alone, in 7 rows, bitwise the same."""
+    from dualvp_torch import tuning
+
+    if impl == "triton" and not _triton_ok():
+        pytest.skip("triton with TRITON_INTERPRET=1 needed")
+    g = torch.Generator().manual_seed(1)
+    T, V, K = 7, 300, 8
+    z = torch.randn(T, V, generator=g) * 3
+    y, ids = torch.randint(0, V, (T, 3), generator=g), torch.randint(-1, V, (T, K), generator=g)
+    y[1, 2] = ids[1, 0].clamp(min=0)  # a listed target beside dropped ones
+    tau = torch.rand(T, generator=g) + 0.5
+
+    def run(rows):
+        x = z[rows].clone().requires_grad_(True)
+        lp, h, p2 = dualvp_torch.logprob_entropy(x, y[rows], keep_ids=ids[rows], temperature=tau[rows],
+                                                 multi_target=True, with_sum_p2=True, impl=impl)
+        (lp.sum() + h.sum() + 0.5 * p2.sum()).backward()
+        return lp.detach(), h.detach(), p2.detach(), x.grad
+
+    with tuning.using(tuning.Tuning(max_eager_workers=1)):
+        full = run(slice(0, T))
+        for i in (0, 1, T - 1):
+            one = run(slice(i, i + 1))
+            assert all(torch.equal(a[0], b[i]) for a, b in zip(one, full)), i
+
+
+def test_keep_ids_with_an_extended_option_raises_in_jax_only():
+    # torch takes them together (above); the shared checks refuse the pair unless the backend says it takes it
+    from dualvp import validation
+
+    kw = dict(logits_shape=(4, 8), logits_dtype="float32", target_shape=(4, 2), target_dtype="int64",
+              ids_shape=(4, 3), ids_dtype="int64", multi_target=True)
+    with pytest.raises(NotImplementedError, match="keep_ids.*multi_target"):
+        validation.check_args(**kw)
+    assert validation.check_args(**kw, ids_with_extended=True).has_ids

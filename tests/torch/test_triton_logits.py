@@ -12,6 +12,7 @@ non-finite rows, the options without entropy. Slow: the table over 2 and 4
 gloo ranks, the precision at a realistic vocabulary, the ranks' agreement.
 """
 
+import dataclasses
 import os
 import sys
 
@@ -477,3 +478,100 @@ def test_launches_per_forward_and_backward(V, monkeypatch):
     merge = [] if V <= 256 else ["logits_merge_kernel"]
     assert launched == ["logits_stats_kernel", *merge, "logits_grad_kernel"], launched
     assert not [f for f in ops.seen if "zero" in f or "fill" in f], ops.seen
+
+
+# --- the extended op: K targets per row, a temperature tensor, sum p^2 (dualvp_torch.extended) -------------
+
+from dualvp.testing import extended as ext  # noqa: E402
+
+from . import _ext_ranks  # noqa: E402
+
+
+def _ext_check(prob, outs: list):
+    """Join the ranks' gradient shards; judge everything against the float64 oracle; identical on every rank."""
+    r0 = outs[0]
+    joined = ext.ExtOutputs(r0["logprob"], r0["entropy"], np.concatenate([o["grad"] for o in outs], axis=-1),
+                            r0["sum_p2"])
+    bad = ext.ext_failures(prob, joined)
+    assert not bad, (prob.case.name, len(outs), bad)
+    for o in outs[1:]:
+        assert np.array_equal(o["logprob"], r0["logprob"], equal_nan=True)
+
+
+_EXT_FAST = ("k_masked", "row_tau_masked", "p2_masked", "all_basic", "all_bfloat16", "all_float64",
+             "all_drop_target", "all_neg_inf_masked", "all_ignored_masked", "all_extreme_temp", "all_empty")
+
+
+@pytest.mark.parametrize("case", [c if c.name in _EXT_FAST else pytest.param(c, marks=pytest.mark.slow)
+                                  for c in ext.EXT_CASES], ids=lambda c: c.name)
+def test_extended_case_w1(case):
+    prob = ext.make_ext(case)
+    _ext_check(prob, [_ext_ranks.run_case(prob, 0, 1, None, "triton")])
+
+
+def _ext_wide(name: str, base: str, **kw):
+    return dataclasses.replace(ext.ext_case(name), base=cases.case(base, worlds=(1, 2), **kw))
+
+
+# A row in several column splits (V > 256 under the interpreter: [S, T, 7] statistics merged on the host) and
+# many column blocks per split (the running maxima move: s2 is rescaled with s and t).
+_EXT_WIDE = [pytest.param(_ext_wide(n, b, vocab=v, lead=lead), marks=() if fast else pytest.mark.slow,
+                          id=f"{n}_V{v}")
+             for n, b, v, lead, fast in (("all_everything", "everything", 1024, (3, 4), True),
+                                         ("all_neg_inf_masked", "neg_inf_masked", 1536, (6,), True),
+                                         ("all_extreme_temp", "extreme_temp", 1024, (6,), False),
+                                         ("all_confident_lm_bf16", "confident_lm_bf16", 1280, (6,), False))]
+
+
+@pytest.mark.parametrize("case", _EXT_WIDE)
+def test_extended_many_column_blocks(case):
+    prob = ext.make_ext(case)
+    _ext_check(prob, [_ext_ranks.run_case(prob, 0, 1, None, "triton")])
+
+
+@pytest.mark.parametrize("name", ["all_drop_target", "all_bfloat16"])
+def test_extended_inplace_equals_fresh(name):
+    prob = ext.make_ext(ext.ext_case(name))
+    fresh = _ext_ranks.run_case(prob, 0, 1, None, "triton")
+    inplace = _ext_ranks.run_case(prob, 0, 1, None, "triton", inplace=True)
+    for key in ("logprob", "entropy", "sum_p2", "grad"):
+        assert np.array_equal(fresh[key], inplace[key], equal_nan=True) if fresh[key] is not None else True, key
+
+
+@pytest.mark.slow  # gloo ranks spawned
+def test_extended_over_two_gloo_ranks():
+    names = ("all_basic", "all_drop_target", "all_ignored_masked", "all_everything", "k_masked", "row_tau_masked",
+             "all_bfloat16")
+    probs = [ext.make_ext(ext.ext_case(n)) for n in names] + [ext.make_ext(_EXT_WIDE[0].values[0])]
+    res = run_ranks(_ext_ranks.rank_cases, 2, probs, "triton", timeout=600)
+    for i, prob in enumerate(probs):
+        _ext_check(prob, [r[i] for r in res])
+
+
+def _ext_rows_out(z, y, keep, tau, gl, ge, gs):
+    z = z.clone().requires_grad_(True)
+    lp, h, p2 = logprob_entropy(z, y, keep_mask=keep, temperature=tau, multi_target=True, with_sum_p2=True,
+                                impl="triton", validate=False)
+    torch.autograd.backward([lp, h, p2], [gl, ge, gs])
+    return lp.detach(), h.detach(), p2.detach(), z.grad
+
+
+@pytest.mark.parametrize("dtype,n", [("float32", 7), ("bfloat16", 7), pytest.param("float32", 64, marks=pytest.mark.slow)])
+def test_extended_batch_invariance_bitwise(dtype, n):
+    """K = 3 targets (one repeated), a temperature per row, sum p^2 and a keep mask: a row alone and inside a
+    call of ``n`` rows, bitwise equal (V = 320: two column splits under the interpreter)."""
+    gen = torch.Generator().manual_seed(6)
+    V = 320
+    z = (torch.randn(n, V, generator=gen) * 3).to(_DT[dtype])
+    y = torch.randint(0, V, (n, 3), generator=gen)
+    y[0, 2] = y[0, 0]
+    y[3, 1] = -100
+    keep = torch.rand(n, V, generator=gen) < 0.3
+    tau = torch.rand(n, generator=gen) + 0.5
+    gl, ge, gs = torch.randn(n, 3, generator=gen), torch.randn(n, generator=gen), torch.randn(n, generator=gen)
+    batch = _ext_rows_out(z, y, keep, tau, gl, ge, gs)
+    for r in (0, 3, n - 1):
+        one = _ext_rows_out(z[r:r + 1], y[r:r + 1], keep[r:r + 1], tau[r:r + 1], gl[r:r + 1], ge[r:r + 1],
+                            gs[r:r + 1])
+        for a, b in zip(one, batch):
+            assert torch.equal(a[0], b[r]), (n, r)
