@@ -412,6 +412,9 @@ class LinearLogProbEntropyFunction(torch.autograd.Function):
             stats = torch.zeros((0, spec.N_STATS), dtype=cdt, device=hidden.device)
         elif fused:
             stats = linear_triton.stats(hp, weight, _ycol(lp_, op, vp), kp, tau, opt.temperature, allow_tf32)
+            if kept is not None:  # the kept pair from the logits at the kept columns (O(T K H) products)
+                zk = linear_triton.kept_logits(hp, weight, *kept, tile_budget)
+                stats = spec.with_kept_pair(_sxp, stats, *spec.kept_pair(_sxp, zk, kept[1], tau))
         else:
             with linear_triton.matmul_precision(h2, allow_tf32):
                 stats = _stats(hp, weight, lp_, op, kp, tau, tiles, eng.compiled, kept)
@@ -423,7 +426,7 @@ class LinearLogProbEntropyFunction(torch.autograd.Function):
         res, logprob, entropy = engines.merge(all_stats, valid, tau, compiled=merge_compiled)
         logprob, entropy = logprob.reshape(target.shape), entropy.reshape(target.shape)
         ctx.opt, ctx.group, ctx.engine, ctx.tiles = opt, group, engine, tiles
-        ctx.budget, ctx.allow_tf32 = budget[2], allow_tf32
+        ctx.budget, ctx.tile_budget, ctx.allow_tf32 = budget[2], tile_budget, allow_tf32
         # (keep_ids: the target too, for the kept columns again in the backward; O(T))
         ctx.save_for_backward(hidden, weight, keep_mask, local, owns, valid, res, keep_ids,
                               None if keep_ids is None else target)
@@ -467,10 +470,23 @@ class LinearLogProbEntropyFunction(torch.autograd.Function):
             ge = None if ge is None else torch.where(first, ge[pad], torch.zeros((), dtype=cdt, device=h2.device))
         if not eng.spec_stages and n:
             M, log_s, c, mk, log_sk = res.unbind(0)
+            kept, kept_vals = _kept(keep_ids, target, ctx.rank, v, opt), None
+            if kept is not None:
+                # keep_ids: the kernel forms the gradient without its log-prob term (a zero log-prob
+                # cotangent: the entropy's, NaN rows carried in it), the kept columns' full values
+                # (spec.kept_grad) are written over it in each G chunk (linear_triton.grads)
+                zk = linear_triton.kept_logits(h2, weight, *kept, ctx.tile_budget)
+                comb = spec.Combined(*res.unbind(0), None)
+                kept_vals = spec.kept_grad(_sxp, zk, kept[0], kept[1], local, owns, comb, valid, gl, ge, tau)
+                nan_rows = torch.where(valid, 0.0 * comb.log_sk, torch.zeros_like(comb.log_sk))
+                gl = torch.zeros_like(gl)
+                ge = nan_rows if ge is None else ge + nan_rows
+                c = res[2]
+                kept_vals = (kept[0], kept[1], kept_vals)
             dh, dw = linear_triton.grads(
                 h2, weight, _ycol(local, owns, valid), keep, (M, log_s, c if ge is not None else None, mk, log_sk),
                 gl, ge, opt.temperature,
-                need_dh, need_dw, ctx.allow_tf32, tuning.current().split_gradient, ctx.budget,
+                need_dh, need_dw, ctx.allow_tf32, tuning.current().split_gradient, ctx.budget, kept_vals,
             )
         else:
             with linear_triton.matmul_precision(h2, ctx.allow_tf32):
@@ -542,8 +558,10 @@ def linear_logprob_entropy(
         ``target.shape + (K,)``) or ``None``: the kept set as ids, as in
         :func:`dualvp_torch.logprob_entropy` (never with ``keep_mask``). Each
         tile gathers the logits at the kept columns it holds (O(T K) more, no
-        mask). The tile loop only: ``impl="triton"`` (the fused Triton
-        kernels) raises.
+        mask). ``impl="triton"``: the kernels run unmasked, the logits at the
+        kept columns are ``O(T K H)`` dot products, and the kept columns'
+        gradient values are written into each stored ``G`` chunk (the
+        default ``"gemm"`` backward; ``"atomic"`` raises).
       temperature, with_entropy, entropy_grad, ignore_index: as in
         :func:`dualvp_torch.logprob_entropy`.
       reduce_hidden_grad: ``True`` sums ``dh`` over the group in float32 in

@@ -29,7 +29,8 @@ from dualvp import spec
 
 from . import triton_kernels, tuning
 
-__all__ = ["blocks", "grads", "group_rows", "matmul_precision", "stats", "unavailable", "DH_GROUP_BYTES"]
+__all__ = ["blocks", "grads", "group_rows", "kept_logits", "matmul_precision", "stats", "unavailable",
+           "DH_GROUP_BYTES"]
 
 
 
@@ -184,7 +185,7 @@ def default_atomic_budget(v: int, hsz: int) -> int:
 
 
 def grads(h2, weight, ycol, keep, comb, gl, ge, temperature: float, need_dh: bool, need_dw: bool,
-          allow_tf32: bool, split_g: bool, budget: Optional[int]):
+          allow_tf32: bool, split_g: bool, budget: Optional[int], kept=None):
     """``(dh [T, H] float32 or None, dW [V, H] in weight's dtype or None)``: this rank's partial sums.
 
     ``comb = (M, log_s, c, mk, log_sk)`` ``[T]`` float32 (``c`` may be
@@ -204,6 +205,12 @@ def grads(h2, weight, ycol, keep, comb, gl, ge, temperature: float, need_dh: boo
     (rounded once to the weight's dtype; float32 products in IEEE float32
     unless ``allow_tf32``). ``"atomic"``: the kernel multiplies in-register
     ``G`` and adds with float32 atomics.
+
+    ``kept``: ``(cols, use, vals)`` ``[T, K+1]`` (``keep_ids``: the kept
+    columns and the gradient's values there, ``spec.kept_grad``, float32):
+    written over each stored ``G`` chunk before its products (rounded once
+    to the weight's dtype, or split), as the tile path writes them over its
+    tile. Needs the ``"gemm"`` backward.
     """
     from .triton_kernels.linear_bwd import linear_grad_kernel
 
@@ -215,6 +222,11 @@ def grads(h2, weight, ycol, keep, comb, gl, ge, temperature: float, need_dh: boo
     has_ent = ge is not None
     split = bool(split_g) and weight.dtype != torch.float32
     gemm = tuning.current().triton_linear_backward == "gemm"
+    if kept is not None and not gemm:
+        raise NotImplementedError(
+            "keep_ids: the fused Triton backward writes the kept columns into its stored G chunks; "
+            "Tuning(triton_linear_backward='atomic') forms G in registers only: use the default 'gemm' backward "
+            "or a keep_mask")
     dh = torch.zeros((n, hsz), dtype=torch.float32, device=dev) if need_dh else None
     chunk = v
     dw = acc = g_hi = g_lo = None
@@ -260,6 +272,8 @@ def grads(h2, weight, ycol, keep, comb, gl, ge, temperature: float, need_dh: boo
         )
         if gemm:
             parts = [g_hi[:, : j1 - j0]] + ([g_lo[:, : j1 - j0]] if split else [])
+            if kept is not None:
+                _set_kept(parts, kept, j0, j1 - j0)
             with matmul_precision(h2, allow_tf32):
                 if need_dh:
                     for part in parts:
@@ -276,6 +290,38 @@ def grads(h2, weight, ycol, keep, comb, gl, ge, temperature: float, need_dh: boo
         elif chunked:
             dw[j0:j1].copy_(acc[: j1 - j0])  # the one rounding of this chunk of dW
     return dh, dw
+
+
+def _set_kept(parts, kept, start: int, width: int) -> None:
+    """Write the kept columns' values of the chunk ``[start, start + width)`` over its stored ``G`` (its parts)."""
+    from .stages import xp as sxp  # with take_along_axis
+
+    cols, use, vals = kept
+    c, u = spec.columns_in_block(sxp, cols, use, start, width)
+    hi = vals.to(parts[0].dtype)
+    spec.set_at_columns(sxp, parts[0], c, hi, u)
+    if len(parts) > 1:  # G_lo: what rounding G_hi left, rounded
+        spec.set_at_columns(sxp, parts[1], c, (vals - hi.to(vals.dtype)).to(parts[1].dtype), u)
+
+
+def kept_logits(h2: torch.Tensor, weight: torch.Tensor, cols: torch.Tensor, use: torch.Tensor,
+                budget: int) -> torch.Tensor:
+    """``[T, K+1]`` float32: the logits ``h2[t] . weight[cols[t, k]]`` where ``use``, else 0 (``keep_ids``).
+
+    O(T K H) products over rows in chunks whose gathered weight rows (float32,
+    ``[rows, K+1, H]``) stay within ``budget`` bytes. Each logit is one row's
+    own dot product (the same wherever the row sits).
+    """
+    n, hsz = h2.shape
+    k1 = cols.shape[-1]
+    out = torch.zeros((n, k1), dtype=torch.float32 if h2.dtype != torch.float64 else h2.dtype, device=h2.device)
+    step = max(1, budget // max(1, k1 * hsz * 4))
+    for i0 in range(0, n, step):
+        i1 = min(n, i0 + step)
+        wg = weight[cols[i0:i1].reshape(-1)].reshape(i1 - i0, k1, hsz).to(out.dtype)
+        z = torch.bmm(wg, h2[i0:i1].to(out.dtype)[:, :, None])[..., 0]
+        out[i0:i1] = torch.where(use[i0:i1], z, 0.0)
+    return out
 
 
 class _Triton:

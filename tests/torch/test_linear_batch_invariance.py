@@ -115,6 +115,7 @@ def test_tile_path_keep_ids_batch_invariant():
 TRITON_TABLES = {
     "V200-H24-f32": dict(v=200, h=24, n_other=1000),
     "V200-H24-bf16-keep": dict(v=200, h=24, dtype="bfloat16", keep="mask", tau=1.3, n_other=1000),
+    "V200-H24-f32-ids": dict(v=200, h=24, keep="ids", n_other=1000),
 }
 
 
@@ -130,6 +131,7 @@ def _interpreting():
     "table_id, ts",
     [pytest.param("V200-H24-f32", (7, 64), id="f32-T7-64"),
      pytest.param("V200-H24-bf16-keep", (7, 64), id="bf16-keep-T7-64", marks=pytest.mark.slow),
+     pytest.param("V200-H24-f32-ids", (7,), id="f32-ids-T7"),
      pytest.param("V200-H24-f32", (1000,), id="f32-T1000", marks=pytest.mark.slow)])
 def test_triton_batch_invariant(table_id, ts):
     _interpreting()
