@@ -432,9 +432,6 @@ def linear_call(
                 raise ValueError(f"{name}: expected a tensor on hidden's device {hidden.device}, got device {x.device}")
         engine = engines.select(impl, hidden.device, triton_default=False)
         _check_fused_options(hidden, engine, allow_tf32)
-        if keep_ids is not None and not engines.ENGINES[engine].spec_stages:
-            raise ValueError(f"keep_ids: expected None with impl={engine!r} (the fused Triton kernels take a "
-                             "keep_mask); the tile loop (impl=None, 'compiled' or 'eager') takes keep_ids")
         record = None
         if validate and group is not None:
             grad_on = torch.is_grad_enabled()

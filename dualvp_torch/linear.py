@@ -38,9 +38,28 @@ float32 accumulator that must span the whole loop small:
 ``T <= V_local``: vocabulary blocks outside (each block's ``dW_j`` is complete
 after its token chunks; ``dh`` accumulates in ``[T, H]``); otherwise token
 chunks outside (``dh_i`` complete per chunk, ``dW`` accumulates in
-``[V_local, H]``). A tile takes all rows (vocabulary-major) or all columns
-(token-major) when :data:`MIN_SIDE` of the other side fit the budget, so
-that the common case has no inner loop at all.
+``[V_local, H]``). Either way a row's ``dh`` adds its blocks' products in
+vocabulary order.
+
+Batch invariance (docs/decisions.md, "Fused op: batch invariance and G
+rounding"): a row's log-prob, entropy and ``dh`` row are bitwise the same
+alone and in any call, at a fixed weight, dtype and options; ``dW`` sums over
+the rows and is exempt. What a row's values depend on is chosen without
+``T``: the vocabulary blocks (:func:`~dualvp_torch.linear_tiles.tile_shape`:
+the columns that :data:`MIN_SIDE` rows fit in a budget from ``V_local`` alone
+by default, or in an explicit ``memory_budget``; at most ``MAX_COLS``); the
+blocks' statistics merge one after another; token chunks are even
+(``even_ranges``) and a call of fewer than :data:`MIN_ROWS` rows runs as
+``MIN_ROWS`` (its rows repeated, upstream gradients 0): CPU GEMMs (MKL) of 1
+to 3 rows take other paths than the same rows in a larger product, and
+dynamo specialises one row. The token chunks' size follows ``T`` (a row's
+values do not depend on it: MKL's product of 4 or more rows gives a row the
+same bits wherever it sits, checked by tests/torch/test_linear_batch_invariance.py).
+``impl="triton"``: its vocabulary splits come from ``V`` (``linear_triton.SPLIT_COLUMNS``
+on CUDA), merged split after split in a kernel, and the backward's ``G``
+chunks from ``V`` (an explicit ``memory_budget`` sizes them from ``T``). On
+CUDA, cuBLAS's choice of kernel for the ``dh`` products (split-K) may depend
+on ``T``: unchecked without a GPU.
 
 Besides the tile the op holds (float32 input: nothing else, the accumulators
 are the returned gradients; 16-bit: ``[T, H]`` float32 for ``dh``, a ``[vc,
@@ -90,9 +109,13 @@ from .linear_tiles import (  # noqa: F401 (re-exported)
     BUDGET_FRACTION,
     CUDA_BUDGET_FRACTION,
     MIN_BUDGET,
+    MIN_ROWS,
     MIN_SIDE,
     TileBuffer,
+    column_budget,
     default_budget,
+    even_ranges,
+    pad_rows,
     ranges,
     tile_shape,
 )
@@ -179,6 +202,20 @@ def _logits_block(h_i: torch.Tensor, w_j: torch.Tensor, cdt: torch.dtype, out: O
     return torch.mm(_up(h_i, cdt), _up(w_j, cdt).t(), out=out)
 
 
+def _padded(pad, h2, target, valid, owns, local, keep, keep_ids):
+    """The row-indexed inputs at the rows ``pad`` (:func:`~dualvp_torch.linear_tiles.pad_rows`), or as they are.
+
+    ``h2 [T, H]``, ``target``/``valid``/``owns``/``local`` ``[T]``, ``keep
+    [T, V]``, ``keep_ids [..., K]`` (any may be ``None``).
+    """
+    if pad is None:
+        return h2, target, valid, owns, local, keep, keep_ids
+    pad = pad.to(h2.device)
+    n = h2.shape[0]
+    ids = None if keep_ids is None else keep_ids.reshape(n, keep_ids.shape[-1])[pad]
+    return tuple(None if x is None else x[pad] for x in (h2, target, valid, owns, local, keep)) + (ids,)
+
+
 def _kept(keep_ids, target, rank: int, v_local: int, opt: validation.Options):
     """``spec.kept_columns`` ``(cols, use)`` ``[T, K+1]`` of ``keep_ids`` on this rank, or ``None`` without ids."""
     if keep_ids is None:
@@ -201,18 +238,21 @@ def _stats(h2, weight, local, owns, keep, tau, tiles, compiled: bool, kept=None)
     buf = TileBuffer(min(tc, n), min(vc, v), cdt, h2.device)
     zk = None if kept is None else torch.zeros(kept[0].shape, dtype=cdt, device=h2.device)
     parts = []
-    for i0, i1 in ranges(n, tc):
+    for i0, i1 in even_ranges(n, tc):
         h_i = _fwd_operand(h2[i0:i1], cdt)  # upcast once per token chunk, not once per tile
-        blocks = []
+        run = None
         for j0, j1 in ranges(v, vc):
             z = _logits_block(h_i, weight[j0:j1], cdt, buf.take(i1 - i0, j1 - j0))
             kb = None if keep is None else keep[i0:i1, j0:j1]
-            blocks.append(engines.block_stats(z, local[i0:i1], owns[i0:i1], kb, tau, start=j0, compiled=compiled))
+            st = engines.block_stats(z, local[i0:i1], owns[i0:i1], kb, tau, start=j0, compiled=compiled)
+            # merged block after block (not one reduction over the stacked blocks: ATen may split
+            # that sum between threads by the chunk's row count, and a row's order would follow T)
+            run = st if run is None else spec.merge_stats(xp, run, st, tau)
             if kept is not None:
                 c, u = spec.columns_in_block(_sxp, kept[0][i0:i1], kept[1][i0:i1], j0, j1 - j0)
                 zk[i0:i1] = spec.gather_columns(_sxp, z, c, u, zk[i0:i1])
             del z  # the tile is not needed once its statistics are taken (off the CPU: freed here)
-        parts.append(blocks[0] if len(blocks) == 1 else spec.reduce_stats(xp, torch.stack(blocks), 0, tau))
+        parts.append(run)
     stats = parts[0] if len(parts) == 1 else torch.cat(parts)
     if kept is None:
         return stats
@@ -251,7 +291,7 @@ def _grads(h2, weight, local, owns, keep, res, valid, gl, ge, tau, tiles, need_d
             dw_out = torch.empty((v, hsz), dtype=weight.dtype, device=dev)
         else:
             dw_full = torch.zeros((v, hsz), dtype=cdt, device=dev)
-    rows, cols = ranges(n, tc), ranges(v, vc)
+    rows, cols = even_ranges(n, tc), ranges(v, vc)
     outer, inner = (cols, rows) if vocab_major else (rows, cols)
     buf = TileBuffer(min(tc, n), min(vc, v), cdt, dev)
     # 16-bit operands on CUDA: products of G's 16-bit parts with the rows as
@@ -360,24 +400,33 @@ class LinearLogProbEntropyFunction(torch.autograd.Function):
         cdt = engines.compute_dtype(hidden.dtype)
         valid, owns, local = spec.target_to_local(xp, target.reshape(-1).to(torch.int64), rank, v, opt.ignore_index)
         keep = None if keep_mask is None else keep_mask.reshape(-1, v)
-        kept = _kept(keep_ids, target, rank, v, opt)
         tau = torch.full((), opt.temperature, dtype=cdt, device=hidden.device)
         fused = not eng.spec_stages
-        tiles = tile_shape(n, v, budget, 4 + eng.tile_scratch_bytes)
+        tile_budget, col_budget, _ = budget
+        tiles = tile_shape(max(n, MIN_ROWS), v, tile_budget, 4 + eng.tile_scratch_bytes, col_budget)
+        # Batch invariance: a call of fewer than MIN_ROWS rows runs as MIN_ROWS (its rows repeated)
+        pad = pad_rows(n)
+        hp, tp, vp, op, lp_, kp, idp = _padded(pad, h2, target.reshape(-1), valid, owns, local, keep, keep_ids)
+        kept = _kept(idp, tp, rank, v, opt)
         if not n:
             stats = torch.zeros((0, spec.N_STATS), dtype=cdt, device=hidden.device)
         elif fused:
-            stats = linear_triton.stats(h2, weight, _ycol(local, owns, valid), keep, tau, opt.temperature, allow_tf32)
+            stats = linear_triton.stats(hp, weight, _ycol(lp_, op, vp), kp, tau, opt.temperature, allow_tf32)
+            if kept is not None:  # the kept pair from the logits at the kept columns (O(T K H) products)
+                zk = linear_triton.kept_logits(hp, weight, *kept, tile_budget)
+                stats = spec.with_kept_pair(_sxp, stats, *spec.kept_pair(_sxp, zk, kept[1], tau))
         else:
             with linear_triton.matmul_precision(h2, allow_tf32):
-                stats = _stats(h2, weight, local, owns, keep, tau, tiles, eng.compiled, kept)
+                stats = _stats(hp, weight, lp_, op, kp, tau, tiles, eng.compiled, kept)
+        if pad is not None:
+            stats = stats[:n]
         all_stats = collectives.gather_stats(stats, group) if group is not None else stats[None]
         # (the fused Triton kernels: the O(T) merge runs as impl=None would run it)
         merge_compiled = engines.ENGINES[engine if eng.spec_stages else engines.select(None)].compiled
         res, logprob, entropy = engines.merge(all_stats, valid, tau, compiled=merge_compiled)
         logprob, entropy = logprob.reshape(target.shape), entropy.reshape(target.shape)
         ctx.opt, ctx.group, ctx.engine, ctx.tiles = opt, group, engine, tiles
-        ctx.budget, ctx.allow_tf32 = budget, allow_tf32
+        ctx.budget, ctx.tile_budget, ctx.allow_tf32 = budget[2], tile_budget, allow_tf32
         # (keep_ids: the target too, for the kept columns again in the backward; O(T))
         ctx.save_for_backward(hidden, weight, keep_mask, local, owns, valid, res, keep_ids,
                               None if keep_ids is None else target)
@@ -410,12 +459,34 @@ class LinearLogProbEntropyFunction(torch.autograd.Function):
         ge = grad_entropy.reshape(-1).to(cdt).contiguous() if opt.need_entropy_grad else None
         tau = torch.full((), opt.temperature, dtype=cdt, device=hidden.device)
         n = h2.shape[0]
+        pad = pad_rows(n)
+        h2_in = h2
+        if pad is not None:  # as in the forward; the repeats' upstream gradients are 0 (no dW term)
+            h2, _, valid, owns, local, keep, keep_ids = _padded(pad, h2, None, valid, owns, local, keep, keep_ids)
+            target = None if target is None else target.reshape(-1)[pad]
+            res = res[:, pad]
+            first = torch.arange(MIN_ROWS, device=h2.device) < n
+            gl = torch.where(first, gl[pad], torch.zeros((), dtype=cdt, device=h2.device))
+            ge = None if ge is None else torch.where(first, ge[pad], torch.zeros((), dtype=cdt, device=h2.device))
         if not eng.spec_stages and n:
             M, log_s, c, mk, log_sk = res.unbind(0)
+            kept, kept_vals = _kept(keep_ids, target, ctx.rank, v, opt), None
+            if kept is not None:
+                # keep_ids: the kernel forms the gradient without its log-prob term (a zero log-prob
+                # cotangent: the entropy's, NaN rows carried in it), the kept columns' full values
+                # (spec.kept_grad) are written over it in each G chunk (linear_triton.grads)
+                zk = linear_triton.kept_logits(h2, weight, *kept, ctx.tile_budget)
+                comb = spec.Combined(*res.unbind(0), None)
+                kept_vals = spec.kept_grad(_sxp, zk, kept[0], kept[1], local, owns, comb, valid, gl, ge, tau)
+                nan_rows = torch.where(valid, 0.0 * comb.log_sk, torch.zeros_like(comb.log_sk))
+                gl = torch.zeros_like(gl)
+                ge = nan_rows if ge is None else ge + nan_rows
+                c = res[2]
+                kept_vals = (kept[0], kept[1], kept_vals)
             dh, dw = linear_triton.grads(
                 h2, weight, _ycol(local, owns, valid), keep, (M, log_s, c if ge is not None else None, mk, log_sk),
                 gl, ge, opt.temperature,
-                need_dh, need_dw, ctx.allow_tf32, tuning.current().split_gradient, ctx.budget,
+                need_dh, need_dw, ctx.allow_tf32, tuning.current().split_gradient, ctx.budget, kept_vals,
             )
         else:
             with linear_triton.matmul_precision(h2, ctx.allow_tf32):
@@ -423,6 +494,9 @@ class LinearLogProbEntropyFunction(torch.autograd.Function):
                     h2, weight, local, owns, keep, res, valid, gl, ge, tau, ctx.tiles, need_dh, need_dw, eng.compiled,
                     _kept(keep_ids, target, ctx.rank, v, opt),
                 )
+        if pad is not None and dh is not None:
+            dh = dh[:n]
+        h2 = h2_in
         if need_dh:
             if sp:
                 dh = collectives.reduce_scatter_rows(dh, group)
@@ -484,8 +558,10 @@ def linear_logprob_entropy(
         ``target.shape + (K,)``) or ``None``: the kept set as ids, as in
         :func:`dualvp_torch.logprob_entropy` (never with ``keep_mask``). Each
         tile gathers the logits at the kept columns it holds (O(T K) more, no
-        mask). The tile loop only: ``impl="triton"`` (the fused Triton
-        kernels) raises.
+        mask). ``impl="triton"``: the kernels run unmasked, the logits at the
+        kept columns are ``O(T K H)`` dot products, and the kept columns'
+        gradient values are written into each stored ``G`` chunk (the
+        default ``"gemm"`` backward; ``"atomic"`` raises).
       temperature, with_entropy, entropy_grad, ignore_index: as in
         :func:`dualvp_torch.logprob_entropy`.
       reduce_hidden_grad: ``True`` sums ``dh`` over the group in float32 in
@@ -505,7 +581,11 @@ def linear_logprob_entropy(
         path's per-element temporaries; ``impl="triton"``: of one float32
         ``dW`` chunk for 16-bit weights); ``None``: ``max(B / 16, 1 MiB)``
         (``B / 4`` for the tile path on CUDA) with ``B = T * V_local *
-        itemsize``. Need not agree across ranks (it changes no collective).
+        itemsize``, the tiles' columns sized from ``V_local`` alone, and the
+        Triton backward's ``G`` chunks of ``V_local / 16`` columns (batch
+        invariance; an explicit budget sizes the tile path's columns from the
+        budget alone, and the Triton ``G`` chunks from it and ``T``). Need not
+        agree across ranks (it changes no collective).
       impl: ``None``, ``"compiled"`` or ``"eager"``: how the spec stages of
         each tile run (:func:`dualvp_torch.engines.select`); ``"triton"``:
         the fused Triton kernels (CUDA, or CPU tensors under
@@ -552,8 +632,13 @@ def linear_logprob_entropy(
     if validate:
         checks.agree(call, checks.count_bad_targets(target, ignore_index, call.vocab), group, hidden, target, hidden)
     n_rows = target.numel()
-    budget = memory_budget if memory_budget is not None else default_budget(
-        n_rows, weight.shape[0], hidden.element_size(), hidden.device.type, engines.ENGINES[call.engine].spec_stages
+    tile_loop = engines.ENGINES[call.engine].spec_stages
+    # (tile budget, the budget that sizes the columns, the Triton backward's): an explicit
+    # memory_budget is all three; by default the columns' comes from V_local alone (batch invariance)
+    budget = (memory_budget,) * 3 if memory_budget is not None else (
+        default_budget(n_rows, weight.shape[0], hidden.element_size(), hidden.device.type, tile_loop),
+        column_budget(weight.shape[0], hidden.element_size(), hidden.device.type if tile_loop else "cpu"),
+        None,
     )
     logprob, entropy = LinearLogProbEntropyFunction.apply(
         hidden, weight, target, keep_mask, call.opt, group, call.engine, budget, allow_tf32, keep_ids

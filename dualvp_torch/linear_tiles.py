@@ -7,8 +7,8 @@ from typing import Optional
 import torch
 
 __all__ = [
-    "tile_shape", "default_budget", "ranges", "TileBuffer", "MIN_SIDE", "MIN_BUDGET", "BUDGET_FRACTION",
-    "CUDA_BUDGET_FRACTION",
+    "tile_shape", "default_budget", "column_budget", "ranges", "even_ranges", "pad_rows", "TileBuffer", "MIN_SIDE", "MIN_BUDGET",
+    "BUDGET_FRACTION", "CUDA_BUDGET_FRACTION", "MIN_ROWS", "MAX_COLS",
 ]
 
 #: Default budget of one tile, as a fraction of ``B`` ...
@@ -17,8 +17,15 @@ BUDGET_FRACTION = 1 / 16
 CUDA_BUDGET_FRACTION = 1 / 4
 #: ... but at least this many bytes (tiny problems run in one tile).
 MIN_BUDGET = 1 << 20
-#: A tile spans the whole shorter side when this many of the other side fit the budget.
+#: The columns of a tile are those that this many rows of it fit in the column budget (see :func:`tile_shape`).
 MIN_SIDE = 128
+#: A call of fewer rows runs as this many (its rows repeated, :func:`pad_rows`): MKL multiplies
+#: a matrix of 1 to 3 rows along other paths (gemv, small-matrix kernels) than the same rows
+#: inside a larger one, and dynamo specialises a tile of one row (batch invariance).
+MIN_ROWS = 8
+#: At most this many columns per tile: ATen splits no row narrower than its grain between
+#: intra-op threads, so the eager stages sum each row of a tile in one order.
+MAX_COLS = 32768
 
 
 def default_budget(n_rows: int, v_local: int, itemsize: int, device_type: str = "cpu", tile_loop: bool = True) -> int:
@@ -31,26 +38,56 @@ def default_budget(n_rows: int, v_local: int, itemsize: int, device_type: str = 
     return max(int(fraction * n_rows * v_local * itemsize), MIN_BUDGET)
 
 
-def tile_shape(n_rows: int, v_local: int, budget: int, elem_bytes: int) -> tuple[int, int]:
+def column_budget(v_local: int, itemsize: int, device_type: str = "cpu") -> int:
+    """The default budget that sizes a tile's columns: :func:`default_budget` at ``MIN_SIDE`` rows (no ``T``)."""
+    return default_budget(MIN_SIDE, v_local, itemsize, device_type)
+
+
+def tile_shape(n_rows: int, v_local: int, budget: int, elem_bytes: int,
+               col_budget: Optional[int] = None) -> tuple[int, int]:
     """``(rows, cols)`` of one tile with ``rows * cols * elem_bytes <= budget`` (at least ``1 x 1``).
 
-    Vocabulary-major (``n_rows <= v_local``): all rows when ``MIN_SIDE``
-    columns of them fit, then as many columns as fit; token-major the other
-    way round.
+    Batch invariance: the columns (the vocabulary blocks whose statistics a
+    row merges, and whose products its ``dh`` row sums) come from
+    ``v_local`` and ``col_budget`` alone, never from ``n_rows``: the columns
+    of ``MIN_SIDE`` rows within ``col_budget`` (default ``budget``; the op
+    passes :func:`column_budget` when its ``budget`` is the default, itself
+    a fraction of ``T x V_local``), at most :data:`MAX_COLS`, evened out over
+    the blocks. The rows fill ``budget`` (at least ``2 * MIN_ROWS`` of them, or
+    all, unless ``budget`` is below ``MIN_SIDE`` elements).
     """
-    cap = max(1, budget // max(1, elem_bytes))
-    if n_rows <= v_local:
-        rows = min(n_rows, max(1, cap // min(v_local, MIN_SIDE)))
-        cols = min(v_local, max(1, cap // max(1, rows)))
-    else:
-        cols = min(v_local, max(1, cap // min(n_rows, MIN_SIDE)))
-        rows = min(n_rows, max(1, cap // max(1, cols)))
-    return max(1, rows), max(1, cols)
+    cb = budget if col_budget is None else col_budget
+    e = max(1, elem_bytes)
+    cols = min(v_local, MAX_COLS, max(1, cb // (MIN_SIDE * e)))
+    n_blocks = -(-v_local // max(1, cols))
+    cols = max(1, -(-v_local // max(1, n_blocks)))
+    rows = min(n_rows, max(1, budget // (cols * e)))
+    if budget >= MIN_SIDE * e:  # (not for a budget of a few elements: the tests' tiny tiles)
+        rows = max(rows, min(n_rows, 2 * MIN_ROWS))  # token chunks of >= MIN_ROWS rows (even_ranges)
+    return max(1, rows), cols
 
 
 def ranges(n: int, step: int) -> list[tuple[int, int]]:
     """``[(start, stop), ...]`` covering ``[0, n)`` in steps of ``step`` (the last one shorter)."""
     return [(i, min(n, i + step)) for i in range(0, n, step)]
+
+
+def even_ranges(n: int, step: int) -> list[tuple[int, int]]:
+    """``ceil(n / step)`` ranges covering ``[0, n)``, their lengths ``floor`` or ``ceil`` of ``n / k``.
+
+    The token chunks: none is much shorter than ``step`` (a last chunk of 1 to
+    3 rows would multiply along MKL's other paths; with ``step >= 2 *
+    MIN_ROWS`` every chunk has at least ``MIN_ROWS`` rows).
+    """
+    k = -(-n // max(1, step))
+    return [(n * i // k, n * (i + 1) // k) for i in range(k)]
+
+
+def pad_rows(n: int) -> Optional[torch.Tensor]:
+    """Row indices ``[MIN_ROWS]`` that run a call of ``0 < n < MIN_ROWS`` rows (its rows repeated), else ``None``."""
+    if n == 0 or n >= MIN_ROWS:
+        return None
+    return torch.arange(MIN_ROWS) % n
 
 
 class TileBuffer:

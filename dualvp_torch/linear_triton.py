@@ -1,8 +1,8 @@
 """Host side of the fused LM-head op's Triton kernels (``impl="triton"``).
 
 :func:`stats` launches :func:`~dualvp_torch.triton_kernels.linear_fwd.linear_stats_kernel`
-(one launch, plus :func:`dualvp.spec.reduce_stats` over its vocabulary
-splits) and :func:`grads` launches
+(one launch, plus :func:`~dualvp_torch.triton_kernels.linear_fwd.linear_merge_splits_kernel`
+over its vocabulary splits) and :func:`grads` launches
 :func:`~dualvp_torch.triton_kernels.linear_bwd.linear_grad_kernel` (one
 launch; for 16-bit weights one per vocabulary chunk, see below). The cross-rank
 merge, the collectives and autograd stay in :mod:`dualvp_torch.linear`.
@@ -21,17 +21,16 @@ The kernel modules are imported at the first call: ``triton`` is optional, and
 from __future__ import annotations
 
 import contextlib
-import math
 from typing import Optional
 
-import array_api_compat.torch as xp
 import torch
 
 from dualvp import spec
 
 from . import triton_kernels, tuning
 
-__all__ = ["blocks", "grads", "group_rows", "matmul_precision", "stats", "unavailable", "DH_GROUP_BYTES"]
+__all__ = ["blocks", "grads", "group_rows", "kept_logits", "matmul_precision", "stats", "unavailable",
+           "DH_GROUP_BYTES"]
 
 
 
@@ -63,7 +62,11 @@ def _upcast(x: torch.Tensor) -> bool:
 
 
 def _precision(x: torch.Tensor, allow_tf32: bool) -> str:
-    # tl.dot's input precision: float32 operands (or upcast ones) IEEE unless TF32 is allowed
+    # tl.dot's input precision: float32 operands (or upcast ones) IEEE unless TF32 is allowed;
+    # the interpreter: "ordered" (linear_tile.dot: NumPy's sgemm gives a row a value that depends on
+    # its position in the tile)
+    if x.device.type == "cpu":
+        return "ordered"
     if x.dtype == torch.float32 or _upcast(x):
         return "tf32" if allow_tf32 and x.dtype == torch.float32 else "ieee"
     return "default"
@@ -85,11 +88,21 @@ def _launch(warps: Optional[int]) -> dict:
     return {} if warps is None else {"num_warps": warps}
 
 
-def _n_splits(n_row_blocks: int, n_vblocks: int, device: torch.device) -> int:
+#: Columns of one vocabulary split of the forward on CUDA (a multiple of ``BLOCK_V``): ``V_local = 32000``
+#: gives 8 splits, so that even a few row blocks fill the SMs.
+SPLIT_COLUMNS = 4096
+
+
+def _blocks_per_split(n_vblocks: int, block_v: int, device: torch.device) -> int:
+    """Vocabulary blocks per split of the forward: from ``V`` (and the tile) alone, never ``T``.
+
+    Batch invariance: a row's statistics are merged split by split, so the
+    splits must not follow the row count (they once did: ``4 * SMs / row
+    blocks`` splits).
+    """
     if device.type == "cuda":
-        sms = torch.cuda.get_device_properties(device).multi_processor_count
-        return max(1, min(n_vblocks, math.ceil(4 * sms / max(1, n_row_blocks))))
-    return min(n_vblocks, 3)  # the interpreter: several splits, several blocks per split
+        return max(1, SPLIT_COLUMNS // block_v)
+    return max(1, -(-n_vblocks // 3))  # the interpreter: 3 splits, several blocks per split
 
 
 def stats(h2: torch.Tensor, weight: torch.Tensor, ycol: torch.Tensor, keep: Optional[torch.Tensor],
@@ -106,8 +119,7 @@ def stats(h2: torch.Tensor, weight: torch.Tensor, ycol: torch.Tensor, keep: Opti
     v = weight.shape[0]
     bt, bv, bk, warps = blocks(h2.device)
     n_rows, nvb = triton.cdiv(n, bt), triton.cdiv(v, bv)
-    splits = _n_splits(n_rows, nvb, h2.device)
-    per_split = triton.cdiv(nvb, splits)
+    per_split = _blocks_per_split(nvb, bv, h2.device)
     splits = triton.cdiv(nvb, per_split)
     out = torch.empty((splits, n, spec.N_STATS), dtype=torch.float32, device=h2.device)
     km = keep.view(torch.uint8) if keep is not None else ycol
@@ -119,7 +131,14 @@ def stats(h2: torch.Tensor, weight: torch.Tensor, ycol: torch.Tensor, keep: Opti
         HAS_KEEP=keep is not None, UPCAST=_upcast(h2), PRECISION=_precision(h2, allow_tf32),
         BLOCK_T=bt, BLOCK_V=bv, BLOCK_K=bk, **_launch(warps),
     )
-    return out[0] if splits == 1 else spec.reduce_stats(xp, out, 0, tau)
+    if splits == 1:
+        return out[0]
+    from .triton_kernels.linear_fwd import linear_merge_splits_kernel
+
+    merged = torch.empty((n, spec.N_STATS), dtype=torch.float32, device=h2.device)
+    rb = 128 if h2.device.type == "cuda" else 16
+    linear_merge_splits_kernel[(triton.cdiv(n, rb),)](out, merged, n, splits, 1.0 / temperature, BLOCK=rb)
+    return merged
 
 
 def _mm_f32_into(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor, first: bool) -> None:
@@ -155,15 +174,29 @@ def matmul_precision(x: torch.Tensor, allow_tf32: bool):
         torch.backends.cuda.matmul.allow_tf32 = prev
 
 
+#: The ``"gemm"`` backward's vocabulary chunks at the default budget: ``G`` (its parts) for ``T x V / 16``
+#: columns, the default fraction of ``B`` (``linear_tiles.BUDGET_FRACTION``), whatever ``T``.
+GEMM_CHUNKS = 16
+
+
+def default_atomic_budget(v: int, hsz: int) -> int:
+    """The ``"atomic"`` backward's float32 ``dW`` chunk bytes at the default budget: a sixteenth of ``[V, H]``, >= 1 MiB."""
+    return max(v * hsz * 4 // GEMM_CHUNKS, 1 << 20)
+
+
 def grads(h2, weight, ycol, keep, comb, gl, ge, temperature: float, need_dh: bool, need_dw: bool,
-          allow_tf32: bool, split_g: bool, budget: int):
+          allow_tf32: bool, split_g: bool, budget: Optional[int], kept=None):
     """``(dh [T, H] float32 or None, dW [V, H] in weight's dtype or None)``: this rank's partial sums.
 
     ``comb = (M, log_s, c, mk, log_sk)`` ``[T]`` float32 (``c`` may be
     ``None``: no entropy gradient, and then ``ge`` is ``None``); ``gl``,
     ``ge`` ``[T]`` float32 upstream gradients; ``budget``: bytes of one
     vocabulary chunk's buffers for 16-bit weights (``G`` chunks, or the
-    float32 ``dW`` chunk on the ``"atomic"`` backward).
+    float32 ``dW`` chunk on the ``"atomic"`` backward); ``None`` (the
+    default): ``G`` chunks of ``ceil(V / GEMM_CHUNKS)`` columns (rounded up
+    to ``BLOCK_V``), from ``V`` alone: ``dh``'s row sums its chunks'
+    products in chunk order, so a chunk sized from ``T`` would make a row's
+    ``dh`` follow the batch (an explicit ``budget`` sizes them from ``T``).
 
     ``Tuning.triton_linear_backward == "gemm"`` (the default): per
     vocabulary chunk the kernel recomputes the logits and writes ``G``
@@ -172,6 +205,12 @@ def grads(h2, weight, ycol, keep, comb, gl, ge, temperature: float, need_dh: boo
     (rounded once to the weight's dtype; float32 products in IEEE float32
     unless ``allow_tf32``). ``"atomic"``: the kernel multiplies in-register
     ``G`` and adds with float32 atomics.
+
+    ``kept``: ``(cols, use, vals)`` ``[T, K+1]`` (``keep_ids``: the kept
+    columns and the gradient's values there, ``spec.kept_grad``, float32):
+    written over each stored ``G`` chunk before its products (rounded once
+    to the weight's dtype, or split), as the tile path writes them over its
+    tile. Needs the ``"gemm"`` backward.
     """
     from .triton_kernels.linear_bwd import linear_grad_kernel
 
@@ -183,12 +222,20 @@ def grads(h2, weight, ycol, keep, comb, gl, ge, temperature: float, need_dh: boo
     has_ent = ge is not None
     split = bool(split_g) and weight.dtype != torch.float32
     gemm = tuning.current().triton_linear_backward == "gemm"
+    if kept is not None and not gemm:
+        raise NotImplementedError(
+            "keep_ids: the fused Triton backward writes the kept columns into its stored G chunks; "
+            "Tuning(triton_linear_backward='atomic') forms G in registers only: use the default 'gemm' backward "
+            "or a keep_mask")
     dh = torch.zeros((n, hsz), dtype=torch.float32, device=dev) if need_dh else None
     chunk = v
     dw = acc = g_hi = g_lo = None
     if gemm:
-        per_col = n * weight.element_size() * (2 if split else 1) + (4 * hsz if split and need_dw else 0)
-        chunk = min(v, max(bv, budget // max(1, per_col) // bv * bv))
+        if budget is None:  # batch invariance: dh sums its chunks' products, so the chunk follows V alone
+            chunk = min(v, max(bv, triton.cdiv(triton.cdiv(v, GEMM_CHUNKS), bv) * bv))
+        else:
+            per_col = n * weight.element_size() * (2 if split else 1) + (4 * hsz if split and need_dw else 0)
+            chunk = min(v, max(bv, budget // max(1, per_col) // bv * bv))
         g_hi = torch.empty((n, chunk), dtype=weight.dtype, device=dev)
         g_lo = torch.empty((n, chunk), dtype=weight.dtype, device=dev) if split else g_hi
         if need_dw:
@@ -198,7 +245,7 @@ def grads(h2, weight, ycol, keep, comb, gl, ge, temperature: float, need_dh: boo
         if weight.dtype == torch.float32:
             dw = acc = torch.zeros((v, hsz), dtype=torch.float32, device=dev)
         else:
-            chunk = min(v, max(bv, budget // max(1, 4 * hsz) // bv * bv))
+            chunk = min(v, max(bv, (budget or default_atomic_budget(v, hsz)) // max(1, 4 * hsz) // bv * bv))
             dw = torch.empty((v, hsz), dtype=weight.dtype, device=dev)
             acc = torch.empty((chunk, hsz), dtype=torch.float32, device=dev)
     chunked = not gemm and need_dw and acc is not dw  # atomic 16-bit dW: a float32 buffer per vocabulary chunk
@@ -225,6 +272,8 @@ def grads(h2, weight, ycol, keep, comb, gl, ge, temperature: float, need_dh: boo
         )
         if gemm:
             parts = [g_hi[:, : j1 - j0]] + ([g_lo[:, : j1 - j0]] if split else [])
+            if kept is not None:
+                _set_kept(parts, kept, j0, j1 - j0)
             with matmul_precision(h2, allow_tf32):
                 if need_dh:
                     for part in parts:
@@ -241,6 +290,38 @@ def grads(h2, weight, ycol, keep, comb, gl, ge, temperature: float, need_dh: boo
         elif chunked:
             dw[j0:j1].copy_(acc[: j1 - j0])  # the one rounding of this chunk of dW
     return dh, dw
+
+
+def _set_kept(parts, kept, start: int, width: int) -> None:
+    """Write the kept columns' values of the chunk ``[start, start + width)`` over its stored ``G`` (its parts)."""
+    from .stages import xp as sxp  # with take_along_axis
+
+    cols, use, vals = kept
+    c, u = spec.columns_in_block(sxp, cols, use, start, width)
+    hi = vals.to(parts[0].dtype)
+    spec.set_at_columns(sxp, parts[0], c, hi, u)
+    if len(parts) > 1:  # G_lo: what rounding G_hi left, rounded
+        spec.set_at_columns(sxp, parts[1], c, (vals - hi.to(vals.dtype)).to(parts[1].dtype), u)
+
+
+def kept_logits(h2: torch.Tensor, weight: torch.Tensor, cols: torch.Tensor, use: torch.Tensor,
+                budget: int) -> torch.Tensor:
+    """``[T, K+1]`` float32: the logits ``h2[t] . weight[cols[t, k]]`` where ``use``, else 0 (``keep_ids``).
+
+    O(T K H) products over rows in chunks whose gathered weight rows (float32,
+    ``[rows, K+1, H]``) stay within ``budget`` bytes. Each logit is one row's
+    own dot product (the same wherever the row sits).
+    """
+    n, hsz = h2.shape
+    k1 = cols.shape[-1]
+    out = torch.zeros((n, k1), dtype=torch.float32 if h2.dtype != torch.float64 else h2.dtype, device=h2.device)
+    step = max(1, budget // max(1, k1 * hsz * 4))
+    for i0 in range(0, n, step):
+        i1 = min(n, i0 + step)
+        wg = weight[cols[i0:i1].reshape(-1)].reshape(i1 - i0, k1, hsz).to(out.dtype)
+        z = torch.bmm(wg, h2[i0:i1].to(out.dtype)[:, :, None])[..., 0]
+        out[i0:i1] = torch.where(use[i0:i1], z, 0.0)
+    return out
 
 
 class _Triton:

@@ -5,9 +5,9 @@ target always kept) of the logits block ``z = h_i W_j^T`` for every vocabulary
 block ``j`` of a program's vocabulary split, merged over the split's blocks
 with the combine of :func:`dualvp.spec.reduce_stats` (online, in registers).
 The logits never leave the chip. Each program writes its rows' ``[BLOCK_T, 6]``
-statistics ``(m, s, t, mk, sk, zy)`` to ``out[split, row]``; the host merges
-the splits with :func:`dualvp.spec.reduce_stats` and the ranks as the logits
-op does (one all-gather).
+statistics ``(m, s, t, mk, sk, zy)`` to ``out[split, row]``;
+:func:`linear_merge_splits_kernel` merges the splits row by row in index
+order, and the host merges the ranks as the logits op does (one all-gather).
 
 Grid: ``(cdiv(T, BLOCK_T), n_splits)``; split ``p`` covers the vocabulary
 blocks ``[p * blocks_per_split, (p + 1) * blocks_per_split)`` of
@@ -28,7 +28,7 @@ import triton.language as tl
 
 from .linear_tile import tile_logits
 
-__all__ = ["linear_stats_kernel"]
+__all__ = ["linear_stats_kernel", "linear_merge_splits_kernel"]
 
 
 @triton.jit
@@ -115,3 +115,41 @@ def linear_stats_kernel(
     tl.store(base + 3, mk, mask=row_ok)
     tl.store(base + 4, sk, mask=row_ok)
     tl.store(base + 5, zy, mask=row_ok)
+
+
+@triton.jit
+def linear_merge_splits_kernel(part_ptr, out_ptr, T, n_splits, inv_tau, BLOCK: tl.constexpr):
+    """``out [T, 6]`` = the ``[n_splits, T, 6]`` statistics merged split after split (:func:`dualvp.spec.reduce_stats`).
+
+    One program per ``BLOCK`` rows; each row merges its splits in index order
+    with the combine of the forward's epilogue, so a row's statistics follow
+    ``n_splits`` (chosen from ``V``) and never ``T`` (a torch reduction over the
+    splits may split the sum between threads by the row count).
+    """
+    rows = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK).to(tl.int64)
+    ok = rows < T
+    neg_inf = float("-inf")
+    m = tl.full((BLOCK,), neg_inf, tl.float32)
+    s = tl.zeros((BLOCK,), tl.float32)
+    t = tl.zeros((BLOCK,), tl.float32)
+    mk = tl.full((BLOCK,), neg_inf, tl.float32)
+    sk = tl.zeros((BLOCK,), tl.float32)
+    zy = tl.zeros((BLOCK,), tl.float32)
+    zero = tl.zeros((BLOCK,), tl.float32)
+    for p in range(n_splits):
+        base = part_ptr + (p * T + rows) * 6
+        m_b = tl.load(base + 0, mask=ok, other=neg_inf)
+        s_b = tl.load(base + 1, mask=ok, other=0.0)
+        t_b = tl.load(base + 2, mask=ok, other=0.0)
+        mk_b = tl.load(base + 3, mask=ok, other=neg_inf)
+        sk_b = tl.load(base + 4, mask=ok, other=0.0)
+        m, s, t = _merge_run(m, s, t, m_b, s_b, t_b, inv_tau)
+        mk, sk, _ = _merge_run(mk, sk, zero, mk_b, sk_b, zero, inv_tau)
+        zy += tl.load(base + 5, mask=ok, other=0.0)
+    o = out_ptr + rows * 6
+    tl.store(o + 0, m, mask=ok)
+    tl.store(o + 1, s, mask=ok)
+    tl.store(o + 2, t, mask=ok)
+    tl.store(o + 3, mk, mask=ok)
+    tl.store(o + 4, sk, mask=ok)
+    tl.store(o + 5, zy, mask=ok)

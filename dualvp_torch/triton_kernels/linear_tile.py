@@ -4,7 +4,9 @@
 BLOCK_V]``, float32 accumulation) over the hidden size in blocks of
 ``BLOCK_K``; the backward recomputes exactly the forward's tile this way.
 :func:`dot` is ``tl.dot`` at the op's input precision: 16-bit operands on
-tensor cores (``"default"``), float32 operands in IEEE float32 or TF32.
+tensor cores (``"default"``), float32 operands in IEEE float32 or TF32; under
+the interpreter (``"ordered"``) a k-ordered sum of products, the same for
+every row of the tile wherever it sits (batch invariance).
 ``UPCAST`` converts loaded operands to float32 (exact): Triton's CPU
 interpreter mis-computes ``tl.dot`` on bfloat16 operands.
 """
@@ -19,11 +21,17 @@ __all__ = ["dot", "tile_logits"]
 
 @triton.jit
 def dot(a, b, acc, PRECISION: tl.constexpr):
-    """``acc + a @ b`` with float32 accumulation; ``PRECISION``: "default", "ieee" or "tf32"."""
+    """``acc + a @ b`` with float32 accumulation; ``PRECISION``: "default", "ieee", "tf32" or "ordered"."""
     # One return after an if/else: Triton's code generator also compiles the statements after a
     # `return` inside a constexpr `if` (tl.dot(..., input_precision="default") then fails to compile).
     if PRECISION == "default":
         r = tl.dot(a, b, acc)
+    elif PRECISION == "ordered":
+        # The interpreter (the host code passes it there only): a sum of broadcast products over k, in k
+        # order for every element. The interpreter's tl.dot is NumPy's sgemm, whose value for a row
+        # depends on the row's position in the tile (rows 0-5, 6-11, 12-15 of 16 differ in the last
+        # bits, measured): the tile would make a row's logits follow its neighbours.
+        r = acc + tl.sum(a.to(tl.float32)[:, :, None] * b.to(tl.float32)[None, :, :], axis=1)
     else:
         r = tl.dot(a, b, acc, input_precision=PRECISION)
     return r

@@ -155,10 +155,25 @@ def test_fused_op_small_tiles_fast():
     _check(p, _fused(p, "eager", budget=600))
 
 
-def test_fused_triton_kernels_refuse_keep_ids():
+@pytest.mark.parametrize("name", ("nucleus_ids",) + FAST)
+def test_fused_triton_kernels_keep_ids(name):
+    # the kernels unmasked, the kept pair from the kept columns' logits, their gradient values written
+    # into each stored G chunk (budget 600: G chunks of 32 columns, several per shard)
+    if not _triton_ok():
+        pytest.skip("needs triton under TRITON_INTERPRET=1")
+    p = cases.make_linear(cases.case(name), 8)
+    _check(p, _fused(p, "triton", budget=600 if name == "nucleus_ids" else None), name)
+
+
+def test_fused_triton_atomic_backward_refuses_keep_ids():
+    if not _triton_ok():
+        pytest.skip("needs triton under TRITON_INTERPRET=1")
+    from dualvp_torch import tuning
+
     p = cases.make_linear(cases.case("nucleus_ids"), 8)
-    with pytest.raises(ValueError, match="keep_ids: expected None with impl='triton'"):
-        _fused(p, "triton")
+    with tuning.using(tuning.Tuning(triton_linear_backward="atomic")):
+        with pytest.raises(NotImplementedError, match="keep_ids"):
+            _fused(p, "triton")
 
 
 @pytest.mark.slow

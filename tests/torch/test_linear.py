@@ -24,7 +24,7 @@ from dualvp.testing.cases import round_to_dtype  # noqa: E402
 from dualvp.testing.metrics import max_errors, tolerance, within_tolerance  # noqa: E402
 from dualvp_torch import engines, linear_logprob_entropy  # noqa: E402
 from dualvp_torch import linear as linear_mod  # noqa: E402
-from dualvp_torch.linear import tile_shape  # noqa: E402
+from dualvp_torch.linear_tiles import MAX_COLS, MIN_SIDE, column_budget, default_budget, tile_shape  # noqa: E402
 from dualvp_torch.testing import run_ranks  # noqa: E402
 
 DT = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float64": torch.float64}
@@ -244,12 +244,20 @@ def test_nonfinite_row_by_row():
 
 
 def test_tile_shape_respects_the_budget():
-    for n, v, budget, e in [(37, 1001, 3200, 4), (300, 50, 1680, 4), (5, 7, 1, 4), (2048, 32000, 16 << 20, 4)]:
+    for n, v, budget, e in [(37, 1001, 3200, 4), (300, 50, 1680, 4), (5, 7, 1, 4), (2048, 32000, 16 << 20, 4),
+                            (40, 100000, 1 << 20, 48)]:
         r, c = tile_shape(n, v, budget, e)
-        assert 1 <= r <= n and 1 <= c <= v
+        assert 1 <= r <= n and 1 <= c <= min(v, MAX_COLS)
         assert r * c * e <= max(budget, e)
-        if n <= v and min(v, 128) * n * e <= budget:
-            assert r == n  # vocabulary-major: all rows in one tile
+        # batch invariance: the columns never follow the row count
+        assert all(tile_shape(m, v, budget, e)[1] == c for m in (1, 7, 64, 1000, 100000))
+        assert c in (1, min(v, MAX_COLS)) or c * MIN_SIDE * e <= budget  # the columns of MIN_SIDE rows
+        if n * c * e <= budget:
+            assert r == n  # the rows fill the budget
+    # the op's default: columns from the column budget (V_local alone), rows from the tile budget
+    cb = column_budget(32000, 2)
+    cols = {tile_shape(n, 32000, default_budget(n, 32000, 2), 4, cb)[1] for n in (1, 8, 100, 4096, 100000)}
+    assert len(cols) == 1, cols
 
 
 # --- bad inputs (single process) ----------------------------------------------
