@@ -300,7 +300,7 @@ def _shard_stats(logits, local, owns, keep, tau, cdt, with_entropy: bool, tuning
         return parts[0] if len(parts) == 1 else spec.reduce_stats(jnp, jnp.stack(parts), axis=0, temperature=tau)
 
     def run(args, kept_shift):
-        rows = chunks.chunk_rows(*args[0].shape, budget=tuning.chunk_bytes)
+        rows = chunks.chunk_rows(args[0].shape[-1], budget=tuning.chunk_bytes)
         return chunks.map_row_chunks(partial(blocked, kept_shift=kept_shift), args, rows)
 
     def chunked(z, local, owns, keep):
