@@ -25,6 +25,12 @@ rows are log-prob, entropy, ``dh`` and ``dW``, the gradients judged with
 absolute part scaled by the oracle's largest entry). There is no ``spec`` row
 (the specification has no fused form) and no ``--input``.
 
+``--op extended`` runs the conformance table of K targets per row, a
+per-row temperature tensor and ``sum_p2``
+(:data:`dualvp.testing.extended.EXT_CASES`) on torch and JAX against the
+oracle and each other (:mod:`dualvp.tools.verify_ext`); ``--op kl`` the KL
+divergence op (:mod:`dualvp.tools.verify_kl`).
+
 Started by a launcher (``torchrun ... -m dualvp verify``: ``RANK``,
 ``WORLD_SIZE``, ``MASTER_ADDR`` and ``MASTER_PORT`` set), it checks that job
 instead: every worker joins the launcher's group, computes its shard of the
@@ -337,6 +343,10 @@ def run(args) -> int:
         from .verify_kl import run_kl
 
         return run_kl(args)
+    if getattr(args, "op", "logits") == "extended" and not launched():
+        from .verify_ext import run_ext
+
+        return run_ext(args)
     if launched():
         return run_launched(args)
     if args.tp is None:
