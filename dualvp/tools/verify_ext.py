@@ -16,8 +16,13 @@ vocabulary ``W`` divides), each through
 and prints, per case, the worst of log-prob, entropy, the logits gradient and
 ``sum_p2`` against the oracle (:data:`dualvp.testing.TOLERANCES`; ``sum_p2``
 with the entropy's row) and torch against JAX (twice those). Exit status 1
-on any FAIL, 2 on bad options. ``--input`` does not apply (a saved problem
-holds one target per row and a scalar temperature: ``dualvp verify --input``).
+on any FAIL, 2 on bad options.
+
+``--input FILE`` whose ``target`` is ``[..., K]`` or that holds a
+``temperature [...]`` per row (:func:`dualvp.tools.verify.load_input`) runs
+that one problem through the same check instead (``dualvp verify --input``
+sends such a file here), with ``with_sum_p2`` on and seeded random upstream
+gradients.
 """
 
 from __future__ import annotations
@@ -28,6 +33,8 @@ import subprocess
 import sys
 import tempfile
 
+from typing import Optional
+
 import numpy as np
 
 from dualvp.testing import extended as ext
@@ -36,7 +43,7 @@ from dualvp.testing.metrics import max_errors, pair_tolerance, tolerance, within
 from ._proc import child_env, start_python
 from .verify import finish_jax
 
-__all__ = ["run_ext", "cases_for"]
+__all__ = ["run_ext", "cases_for", "input_ext_problem"]
 
 #: ``(field of ExtOutputs, TOLERANCES row)``.
 _QUANTITIES = (("logprob", "logprob"), ("entropy", "entropy"), ("grad", "grad"), ("sum_p2", "entropy"))
@@ -169,21 +176,80 @@ def _rows(name: str, x: ext.ExtOutputs, ref: ext.ExtOutputs, tol_of) -> list:
     return rows
 
 
-def run_ext(args) -> int:
-    """``dualvp verify --op extended``; returns the exit status."""
+def input_ext_problem(args, d: dict) -> ext.ExtProblem:
+    """The extended problem of a user's file (:func:`dualvp.tools.verify.load_input` result ``d``).
+
+    Its K targets (or one per row), its per-row temperature (or
+    ``--temperature``), its keep mask (or ``--mask`` built on its logits),
+    ``with_sum_p2`` on, and seeded random upstream gradients. The
+    temperatures are rounded to float32 unless the run is float64 (the
+    backends take them in the compute dtype). ``ValueError`` naming what is
+    wrong.
+    """
+    from dualvp.testing import cases
+
     world = args.tp or 2
-    if getattr(args, "input", None):
-        print("dualvp verify: --input holds one target per row and a scalar temperature; --op extended runs "
-              "the extended conformance table", file=sys.stderr)
+    t, v = d["logits"].shape
+    if v % world:
+        raise ValueError(f"tp: the vocabulary V = {v} of {args.input!r} is not divisible by --tp {world}")
+    if d["keep_ids"] is not None:
+        raise ValueError("keep_ids: expected a keep_mask (or none) beside K targets per row or a per-row "
+                         "temperature (the extended options take the mask form), got keep_ids")
+    dtype = args.dtype or d["dtype"]
+    if d["keep_mask"] is not None and args.mask != "none":
+        raise ValueError(f"mask: {args.input!r} has its own keep_mask; --mask {args.mask} cannot replace it")
+    rng = np.random.default_rng(args.seed)
+    z = cases.round_to_dtype(d["logits"], dtype)
+    y = d["target"]
+    keep = d["keep_mask"]
+    if keep is None:
+        keep = cases.make_mask(rng, args.mask, z, y[:, 0] if y.ndim == 2 else y, -100)
+    tau = args.temperature
+    if d["temperature"] is not None:
+        tau = d["temperature"] if dtype == "float64" else d["temperature"].astype(np.float32).astype(np.float64)
+    base = cases.Case(name="verify-input", lead=(t,), vocab=v, worlds=(world,), dtype=dtype,
+                      temperature=args.temperature, seed=args.seed)
+    case = ext.ExtCase("verify-input", base, targets=y.shape[1] if y.ndim == 2 else 0,
+                       row_temperature=d["temperature"] is not None, sum_p2=True)
+    return ext.ExtProblem(case, z, y, keep, tau, rng.normal(size=y.shape), rng.normal(size=t), rng.normal(size=t))
+
+
+def run_ext(args, loaded: Optional[dict] = None) -> int:
+    """``dualvp verify --op extended`` (or ``--input`` with K targets or a per-row temperature); the exit status.
+
+    ``loaded``: the ``--input`` file's :func:`dualvp.tools.verify.load_input`
+    result, when the caller has read it.
+    """
+    world = args.tp or 2
+    if getattr(args, "device", "cpu") != "cpu":
+        print("dualvp verify: the extended check runs torch on gloo CPU ranks; --device cuda is not supported "
+              "with K targets, a per-row temperature or --op extended", file=sys.stderr)
         return 2
     if world < 1:
         print(f"dualvp verify: --tp must be >= 1, got {world}", file=sys.stderr)
         return 2
-    chosen = cases_for(world)
-    if not chosen:
-        print(f"dualvp verify: no extended case has a vocabulary divisible by --tp {world}", file=sys.stderr)
-        return 2
-    problems = [ext.make_ext(c) for c in chosen]
+    if getattr(args, "input", None):
+        from .verify import load_input
+
+        try:
+            d = load_input(args.input, max_rows=args.tokens) if loaded is None else loaded
+            problems = [input_ext_problem(args, d)]
+        except ValueError as exc:
+            print(f"dualvp verify: {exc}", file=sys.stderr)
+            return 2
+        c = problems[0].case
+        what = (f"input={args.input} W={world} T={problems[0].logits.shape[0]} V={problems[0].logits.shape[1]} "
+                f"dtype={c.dtype} targets per row={max(c.targets, 1)} temperature="
+                f"{'per row (from file)' if c.row_temperature else args.temperature} "
+                f"mask={'from file' if d['keep_mask'] is not None else args.mask} sum_p2")
+    else:
+        chosen = cases_for(world)
+        if not chosen:
+            print(f"dualvp verify: no extended case has a vocabulary divisible by --tp {world}", file=sys.stderr)
+            return 2
+        problems = [ext.make_ext(c) for c in chosen]
+        what = (f"W={world}, {len(problems)} cases of dualvp.testing.extended.EXT_CASES "
+                "(K targets, per-row temperature, sum_p2)")
     oracles = [ext.oracle_ext(p) for p in problems]
     backends = [b for b in args.backends.split(",") if b]
     results: dict = {}
@@ -196,12 +262,12 @@ def run_ext(args) -> int:
             except Exception as exc:  # report, and fail the run, instead of a traceback
                 print(f"dualvp verify: {b} backend failed: {exc}", file=sys.stderr)
                 results[b] = None
-    print(f"dualvp verify --op extended: W={world}, {len(problems)} cases of dualvp.testing.extended.EXT_CASES "
-          "(K targets, per-row temperature, sum_p2)")
+    print(f"dualvp verify --op extended: {what}")
     head = f"{'case':<22} {'check':<16} {'quantity':<8} {'max abs err':>12} {'max rel err':>12}  result"
     print(head)
     print("-" * len(head))
     bad = [f"{b} did not run" for b, r in results.items() if r is None]
+    n_checks = 0
     for i, prob in enumerate(problems):
         dtype = prob.case.dtype
         checks = [(f"{b} vs oracle", r[i], oracles[i], lambda q, d=dtype: tolerance(d, q))
@@ -212,9 +278,10 @@ def run_ext(args) -> int:
         for check, x, ref, tol_of in checks:
             for field, a, rel, ok in _rows(prob.case.name, x, ref, tol_of):
                 print(f"{prob.case.name:<22} {check:<16} {field:<8} {a:>12.3e} {rel:>12.3e}  {'PASS' if ok else 'FAIL'}")
+                n_checks += 1
                 bad += [] if ok else [f"{prob.case.name} {check} {field}"]
     if bad:
         print(f"FAIL: {', '.join(bad[:20])}" + (f" (+{len(bad) - 20} more)" if len(bad) > 20 else ""))
         return 1
-    print(f"PASS: {len(problems)} cases within tolerance")
+    print(f"PASS: {n_checks} checks within tolerance ({len(problems)} case(s))")
     return 0
