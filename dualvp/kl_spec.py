@@ -107,10 +107,20 @@ def _cast(xp, x, dtype):
     return x if dtype is None or x.dtype == dtype else xp.astype(x, dtype)
 
 
-def block_stats(xp, a, b, temperature=1.0, *, dtype=None):
+def _sum(xp, x, acc_dtype):
+    # row sum accumulated in ``acc_dtype`` (None: in x's dtype), returned in x's dtype
+    if acc_dtype is None or acc_dtype == x.dtype:
+        return xp.sum(x, axis=-1)
+    return xp.astype(xp.sum(x, axis=-1, dtype=acc_dtype), x.dtype)
+
+
+def block_stats(xp, a, b, temperature=1.0, *, dtype=None, acc_dtype=None):
     """Statistics ``[..., 5]`` (:data:`KL_STATS`) of one column block of ``a`` and ``b`` (``[..., n]`` each).
 
     ``dtype``: the compute dtype (both are cast to it); ``None``: ``a.dtype``.
+    ``acc_dtype``: the dtype the three row sums accumulate in (``None``: the
+    compute dtype); a compiled kernel that sums a row sequentially passes
+    float64, as the log-prob op's do (``dualvp.spec.block_stats``).
     A whole shard is one block; blocks of a shard and shards of a group merge
     with :func:`merge_stats`.
     """
@@ -122,10 +132,10 @@ def block_stats(xp, a, b, temperature=1.0, *, dtype=None):
     da = (a - _safe_shift(xp, ma)[..., None]) / temperature
     db = (b - _safe_shift(xp, mb)[..., None]) / temperature
     ea = xp.exp(da)
-    sa = xp.sum(ea, axis=-1)
-    sb = xp.sum(xp.exp(db), axis=-1)
+    sa = _sum(xp, ea, acc_dtype)
+    sb = _sum(xp, xp.exp(db), acc_dtype)
     # p_v = 0 contributes 0 (0 * (-inf - db) would be NaN); e^da > 0 with db = -inf gives +inf, as it must
-    t = xp.sum(xp.where(ea == 0, xp.zeros_like(ea), ea * (da - db)), axis=-1)
+    t = _sum(xp, xp.where(ea == 0, xp.zeros_like(ea), ea * (da - db)), acc_dtype)
     return xp.stack([ma, sa, mb, sb, t], axis=-1)
 
 

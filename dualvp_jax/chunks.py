@@ -39,13 +39,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-__all__ = ["CHUNK_BYTES", "COLUMN_BLOCK", "MIN_ROWS", "chunk_rows", "column_blocks", "map_row_chunks",
+__all__ = ["CHUNK_BYTES", "COLUMN_BLOCK", "chunk_rows", "column_blocks", "map_row_chunks",
            "stats_with_redo"]
-
-#: Fewest rows of one reduction block: :func:`map_row_chunks` pads a call of
-#: fewer rows to this many (batch invariance, docs/decisions.md "Batch
-#: invariance: one reduction order per row").
-MIN_ROWS = 8
 
 #: Default budget, in bytes, of one float32 ``[rows, V_local]`` intermediate
 #: of a chunk. A chunk of the op's statistics holds two or three such buffers
@@ -56,20 +51,24 @@ MIN_ROWS = 8
 CHUNK_BYTES = 2 << 20
 
 
-def chunk_rows(n_rows: int, width: int, budget: Optional[int] = None) -> int:
-    """Rows per chunk so that one float32 ``[rows, width]`` buffer fits ``budget`` bytes.
+def chunk_rows(width: int, budget: Optional[int] = None) -> int:
+    """Rows of every reduction block of a ``width``-column shard: one float32 ``[rows, width]`` fits ``budget`` bytes.
 
     ``budget`` defaults to :data:`CHUNK_BYTES` (the op passes its
     :class:`~dualvp_jax._tuning.Tuning`'s). A multiple of 4 and at least 4
-    (so over budget for ``width > budget / 16``): XLA:CPU reduces blocks of 1
-    or 3 rows along another path, whose float32 rounding differs from the
-    whole shard's; with 4, 8, ... rows it matches. At most ``n_rows`` (a
-    single chunk: no loop).
+    (so over budget for ``width > budget / 16``). A function of the width
+    alone, never of the row count: :func:`map_row_chunks` runs every call,
+    however few rows it has, as blocks of exactly this many rows, so each
+    reduction of the forward compiles to one program whatever ``T`` (batch
+    invariance). XLA:CPU picks a row reduction's code from its operand's
+    *shape*: below 4096 elements (jax 0.10.2) a tree of 32-column windows
+    or a plain loop, above it a YNNPACK kernel, and their float32 roundings
+    differ (a ``[T, 300]`` sum of exponentials: rows of T <= 13 and
+    T >= 16 1 ulp apart; docs/decisions.md, "JAX: one block shape per V").
     """
     budget = CHUNK_BYTES if budget is None else budget
     rows = int(budget) // max(1, 4 * int(width))
-    rows = max(4, rows - rows % 4)
-    return max(1, min(rows, int(n_rows)))
+    return max(4, rows - rows % 4)
 
 
 #: Default widest column block, in columns, of one row reduction on XLA:CPU,
@@ -106,24 +105,25 @@ def map_row_chunks(fn: Callable, arrays: Sequence[Optional[jnp.ndarray]], rows: 
         only on row ``i`` of the inputs (row-wise; the overlapping last chunk
         relies on it).
       arrays: arrays with the same leading dim ``N`` (``[N, ...]``), or ``None``.
-      rows: chunk size (see :func:`chunk_rows`); ``rows >= N`` calls ``fn``
-        once on the whole arrays.
+      rows: block size (see :func:`chunk_rows`): ``fn`` always sees exactly
+        ``rows`` rows; ``N < rows`` pads the arrays with zero rows to one block
+        (their results dropped), ``N > rows`` loops over blocks, the last one
+        overlapping the one before it.
 
     Returns:
       ``fn``'s pytree with leaves ``[N, ...]``: the rows of the chunks in order.
     """
     present = [a for a in arrays if a is not None]
     n = present[0].shape[0]
-    if n < MIN_ROWS:
-        # Batch invariance: XLA:CPU reduces a block of at most 4 rows along
-        # another path, whose float32 rounding differs from a larger block's
-        # (measured: entropy and gradient 1-2 ulp apart). A call of fewer than
-        # MIN_ROWS rows runs as MIN_ROWS rows (zero rows appended, a copy of at
-        # most MIN_ROWS rows), so a row gets the same bits alone as in any T.
-        pad = MIN_ROWS - n
+    if n < rows:
+        # Batch invariance: a call of fewer rows than a block runs as one block
+        # of ``rows`` rows (zero rows appended: a copy of at most ``rows`` rows,
+        # one chunk's budget), so its reductions compile to the same program as
+        # every block of a longer call and a row gets the same bits in any T.
+        pad = rows - n
         padded = [None if a is None else jnp.pad(a, [(0, pad)] + [(0, 0)] * (a.ndim - 1)) for a in arrays]
         return jax.tree_util.tree_map(lambda y: y[:n], fn(*padded))
-    if rows >= n:
+    if rows == n:
         return fn(*arrays)
     k = -(-n // rows)  # chunks; the last one starts at n - rows (overlap, no padding)
 

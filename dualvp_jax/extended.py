@@ -91,7 +91,7 @@ def _stats(logits, local, owns, keep, tau, cdt, opt: Options, tuning: Tuning):
         return spec.ext_reduce_stats(jnp, jnp.stack(parts), lay, axis=0, temperature=t if row_tau else tau)
 
     def run(args, kept_shift):
-        rows = chunks.chunk_rows(*args[0].shape, budget=tuning.chunk_bytes)
+        rows = chunks.chunk_rows(args[0].shape[-1], budget=tuning.chunk_bytes)
         return chunks.map_row_chunks(partial(blocked, kept_shift=kept_shift), args, rows)
 
     def chunked(z, local, owns, keep, t):

@@ -173,12 +173,23 @@ def check_ids_range(keep_ids, vocab_size: int) -> None:
 
 def check_temperature_values(temperature) -> None:
     """Raise ``ValueError`` naming ``temperature`` if a concrete temperature tensor holds a value that
-    is not finite and > 0 (one host synchronisation); traced values are not checked (NaN rows)."""
+    is not finite and > 0; traced values are not checked (NaN rows).
+
+    Reads this process's addressable part only (one host synchronisation, O(its rows) bytes): a global
+    array spanning other processes is never fetched whole. With several JAX processes it runs inside
+    the checks that the processes agree on, so that every one raises or none does.
+    """
     if _is_tracer(temperature) or not _is_row_temperature(temperature):
         return
-    t = np.asarray(temperature, dtype=np.float64)
-    bad = ~(np.isfinite(t) & (t > 0))
-    check_temperature_values_count(int(bad.sum()), t[bad][0] if bad.any() else None)
+    count, shown = 0, None
+    for part in multiprocess._local_parts(temperature):
+        t = np.asarray(part, dtype=np.float64)
+        bad = ~(np.isfinite(t) & (t > 0))
+        n = int(np.count_nonzero(bad))
+        if n and shown is None:
+            shown = float(t[bad][0])
+        count += n
+    check_temperature_values_count(count, shown)
 
 
 def check_target_range(target, vocab_size: int, ignore_index: int, *, processes=None) -> None:
@@ -300,7 +311,7 @@ def _shard_stats(logits, local, owns, keep, tau, cdt, with_entropy: bool, tuning
         return parts[0] if len(parts) == 1 else spec.reduce_stats(jnp, jnp.stack(parts), axis=0, temperature=tau)
 
     def run(args, kept_shift):
-        rows = chunks.chunk_rows(*args[0].shape, budget=tuning.chunk_bytes)
+        rows = chunks.chunk_rows(args[0].shape[-1], budget=tuning.chunk_bytes)
         return chunks.map_row_chunks(partial(blocked, kept_shift=kept_shift), args, rows)
 
     def chunked(z, local, owns, keep):
@@ -490,9 +501,12 @@ def _logprob_entropy(logits, target, axis_name, keep_mask, temperature, with_ent
         vocab = int(np.shape(logits)[-1]) if not _is_tracer(logits) else int(logits.shape[-1])
         if validate and axis_name is None:
             check_ids_range(keep_ids, vocab)
+        if validate:
+            check_temperature_values(temperature)
         return opt, vocab
 
-    procs = multiprocess.processes_of(logits, target, keep_mask, keep_ids) if validate and axis_name is None else ()
+    procs = (multiprocess.processes_of(logits, target, keep_mask, keep_ids, temperature)
+             if validate and axis_name is None else ())
     if len(procs) > 1:
         opt = multiprocess.checked(procs, "logprob_entropy", checks, target, ignore_index,
                                    lambda opt: _record(opt, logits=logits, target=target, keep_mask=keep_mask,
@@ -501,8 +515,6 @@ def _logprob_entropy(logits, target, axis_name, keep_mask, temperature, with_ent
         opt, vocab = checks()
         if validate and axis_name is None:
             check_target_range(target, vocab, ignore_index, processes=procs)
-    if validate:
-        check_temperature_values(temperature)
     if axis_name is not None:
         _check_varying(logits, axis_name)
     if extended.uses_extended(opt):

@@ -122,7 +122,7 @@ def _shard_stats(a, b, tau, cdt, path: str):
 
     def chunked(a, b):
         n, v = math.prod(a.shape[:-1]), a.shape[-1]
-        rows = chunks.chunk_rows(n, v)
+        rows = chunks.chunk_rows(v)
         out = chunks.map_row_chunks(blocked, (a.reshape(n, v), b.reshape(n, v)), rows)
         return out.reshape(a.shape[:-1] + out.shape[-1:])
 

@@ -184,9 +184,10 @@ def _sharded_logprob_entropy(logits, target, mesh, vocab_axis, keep_mask, temper
             )
         if validate:
             check_ids_range(keep_ids, shape[-1])
+            check_temperature_values(temperature)
         return (opt, shape), shape[-1]
 
-    procs = _processes(mesh, logits, target, keep_mask, keep_ids) if validate else ()
+    procs = _processes(mesh, logits, target, keep_mask, keep_ids, temperature) if validate else ()
     if len(procs) > 1:
         opt, shape = multiprocess.checked(
             procs, "sharded_logprob_entropy", checks, target, ignore_index,
@@ -196,8 +197,6 @@ def _sharded_logprob_entropy(logits, target, mesh, vocab_axis, keep_mask, temper
         (opt, shape), vocab = checks()
         if validate:
             check_target_range(target, vocab, ignore_index, processes=procs)
-    if validate:
-        check_temperature_values(temperature)
 
     ndim = len(shape)
     tau = None

@@ -16,10 +16,11 @@ def _parser() -> argparse.ArgumentParser:
     )
     sub = p.add_subparsers(dest="command", required=True)
     v = sub.add_parser("verify", help="check every backend against the float64 oracle and each other")
-    v.add_argument("--op", default="logits", choices=["logits", "linear", "kl"],
+    v.add_argument("--op", default="logits", choices=["logits", "linear", "kl", "extended"],
                    help="logits: logprob_entropy on vocab-sharded logits (default); linear: the fused LM head "
                    "linear_logprob_entropy on hidden states [T, H] and the vocab-parallel weight [V, H]; "
-                   "kl: kl_divergence of two vocab-sharded logits (values and both gradients)")
+                   "kl: kl_divergence of two vocab-sharded logits (values and both gradients); extended: the "
+                   "conformance table of K targets per row, a per-row temperature and sum_p2")
     v.add_argument("--direction", default="forward", choices=["forward", "reverse"],
                    help="--op kl: KL(p || q) (forward, p from the logits) or KL(q || p)")
     v.add_argument("--hidden", type=int, default=64, help="--op linear: hidden size H")

@@ -25,6 +25,12 @@ rows are log-prob, entropy, ``dh`` and ``dW``, the gradients judged with
 absolute part scaled by the oracle's largest entry). There is no ``spec`` row
 (the specification has no fused form) and no ``--input``.
 
+``--op extended`` runs the conformance table of K targets per row, a
+per-row temperature tensor and ``sum_p2``
+(:data:`dualvp.testing.extended.EXT_CASES`) on torch and JAX against the
+oracle and each other (:mod:`dualvp.tools.verify_ext`); ``--op kl`` the KL
+divergence op (:mod:`dualvp.tools.verify_kl`).
+
 Started by a launcher (``torchrun ... -m dualvp verify``: ``RANK``,
 ``WORLD_SIZE``, ``MASTER_ADDR`` and ``MASTER_PORT`` set), it checks that job
 instead: every worker joins the launcher's group, computes its shard of the
@@ -64,7 +70,8 @@ from dualvp.testing.metrics import Row, compare, max_errors, pair_tolerance, tol
 
 from ._proc import child_env, cuda_problem, start_python
 
-__all__ = ["run", "compare", "Row", "problem_for", "load_input", "input_problem", "start_jax", "finish_jax"]
+__all__ = ["run", "compare", "Row", "problem_for", "load_input", "uses_extended", "input_problem", "start_jax",
+           "finish_jax"]
 
 
 def problem_for(args) -> Union[cases.Problem, cases.LinearProblem]:
@@ -90,7 +97,7 @@ def problem_for(args) -> Union[cases.Problem, cases.LinearProblem]:
     return cases.make_linear(c, args.hidden) if linear else cases.make(c)
 
 
-_INPUT_KEYS = ("logits", "target", "keep_mask", "keep_ids")
+_INPUT_KEYS = ("logits", "target", "keep_mask", "keep_ids", "temperature")
 _TORCH_DTYPES = {"torch.float32": "float32", "torch.bfloat16": "bfloat16", "torch.float16": "float16",
                  "torch.float64": "float64"}
 
@@ -150,15 +157,19 @@ def load_input(path: str, *, ignore_index: int = -100, max_rows: Optional[int] =
     The file is a ``torch.save`` of a dict (read with ``weights_only=True``)
     or an ``.npz``, with ``logits [..., V]`` (full vocabulary, float16 /
     bfloat16 / float32 / float64), ``target [...]`` (integer ids in ``[0, V)``
-    or ``ignore_index``) and optionally ``keep_mask [..., V]`` (bool) or
-    ``keep_ids [..., K]`` (integer global ids in ``[0, V)``, padding -1: the
-    kept set as the sampler returns it; not both). Leading dims are flattened
-    into rows; ``max_rows`` keeps the first rows only.
+    or ``ignore_index``) or ``target [..., K]`` (K targets per row, TRL's
+    ``selective_log_softmax`` index), and optionally ``keep_mask [..., V]``
+    (bool) or ``keep_ids [..., K]`` (integer global ids in ``[0, V)``,
+    padding -1: the kept set as the sampler returns it; not both), and
+    ``temperature [...]`` (a float per row, finite and > 0; verl's per-token
+    temperature). Leading dims are flattened into rows; ``max_rows`` keeps
+    the first rows only.
 
     Returns:
       ``{"logits": [T, V] float64 (the saved values exactly), "target": [T]
-      int64, "keep_mask": [T, V] bool or None, "keep_ids": [T, K] int64 or
-      None, "dtype": the logits' dtype}``.
+      or [T, K] int64, "keep_mask": [T, V] bool or None, "keep_ids": [T, K]
+      int64 or None, "temperature": [T] float64 or None, "dtype": the logits'
+      dtype}``.
 
     Raises:
       ValueError whose message starts with ``input:`` (unreadable file, not a
@@ -178,9 +189,10 @@ def load_input(path: str, *, ignore_index: int = -100, max_rows: Optional[int] =
                          f"got shape {z.shape}")
     if not np.issubdtype(y.dtype, np.integer):
         raise ValueError(f"target: expected an integer dtype, got {yd}")
-    if y.shape != z.shape[:-1]:
-        raise ValueError(f"target: expected shape {z.shape[:-1]} (the leading dims of logits {z.shape}), "
-                         f"got shape {y.shape}")
+    multi = y.ndim == z.ndim and y.shape[:-1] == z.shape[:-1] and y.shape[-1] >= 1
+    if y.shape != z.shape[:-1] and not multi:
+        raise ValueError(f"target: expected shape {z.shape[:-1]} (the leading dims of logits {z.shape}) or "
+                         f"{z.shape[:-1] + ('K',)} (K >= 1 targets per row), got shape {y.shape}")
     keep = None
     if data.get("keep_mask") is not None:
         keep, kd = _as_numpy("keep_mask", data["keep_mask"])
@@ -199,15 +211,30 @@ def load_input(path: str, *, ignore_index: int = -100, max_rows: Optional[int] =
         if ids.ndim != z.ndim or ids.shape[:-1] != z.shape[:-1]:
             raise ValueError(f"keep_ids: expected shape {z.shape[:-1] + ('K',)} (the leading dims of logits "
                              f"{z.shape} + (K,)), got shape {ids.shape}")
+    tau = None
+    if data.get("temperature") is not None:
+        tau, td = _as_numpy("temperature", data["temperature"])
+        if not np.issubdtype(tau.dtype, np.floating):
+            raise ValueError(f"temperature: expected a float dtype, got {td}")
+        if tau.shape != z.shape[:-1]:
+            raise ValueError(f"temperature: expected shape {z.shape[:-1]} (one per row: the leading dims of "
+                             f"logits {z.shape}), got shape {tau.shape}")
+        tau = np.asarray(tau, np.float64).reshape(-1)
+        bad_tau = ~(np.isfinite(tau) & (tau > 0))
+        if bad_tau.any():
+            raise ValueError(f"temperature: expected finite values > 0, got {int(bad_tau.sum())} bad value(s), "
+                             f"e.g. {float(tau[bad_tau][0])!r}")
     v = z.shape[-1]
     z = np.asarray(z, np.float64).reshape(-1, v)
-    y = np.asarray(y).astype(np.int64).reshape(-1)
+    y = np.asarray(y).astype(np.int64)
+    y = y.reshape(-1, y.shape[-1]) if multi else y.reshape(-1)
     keep = None if keep is None else np.asarray(keep).reshape(-1, v)
     ids = None if ids is None else np.asarray(ids).astype(np.int64).reshape(y.shape[0], ids.shape[-1])
     if max_rows is not None:
         z, y = z[:max_rows], y[:max_rows]
         keep = None if keep is None else keep[:max_rows]
         ids = None if ids is None else ids[:max_rows]
+        tau = None if tau is None else tau[:max_rows]
     if z.shape[0] == 0:
         raise ValueError(f"logits: expected at least one row, got shape {z.shape}")
     bad = (y != ignore_index) & ((y < 0) | (y >= v))
@@ -218,17 +245,23 @@ def load_input(path: str, *, ignore_index: int = -100, max_rows: Optional[int] =
         n, shown = validation.count_bad_ids(ids, v)
         if n:
             raise validation.bad_ids_error(n, shown, v)
-    return dict(logits=z, target=y, keep_mask=keep, keep_ids=ids, dtype=zd)
+    return dict(logits=z, target=y, keep_mask=keep, keep_ids=ids, temperature=tau, dtype=zd)
 
 
-def input_problem(args) -> cases.Problem:
+def uses_extended(d: dict) -> bool:
+    """Whether a :func:`load_input` result holds K targets per row or a temperature per row."""
+    return d["target"].ndim == 2 or d["temperature"] is not None
+
+
+def input_problem(args, loaded: Optional[dict] = None) -> cases.Problem:
     """The verify problem from ``args.input``: the user's arrays plus seeded random upstream gradients.
 
     ``args.dtype`` (if set) rounds the logits to that dtype; otherwise the
     file's dtype is used. ``args.mask`` other than ``none`` builds a keep mask
-    on the user's logits when the file has none.
+    on the user's logits when the file has none. ``loaded``: the file's
+    :func:`load_input` result, when already read.
     """
-    d = load_input(args.input, max_rows=args.tokens)
+    d = load_input(args.input, max_rows=args.tokens) if loaded is None else loaded
     t, v = d["logits"].shape
     if v % args.tp:
         raise ValueError(f"tp: the vocabulary V = {v} of {args.input!r} is not divisible by --tp {args.tp}")
@@ -337,6 +370,10 @@ def run(args) -> int:
         from .verify_kl import run_kl
 
         return run_kl(args)
+    if getattr(args, "op", "logits") == "extended" and not launched():
+        from .verify_ext import run_ext
+
+        return run_ext(args)
     if launched():
         return run_launched(args)
     if args.tp is None:
@@ -361,7 +398,13 @@ def run(args) -> int:
     if getattr(args, "input", None):
         t = _progress(1, total, f"reading {args.input}")
         try:
-            prob = input_problem(args)
+            loaded = load_input(args.input, max_rows=args.tokens)
+            if uses_extended(loaded):
+                # K targets per row or a temperature per row: the extended op's check (verify_ext)
+                from .verify_ext import run_ext
+
+                return run_ext(args, loaded)
+            prob = input_problem(args, loaded)
         except ValueError as exc:
             print(f"dualvp verify: {exc}", file=sys.stderr)
             return 2

@@ -7,7 +7,8 @@ every third row outside ``row_mask``, holding a NaN), then
 
 * the float64 oracle (:mod:`dualvp.kl_reference`) on the full logits,
 * :mod:`dualvp.kl_spec` over ``W`` simulated shards in float32 (float64 for float64),
-* ``dualvp_torch.kl_divergence`` on ``W`` gloo ranks,
+* ``dualvp_torch.kl_divergence`` on ``W`` gloo ranks (its default engine;
+  ``--no-compile``: the eager one),
 * ``dualvp_jax.sharded_kl_divergence`` on ``W`` host devices (a child process),
 
 and prints the max abs / rel error of the KL and of both gradients (to
@@ -37,7 +38,7 @@ __all__ = ["run_kl"]
 _QUANTITIES = (("kl", "kl"), ("d_logits", "grad"), ("d_ref", "grad"))
 
 
-def _torch_rank(rank: int, world: int, problem):
+def _torch_rank(rank: int, world: int, problem, impl=None):
     import torch
 
     from dualvp_torch import kl_divergence
@@ -48,15 +49,15 @@ def _torch_rank(rank: int, world: int, problem):
     r = torch.tensor(problem.ref_logits[..., rank * v:(rank + 1) * v], dtype=dt, requires_grad=True)
     m = None if problem.row_mask is None else torch.tensor(problem.row_mask)
     kl = kl_divergence(z, r, group=torch.distributed.group.WORLD if world > 1 else None, row_mask=m,
-                       temperature=problem.case.temperature, direction=problem.case.direction)
+                       temperature=problem.case.temperature, direction=problem.case.direction, impl=impl)
     (kl * torch.tensor(problem.grad, dtype=kl.dtype)).sum().backward()
     return kl.detach().double().numpy(), z.grad.double().numpy(), r.grad.double().numpy()
 
 
-def _run_torch(problem, world: int, timeout: float):
+def _run_torch(problem, world: int, timeout: float, impl=None):
     from dualvp_torch.testing import run_ranks
 
-    parts = run_ranks(_torch_rank, world, problem, timeout=timeout)
+    parts = run_ranks(_torch_rank, world, problem, impl, timeout=timeout)
     return parts[0][0], np.concatenate([p[1] for p in parts], -1), np.concatenate([p[2] for p in parts], -1)
 
 
@@ -123,8 +124,8 @@ def run_kl(args) -> int:
         jax_started = _start_jax(problem, world, tmp) if "jax" in backends else None
         for b in backends:
             try:
-                results[b] = _run_torch(problem, world, args.timeout) if b == "torch" else \
-                    finish_jax(jax_started, args.timeout)
+                results[b] = _run_torch(problem, world, args.timeout, None if args.compile else "eager") \
+                    if b == "torch" else finish_jax(jax_started, args.timeout)
             except Exception as exc:  # report, and fail the run, instead of a traceback
                 print(f"dualvp verify: {b} backend failed: {exc}", file=sys.stderr)
                 results[b] = None

@@ -3,8 +3,10 @@
 A ``torch.save``'d dict and an ``.npz`` are written here, run through the
 command at ``--tp 2`` (exit 0, the table names the file and its shape); the
 deliberate fault ``DUALVP_TEST_FAULT=grad_tau`` (:mod:`dualvp.testing.faults`)
-makes the same file FAIL on the gradient rows; malformed files give an error
-that names what is wrong, before any backend starts.
+makes the same file FAIL on the gradient rows; a file with K targets per row
+or a per-row temperature runs the extended op's check (torch and JAX against
+the oracle); malformed files give an error that names what is wrong, before
+any backend starts.
 """
 
 import numpy as np
@@ -128,6 +130,16 @@ BAD = [
      "out-of-range"),
     ("ids and mask", "pt", {"logits": _Z, "target": _Y, "keep_mask": torch.ones(4, 8, dtype=torch.bool),
                             "keep_ids": torch.zeros(4, 2, dtype=torch.int64)}, "keep_ids:", "both"),
+    ("K targets rows", "pt", {"logits": _Z, "target": torch.zeros(3, 2, dtype=torch.int64)}, "target:", "shape"),
+    ("K targets zero", "npz", {"logits": _Z, "target": torch.zeros(4, 0, dtype=torch.int64)}, "target:", "shape"),
+    ("K targets range", "pt", {"logits": _Z, "target": torch.tensor([[0, 8]] * 4)}, "target:", "out-of-range"),
+    ("tau int", "pt", {"logits": _Z, "target": _Y, "temperature": torch.ones(4, dtype=torch.int32)},
+     "temperature:", "float"),
+    ("tau shape", "npz", {"logits": _Z, "target": _Y, "temperature": torch.ones(3)}, "temperature:", "shape"),
+    ("tau zero", "pt", {"logits": _Z, "target": _Y, "temperature": torch.tensor([1.0, 0.0, 1.0, 1.0])},
+     "temperature:", "> 0"),
+    ("tau nan", "npz", {"logits": _Z, "target": _Y, "temperature": torch.tensor([1.0, float("nan"), 1.0, 1.0])},
+     "temperature:", "> 0"),
 ]
 
 
@@ -151,6 +163,49 @@ def test_unreadable_files(tmp_path):
         assert str(info.value).startswith("input:") and word in str(info.value), str(info.value)
 
 
+def test_load_input_reads_k_targets_and_row_temperature(tmp_path):
+    z, y, _ = _saved(seed=3)
+    yk = torch.stack([y, (y + 1).clamp(min=0) % 64], -1)  # [2, 6, 2]
+    tau = torch.rand(2, 6) + 0.5
+    path = _write(tmp_path, "pt", {"logits": z, "target": yk, "temperature": tau})
+    d = verify.load_input(path, max_rows=5)
+    assert verify.uses_extended(d)
+    assert d["target"].shape == (5, 2) and d["temperature"].shape == (5,)
+    np.testing.assert_array_equal(d["target"], yk.reshape(12, 2)[:5].numpy())
+    np.testing.assert_array_equal(d["temperature"], tau.reshape(-1)[:5].double().numpy())
+    assert not verify.uses_extended(verify.load_input(_write(tmp_path, "npz", {"logits": z.numpy(),
+                                                                                "target": y.numpy()})))
+
+
+def test_extended_comparison_can_fail():
+    # the rows verify prints for a file with K targets: a gradient off by 1e-3 relative fails them
+    from dualvp.testing import extended as ext
+    from dualvp.testing.metrics import tolerance
+    from dualvp.tools import verify_ext
+
+    prob = ext.make_ext(ext.ext_case("all_basic"))
+    ref = ext.oracle_ext(prob)
+    tol = lambda q: tolerance("float32", q)  # noqa: E731
+    assert all(ok for *_, ok in verify_ext._rows("all_basic", ref, ref, tol))
+    off = ref._replace(grad=ref.grad * (1 + 1e-3))
+    assert [f for f, *_, ok in verify_ext._rows("all_basic", off, ref, tol) if not ok] == ["grad"]
+
+
+@pytest.mark.slow
+def test_k_targets_and_row_temperature_file_passes_at_tp2(tmp_path):
+    """``target [..., K]`` and ``temperature [...]`` from a file: the extended op, torch and JAX, vs the oracle."""
+    z, y, k = _saved(seed=2)
+    yk = torch.stack([y, torch.randint(0, 64, y.shape)], -1)
+    path = tmp_path / "ext.pt"
+    torch.save({"logits": z.to(torch.bfloat16), "target": yk, "temperature": torch.rand(2, 6) + 0.5,
+                "keep_mask": k}, path)
+    proc = _verify("--input", str(path), "--tp", "2")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "targets per row=2 temperature=per row (from file) mask=from file" in proc.stdout, proc.stdout
+    rows = [ln for ln in proc.stdout.splitlines() if ln.rstrip().endswith(("PASS", "FAIL"))]
+    assert len(rows) == 12 and all(ln.rstrip().endswith("PASS") for ln in rows), proc.stdout
+
+
 def test_cli_exit_2_before_any_backend(tmp_path, capsys):
     path = _write(tmp_path, "pt", {"logits": torch.zeros(4, 10), "target": _Y})
     assert cli.main(["verify", "--input", path, "--tp", "4"]) == 2
@@ -159,3 +214,11 @@ def test_cli_exit_2_before_any_backend(tmp_path, capsys):
     path = _write(tmp_path, "pt", {"logits": _Z, "target": _Y, "keep_mask": torch.ones(4, 8, dtype=torch.bool)})
     assert cli.main(["verify", "--input", path, "--mask", "nucleus"]) == 2
     assert "mask:" in capsys.readouterr().err
+    # K targets with keep_ids: the extended options take the mask form
+    path = _write(tmp_path, "pt", {"logits": _Z, "target": torch.zeros(4, 2, dtype=torch.int64),
+                                   "keep_ids": torch.zeros(4, 2, dtype=torch.int64)})
+    assert cli.main(["verify", "--input", path]) == 2
+    assert "keep_ids:" in capsys.readouterr().err
+    path = _write(tmp_path, "pt", {"logits": torch.zeros(4, 10), "target": _Y, "temperature": torch.ones(4)})
+    assert cli.main(["verify", "--input", path, "--tp", "4"]) == 2
+    assert "tp: the vocabulary V = 10" in capsys.readouterr().err

@@ -192,6 +192,22 @@ with jax.set_mesh(MESH):
             finally:
                 multiprocess._client = client
 
+        def row_temperature_dp():
+            # a per-row temperature sharded over dp like the rows: each process checks only its own rows
+            tau = put(np.full((T,), TAU, np.float32), P("dp"))
+            lp, _ = dualvp_jax.sharded_logprob_entropy(Z_A, Y_A, MESH, "tp", temperature=tau)
+            return dict(close_to_scalar=bool(np.allclose(held(lp), saved["eager_lp"], rtol=1e-6, atol=1e-6,
+                                                         equal_nan=True)))
+
+        def bad_row_temperature_on_process_1():
+            def nan_on_1(p, t):
+                t = t.copy()
+                if p == 1:
+                    t[T - 1] = np.nan  # a row process 1 holds
+                return t
+            tau = put(np.full((T,), TAU, np.float32), P("dp"), nan_on_1)
+            dualvp_jax.sharded_logprob_entropy(Z_A, Y_A, MESH, "tp", temperature=tau)
+
         def process_1_never_arrives():
             # process 1 raises in its own code before the call; process 0 must not hang in the op
             if jax.process_index() == 1:
@@ -201,7 +217,8 @@ with jax.set_mesh(MESH):
         for fn in (bad_dp_target_eager, bad_replicated_target_eager, bad_dp_target_jit_closed_over,
                    bad_dp_target_traced, bad_dp_target_no_validate, temperature_differs_jit,
                    temperature_differs_eager, fused_temperature_differs, validation_fails_on_process_1,
-                   valid_after_errors, temperature_differs_allgather_path,
+                   valid_after_errors, temperature_differs_allgather_path, row_temperature_dp,
+                   bad_row_temperature_on_process_1,
                    process_1_never_arrives):  # last: it leaves the agreement sequence out of step
             case(fn.__name__, fn)
 

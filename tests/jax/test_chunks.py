@@ -59,12 +59,28 @@ def test_chunks_rows_in_order(n, rows):
 
 
 def test_chunk_rows_budget():
-    assert chunks.chunk_rows(2048, 32000, budget=2 << 20) == 16
-    assert chunks.chunk_rows(2048, 25000, budget=2 << 20) == 20  # 20.97 -> a multiple of 4
-    assert chunks.chunk_rows(2048, 152064, budget=2 << 20) == 4  # 3.4 -> at least 4
-    assert chunks.chunk_rows(10, 32000, budget=2 << 20) == 10  # capped at the rows there are
-    assert chunks.chunk_rows(3, 10 ** 7, budget=2 << 20) == 3
-    assert chunks.chunk_rows(0, 32000) == 1
+    assert chunks.chunk_rows(32000, budget=2 << 20) == 16
+    assert chunks.chunk_rows(25000, budget=2 << 20) == 20  # 20.97 -> a multiple of 4
+    assert chunks.chunk_rows(152064, budget=2 << 20) == 4  # 3.4 -> at least 4
+    assert chunks.chunk_rows(10 ** 7, budget=2 << 20) == 4
+    assert chunks.chunk_rows(300) == 1744  # from the width alone: no row count to cap it
+
+
+def test_short_call_runs_as_one_block():
+    """A call of fewer rows than a block gives ``fn`` one block of exactly ``rows`` rows (batch invariance)."""
+    seen = []
+
+    def f(z):
+        seen.append(z.shape)
+        return z.sum(-1)
+
+    z = jnp.arange(15, dtype=jnp.float32).reshape(3, 5)
+    out = chunks.map_row_chunks(f, (z,), 8)
+    assert seen == [(8, 5)]
+    np.testing.assert_array_equal(np.asarray(out), np.arange(15, dtype=np.float32).reshape(3, 5).sum(-1))
+    seen.clear()
+    chunks.map_row_chunks(f, (jnp.zeros((20, 5)),), 8)
+    assert seen == [(8, 5)]  # the scan's body: every block 8 rows
 
 
 @pytest.mark.parametrize("width,max_width,n", [
@@ -109,9 +125,12 @@ def test_tuning_picks_the_forward():
     four = text(FOUR_ROWS)
     assert "stablehlo.while" in four and "tensor<4x64xf32>" in four
     assert "stablehlo.while" not in text(WHOLE)
-    blocks = text(Tuning(path="chunked", column_block=16))  # one chunk of 16 rows, 4 column blocks
+    blocks = text(Tuning(path="chunked", column_block=16, chunk_bytes=16 * 64 * 4))  # one 16-row chunk, 4 column blocks
     assert "stablehlo.while" not in blocks and "tensor<16x16xf32>" in blocks
-    # on the CPU the default takes the chunked program (16 rows fit one chunk at the default budget)
+    # the default budget's block (8192 rows of 64): 16 rows run as one padded block
+    padded = text(Tuning(path="chunked"))
+    assert "stablehlo.while" not in padded and "tensor<8192x64xf32>" in padded
+    # on the CPU the default takes the chunked program
     if jax.default_backend() == "cpu":
         assert "stablehlo.while" in text(Tuning(chunk_bytes=1))
 

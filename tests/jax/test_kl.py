@@ -178,3 +178,41 @@ def test_bad_inputs_name_the_argument(change, name):
 def test_sharded_vocab_not_divisible():
     with pytest.raises(ValueError, match="^logits:"):
         dualvp_jax.sharded_kl_divergence(np.zeros((2, 6), np.float32), np.zeros((2, 6), np.float32), mesh_1d(4))
+
+
+@pytest.mark.parametrize("v, dtype", [(300, "float32"), (512, "bfloat16")])
+def test_batch_invariant_rows(v, dtype):
+    # a row's KL and both gradient rows are bitwise the same alone (T = 1) and inside calls of T = 7, 64, 1000
+    # rows at random positions, and from run to run. V_local = 300: a block of 13 rows is below XLA:CPU's
+    # switch to its YNNPACK reduction, one of 16 above (docs/decisions.md, "JAX: one block shape per V").
+    rng = np.random.default_rng(0)
+    n = 1003
+    z_all = (rng.standard_normal((n, v)) * 3).astype(np.float32)
+    r_all = z_all + rng.standard_normal((n, v)).astype(np.float32)
+    m_all = rng.random(n) < 0.9
+    g_all = rng.standard_normal(n).astype(np.float32)
+    dt = JNP_DTYPES[dtype]
+
+    @jax.jit
+    def run(z, r, m, g):
+        kl, vjp = jax.vjp(lambda z, r: dualvp_jax.kl_divergence(z, r, row_mask=m, temperature=0.8), z, r)
+        dz, dr = vjp(g)
+        return kl, dz.astype(jnp.float32), dr.astype(jnp.float32)
+
+    def call(idx):
+        out = run(jnp.asarray(z_all[idx], dt), jnp.asarray(r_all[idx], dt), jnp.asarray(m_all[idx]),
+                  jnp.asarray(g_all[idx]))
+        return [np.asarray(x) for x in out]
+
+    alone = [call(np.array([i])) for i in range(3)]
+    for T in (7, 64, 1000):
+        idx = 3 + rng.choice(n - 3, size=T, replace=False)
+        pos = rng.choice(T, size=3, replace=False)
+        idx[pos] = np.arange(3)
+        out = call(idx)
+        for i, p in enumerate(pos):
+            for name, a, b in zip(("kl", "d_logits", "d_ref"), alone[i], out):
+                assert np.array_equal(a[0].view(np.uint32), b[p].view(np.uint32)), (T, i, name)
+    again = call(idx)
+    for a, b in zip(out, again):
+        assert np.array_equal(a.view(np.uint32), b.view(np.uint32))

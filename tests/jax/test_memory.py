@@ -250,7 +250,7 @@ def test_chunks_bf16_no_whole_upcast(n):
     """bfloat16 rows: no hoisted float32 copy of the array, no padded remainder."""
     z = jax.ShapeDtypeStruct((n, V), jnp.bfloat16)
     k = jax.ShapeDtypeStruct((n, V), jnp.bool_)
-    rows = chunks.chunk_rows(n, V)
+    rows = chunks.chunk_rows(V)
     assert 1 < rows < n and (n % rows == 0) == (n == T), rows
     f = jax.jit(lambda z, k: chunks.map_row_chunks(row_stats, (z, k), rows)).lower(z, k).compile()
     B = n * V * 2
@@ -264,7 +264,7 @@ def test_chunks_under_shard_map():
     k = jax.ShapeDtypeStruct((T, 2 * V), jnp.bool_, sharding=NamedSharding(mesh, P(None, "tp")))
 
     def body(z, k):
-        st = chunks.map_row_chunks(row_stats, (z, k), chunks.chunk_rows(T, V))
+        st = chunks.map_row_chunks(row_stats, (z, k), chunks.chunk_rows(V))
         return lax.all_gather(st, "tp", axis=0, to="invarying").sum(0)
 
     sm = jax.shard_map(body, mesh=mesh, in_specs=(P(None, "tp"), P(None, "tp")), out_specs=P())

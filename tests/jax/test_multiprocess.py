@@ -195,6 +195,21 @@ def test_differing_temperature_raises_on_every_process(run, name):
     assert "processes disagree on options.temperature (process 0: 1.0, process 1: 0.7); every process raises" in m0
 
 
+def test_row_temperature_sharded_over_processes(run):
+    """A per-row temperature spanning both processes is checked shard by shard (never fetched whole)."""
+    r0, r1, *_ = run
+    for r in (r0, r1):
+        assert r["row_temperature_dp"]["ok"] and r["row_temperature_dp"]["close_to_scalar"], r["row_temperature_dp"]
+
+
+def test_bad_row_temperature_on_one_process_raises_on_every_process(run):
+    r0, r1, *_ = run
+    name = "bad_row_temperature_on_process_1"
+    m0, m1 = _raised(r0[name], "RuntimeError"), _raised(r1[name], "RuntimeError")
+    assert m0 == m1, (m0, m1)
+    assert "argument validation failed on process 1" in m0 and "temperature: expected finite values > 0" in m0, m0
+
+
 def test_argument_error_on_one_process_raises_on_every_process_then_calls_work(run):
     r0, r1, *_ = run
     # the same RuntimeError on both (on process 1 chained from its own ValueError), naming process 1's error

@@ -52,7 +52,7 @@ def _shard(x: np.ndarray, rank: int, world: int) -> np.ndarray:
     return x[..., rank * v:(rank + 1) * v]
 
 
-def run_cases(rank: int, world: int, dtypes) -> list:
+def run_cases(rank: int, world: int, dtypes, impl=None) -> list:
     group = dist.group.WORLD
     out = []
     for case in KL_CASES:
@@ -62,7 +62,7 @@ def run_cases(rank: int, world: int, dtypes) -> list:
             z = torch.tensor(_shard(p.logits, rank, world), dtype=dt, requires_grad=True)
             r = torch.tensor(_shard(p.ref_logits, rank, world), dtype=dt, requires_grad=True)
             m = None if p.row_mask is None else torch.tensor(p.row_mask)
-            kw = dict(group=group, row_mask=m, temperature=case.temperature, direction=case.direction)
+            kw = dict(group=group, row_mask=m, temperature=case.temperature, direction=case.direction, impl=impl)
             counts = {}
             with Counter() as c:
                 kl_divergence(z.detach(), r.detach(), validate=False, **kw)

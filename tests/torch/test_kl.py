@@ -4,7 +4,11 @@ Values and both gradients on the shared KL cases (banned ``-inf`` columns,
 infinite rows, masked rows holding NaN, both directions, temperatures), in
 float32 and bfloat16, at W = 1 (in process) and W = 2, 4, 8 (one gloo spawn
 each, all cases in it); collectives counted per forward and backward; bad
-inputs; torch.compile(fullgraph=True); the memory of the forward and backward.
+inputs; torch.compile(fullgraph=True); the memory of the forward and backward;
+batch invariance of a row's KL and gradient rows. Both engines (``impl``):
+the eager one on the whole table in the fast tier, the compiled one on the
+masked cases there (each compiled variant costs seconds to build) and on the
+whole table, W = 1 and 2, in the slow tier.
 """
 
 import numpy as np
@@ -22,7 +26,7 @@ from ._alloc import allocations, peak
 DTYPES = ("float32", "bfloat16")
 
 
-def _run(p, *, need=(True, True), compiled=False):
+def _run(p, *, need=(True, True), compiled=False, impl="eager"):
     dt = getattr(torch, p.case.dtype)
     z = torch.tensor(p.logits, dtype=dt, requires_grad=need[0])
     r = torch.tensor(p.ref_logits, dtype=dt, requires_grad=need[1])
@@ -30,7 +34,7 @@ def _run(p, *, need=(True, True), compiled=False):
     c = p.case
 
     def f(z, r, m):
-        return kl_divergence(z, r, row_mask=m, temperature=c.temperature, direction=c.direction)
+        return kl_divergence(z, r, row_mask=m, temperature=c.temperature, direction=c.direction, impl=impl)
 
     fn = torch.compile(f, fullgraph=True, backend="aot_eager") if compiled else f
     kl = fn(z, r, m)
@@ -51,21 +55,83 @@ def test_matches_oracle_w1(dtype):
     assert not fails, "\n".join(fails)
 
 
-def test_batch_invariant_rows():
-    # a row's KL and gradient row are bitwise the same alone and inside calls of T = 7, 64, 1000 rows (chunks
-    # are chosen from V_local: 512 rows of 512 columns, so T = 1000 spans two chunks and a partial one)
+#: Masked cases (banned -inf columns, rows outside row_mask holding NaN): the compiled engine's fast-tier table.
+_MASKED = [c for c in KL_CASES if c.masked]
+
+
+@pytest.mark.parametrize("impl", ["compiled", "eager"])
+def test_batch_invariant_rows(impl):
+    # a row's KL and both gradient rows are bitwise the same alone (T = 1) and inside calls of T = 7, 64, 1000
+    # rows at random positions, and from run to run (eager chunks are chosen from V_local: 512 rows of 512
+    # columns, so T = 1000 spans two chunks and a partial one; compiled kernels reduce each row in one order)
     g = torch.Generator().manual_seed(0)
     V = 512
     for T in (7, 64, 1000):
         z = torch.randn(T, V, generator=g, requires_grad=True)
-        r = torch.randn(T, V, generator=g)
-        kl = kl_divergence(z, r, temperature=0.8)
-        kl.sum().backward()
-        for i in (0, T // 2, T - 1):
+        r = torch.randn(T, V, generator=g, requires_grad=True)
+        m = torch.rand(T, generator=g) < 0.9
+        kl = kl_divergence(z, r, row_mask=m, temperature=0.8, impl=impl)
+        (kl * torch.arange(1.0, T + 1)).sum().backward()
+        rows = torch.randperm(T, generator=g)[:3].tolist()
+        for i in rows + [0, T - 1]:
             zi = z[i:i + 1].detach().clone().requires_grad_()
-            ki = kl_divergence(zi, r[i:i + 1], temperature=0.8)
-            ki.sum().backward()
-            assert torch.equal(ki[0], kl[i]) and torch.equal(zi.grad[0], z.grad[i]), (T, i)
+            ri = r[i:i + 1].detach().clone().requires_grad_()
+            ki = kl_divergence(zi, ri, row_mask=m[i:i + 1], temperature=0.8, impl=impl)
+            (ki * (i + 1.0)).sum().backward()
+            assert torch.equal(ki[0], kl[i]) and torch.equal(zi.grad[0], z.grad[i]) \
+                and torch.equal(ri.grad[0], r.grad[i]), (impl, T, i)
+    again = kl_divergence(z.detach(), r.detach(), row_mask=m, temperature=0.8, impl=impl)
+    assert torch.equal(again, kl.detach()), impl
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_compiled_matches_oracle_w1(dtype):
+    # the compiled engine on the masked cases (the whole table: the slow test below)
+    fails = []
+    for case in _MASKED:
+        p = make_kl(case, dtype)
+        fails += kl_failures(p, _run(p, impl="compiled"), "compiled ")
+    assert not fails, "\n".join(fails)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("dtype", DTYPES + ("float64",))
+def test_compiled_matches_oracle_w1_all_cases(dtype):
+    fails = []
+    for case in KL_CASES:
+        if dtype == "float64" and case.dtype != "float32":
+            continue
+        p = make_kl(case, dtype)
+        fails += kl_failures(p, _run(p, impl="compiled"), "compiled ")
+        if case.name == "basic":  # only one input needs a gradient: the other variants of the backward
+            for need in ((True, False), (False, True)):
+                kl, dz, dr = _run(p, need=need, impl="compiled")
+                fails += kl_failures(p, (kl, dz, dr), f"compiled need={need} ")
+    assert not fails, "\n".join(fails)
+
+
+@pytest.mark.slow
+def test_compiled_matches_oracle_w2():
+    per_rank = run_ranks(_kl_ranks.run_cases, 2, DTYPES, "compiled", timeout=600)
+    fails = []
+    for i, (name, dtype, kl, *_rest) in enumerate(per_rank[0]):
+        p = make_kl(next(c for c in KL_CASES if c.name == name), dtype)
+        np.testing.assert_array_equal(per_rank[1][i][2], kl)
+        assert per_rank[0][i][5] == {"forward validate=False": 1, "forward validate=True": 2, "backward": 0}
+        dz = np.concatenate([per_rank[r][i][3] for r in range(2)], axis=-1)
+        dr = np.concatenate([per_rank[r][i][4] for r in range(2)], axis=-1)
+        fails += kl_failures(p, (kl, dz, dr), "compiled W=2 ")
+    assert not fails, "\n".join(fails)
+
+
+def test_impl_none_follows_the_engine_selection(monkeypatch):
+    # DUALVP_COMPILE=0 selects the eager engine, as for logprob_entropy; the results agree within TOLERANCES
+    p = make_kl(_MASKED[0])
+    monkeypatch.setenv("DUALVP_COMPILE", "0")
+    assert kl_mod._engine(None, torch.device("cpu")) == "eager"
+    assert not kl_failures(p, _run(p, impl=None))
+    monkeypatch.delenv("DUALVP_COMPILE")
+    assert kl_mod._engine(None, torch.device("cpu")) == "compiled"
 
 
 def test_gradient_only_where_required():
@@ -82,7 +148,7 @@ def test_gradient_only_where_required():
 
 @pytest.mark.parametrize("world", [2, 4, pytest.param(8, marks=pytest.mark.slow)])
 def test_matches_oracle_and_one_collective_per_forward(world):
-    per_rank = run_ranks(_kl_ranks.run_cases, world, DTYPES, timeout=300)
+    per_rank = run_ranks(_kl_ranks.run_cases, world, DTYPES, "eager", timeout=300)
     fails = []
     for i, (name, dtype, kl, *_rest) in enumerate(per_rank[0]):
         p = make_kl(next(c for c in KL_CASES if c.name == name), dtype)
@@ -112,7 +178,7 @@ def _kl_w_case(rank, world, p):
     r = torch.tensor(_kl_ranks._shard(p.ref_logits, rank, world), dtype=torch.float32, requires_grad=True)
     m = None if p.row_mask is None else torch.tensor(p.row_mask)
     kl = kl_divergence(z, r, group=torch.distributed.group.WORLD, row_mask=m, temperature=p.case.temperature,
-                       direction=p.case.direction)
+                       direction=p.case.direction, impl="eager")
     (kl * torch.tensor(p.grad, dtype=kl.dtype)).sum().backward()
     return kl.detach().double().numpy(), z.grad.double().numpy(), r.grad.double().numpy()
 
@@ -127,10 +193,12 @@ def test_disagreeing_ranks_all_raise():
             assert kind != "ok" and word in msg, (name, rank, kind, msg)
 
 
-def test_compiled_fullgraph_equals_eager():
+@pytest.mark.parametrize("impl", ["eager", pytest.param("compiled", marks=pytest.mark.slow)])
+def test_compiled_fullgraph_equals_eager(impl):
+    # inside a caller's torch.compile(fullgraph=True) the op is one node running the same engine, bit for bit
     p = make_kl(KL_CASES[5])  # batch dims, row mask, banned columns
-    eager = _run(p)
-    compiled = _run(p, compiled=True)
+    eager = _run(p, impl=impl)
+    compiled = _run(p, compiled=True, impl=impl)
     for e, c in zip(eager, compiled):
         np.testing.assert_array_equal(c, e)
 
@@ -159,6 +227,8 @@ def _bad(**change):
     (dict(direction=None), "direction"),
     (dict(group="tp"), "group"),
     (dict(validate=1), "validate"),
+    (dict(impl="fast"), "impl"),
+    (dict(impl=1), "impl"),
 ])
 def test_bad_inputs_name_the_argument(change, name):
     kw = _bad(**change)
@@ -166,8 +236,14 @@ def test_bad_inputs_name_the_argument(change, name):
         kl_divergence(kw.pop("logits"), kw.pop("ref_logits"), **kw)
 
 
+def test_triton_engine_not_yet():
+    with pytest.raises(NotImplementedError, match="^impl:"):
+        kl_divergence(torch.randn(3, 8), torch.randn(3, 8), impl="triton")
+
+
+@pytest.mark.parametrize("impl", ["eager", pytest.param("compiled", marks=pytest.mark.slow)])
 @pytest.mark.parametrize("ref_grad", [False, True])
-def test_memory_is_the_gradients_plus_bounded_scratch(ref_grad, monkeypatch):
+def test_memory_is_the_gradients_plus_bounded_scratch(ref_grad, impl, monkeypatch):
     # B = one shard's bytes; extra peak of forward + backward <= B per input needing a gradient + chunk scratch,
     # and the forward alone allocates no [T, V_local] buffer (its peak is the chunk scratch, not B).
     # Small chunks keep the scratch far below B at a size the profiler traces quickly.
@@ -180,11 +256,11 @@ def test_memory_is_the_gradients_plus_bounded_scratch(ref_grad, monkeypatch):
 
     def fwd():
         with torch.no_grad():
-            kl_divergence(z, r)
+            kl_divergence(z, r, impl=impl)
 
     def step():
         z.grad = r.grad = None
-        kl_divergence(z, r).sum().backward()
+        kl_divergence(z, r, impl=impl).sum().backward()
 
     fwd(), step()  # warm up
     fwd_peak = peak(allocations(fwd))
