@@ -144,7 +144,8 @@ def test_chunk_scratch_stays_mapped_between_chunks():
     assert kept < pages // 20, (default, kept, pages)
 
 
-# The eager forward of a float32 2048 x 16384 shard in 1 MiB chunks, in the calling thread of a
+# The eager forward of a float32 1024 x 16384 shard in 1 MiB chunks (64 chunks of 16 rows; the shard,
+# 64 MiB, above glibc's largest mmap threshold, as at the bench size), in the calling thread of a
 # fresh process, under the tuning argv[1] names: peak extra RSS of the second call (the kernel's
 # high-water mark reset before it), as a multiple of the shard's bytes.
 _FORWARD_PEAK_SCRIPT = r"""
@@ -158,7 +159,7 @@ def status_kb(field):
 
 setting = tuning.Tuning(max_eager_workers=1, cpu_chunk_scratch_bytes=1 << 20, glibc_heap=sys.argv[1] == "glibc")
 g = torch.Generator().manual_seed(3)
-T, V = 2048, 16384
+T, V = 1024, 16384
 z = torch.randn(T, V, generator=g)
 y = torch.randint(0, V, (T,), generator=g)
 with tuning.using(setting):
@@ -178,8 +179,9 @@ def test_forward_keeps_no_chunk_result_between_chunks(heap):
     # eager.stats writes each chunk's statistics into one buffer of the shard's rows. When it kept
     # a list of per-chunk results (concatenated at the end), glibc's heap grew by about one chunk's
     # scratch per chunk (likely: each small result at the heap's top, above its chunk's freed
-    # temporaries, so the next chunk's went above it): most of B here. With the buffer the
-    # forward's peak stays a small part of B, with and without the opt-in glibc heap calls.
+    # temporaries, so the next chunk's went above it): most of B here (a chunk's scratch per chunk of B,
+    # whatever T). With the buffer the forward's peak stays a small part of B, with and without the
+    # opt-in glibc heap calls.
     import subprocess
     import sys
 
