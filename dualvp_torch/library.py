@@ -50,7 +50,7 @@ from . import checks, collectives, engines
 from . import keep_ids as _ids
 from .stages import compute_dtype
 
-__all__ = ["eligible", "logprob_entropy", "in_graph", "forward", "grad"]
+__all__ = ["eligible", "logprob_entropy", "forward", "grad"]
 
 
 def _group(name: str):
