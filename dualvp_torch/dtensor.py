@@ -29,13 +29,17 @@ collective):
 * ``target``: a DTensor ``[...]`` on the same mesh with the logits'
   placements, the vocab dim replaced by ``Replicate()`` (it holds *global*
   token ids); or a plain tensor holding this rank's rows
-  (``logits.to_local().shape[:-1]``).
+  (``logits.to_local().shape[:-1]``). With ``multi_target=True``: ``[..., K]``,
+  the same placements (the K dim is never sharded).
+* ``temperature`` (a tensor, one per row): a DTensor ``[...]`` placed like a
+  one-target ``target``, or a plain tensor of this rank's rows.
 * ``keep_mask``: a DTensor on the same mesh with exactly the logits'
   placements; or a plain bool tensor shaped like ``logits.to_local()``.
 * ``group`` must be ``None`` (the group comes from the mesh).
 * Outputs: DTensors ``[...]`` (global shape ``logits.shape[:-1]``) with the
   target's placements: replicated over the vocab mesh dim, sharded like the
-  rows elsewhere.
+  rows elsewhere; the log-prob ``[..., K]`` with ``multi_target``, and
+  ``sum_p2 [...]`` third with ``with_sum_p2``.
 
 Agreement across ranks: the op's collectives run over the vocab mesh dim's
 group only, and its ``validate=True`` agreement step covers that group (local
@@ -79,9 +83,10 @@ def is_dtensor(x) -> bool:
     return False
 
 
-def involves_dtensor(logits, target, keep_mask, keep_ids=None) -> bool:
+def involves_dtensor(logits, target, keep_mask, keep_ids=None, temperature=None) -> bool:
     """Whether any tensor argument is a DTensor (then this module handles the call)."""
-    return is_dtensor(logits) or is_dtensor(target) or is_dtensor(keep_mask) or is_dtensor(keep_ids)
+    return (is_dtensor(logits) or is_dtensor(target) or is_dtensor(keep_mask) or is_dtensor(keep_ids)
+            or is_dtensor(temperature))
 
 
 def _norm(placements, ndim: int) -> tuple:
@@ -213,17 +218,21 @@ def logprob_entropy(local_op, logits, target, *, group=None, keep_mask=None, inp
         too: ``to_local()`` hides whether the DTensor is a leaf).
       **options: every other keyword of :func:`dualvp_torch.logprob_entropy`
         (temperature, with_entropy, entropy_grad, ignore_index, validate,
-        impl), passed to the local op unchanged, so the two signatures cannot
-        drift apart.
+        impl, multi_target, with_sum_p2), passed to the local op unchanged
+        (a temperature DTensor as its local rows), so the two signatures
+        cannot drift apart.
 
     Returns:
-      ``(logprob, entropy or None)``: DTensors of global shape
-      ``logits.shape[:-1]``, replicated over the vocab mesh dim and sharded
-      like the logits' rows elsewhere. Gradients reach ``logits`` as a DTensor
-      with the logits' placements.
+      ``(logprob, entropy or None)`` (``+ (sum_p2,)`` with ``with_sum_p2``):
+      DTensors of global shape ``logits.shape[:-1]`` (the log-prob
+      ``[..., K]`` with ``multi_target``), replicated over the vocab mesh dim
+      and sharded like the logits' rows elsewhere. Gradients reach ``logits``
+      as a DTensor with the logits' placements.
     """
+    temperature = options.get("temperature")
     if not is_dtensor(logits):
-        which = "target" if is_dtensor(target) else ("keep_mask" if is_dtensor(keep_mask) else "keep_ids")
+        which = next(n for n, x in (("target", target), ("keep_mask", keep_mask), ("keep_ids", keep_ids),
+                                    ("temperature", temperature)) if is_dtensor(x))
         raise TypeError(
             f"{which}: got a DTensor while logits is a {type(logits).__name__}; pass the logits as a DTensor "
             f"(vocab Shard(-1)) too, or all of them as local tensors"
@@ -242,9 +251,15 @@ def logprob_entropy(local_op, logits, target, *, group=None, keep_mask=None, inp
     out_placements = tuple(Replicate() if i == d else p for i, p in enumerate(placements))
     out_shape = tuple(logits.shape[:-1])
 
+    multi_target = options.get("multi_target") is True
     if is_dtensor(target):
-        _check_companion("target", target, logits, out_placements, out_shape)
+        # multi_target: [..., K], the K ids of a row on its rank (the K dim never sharded)
+        k = tuple(target.shape[-1:]) if multi_target and target.ndim == ndim else ()
+        _check_companion("target", target, logits, out_placements, out_shape + k)
         target = target.to_local()
+    if is_dtensor(temperature):  # one per row: placed like the rows of the outputs
+        _check_companion("temperature", temperature, logits, out_placements, out_shape)
+        options = dict(options, temperature=temperature.to_local())
     if is_dtensor(keep_mask):
         _check_companion("keep_mask", keep_mask, logits, placements, tuple(logits.shape))
         keep_mask = keep_mask.to_local()
@@ -264,7 +279,7 @@ def logprob_entropy(local_op, logits, target, *, group=None, keep_mask=None, inp
         sub_group = mesh.get_group(d)
         _check_group_order(mesh, d, sub_group)
 
-    logprob, entropy = local_op(
+    outs = local_op(
         logits.to_local(),
         target,
         group=sub_group,
@@ -274,9 +289,11 @@ def logprob_entropy(local_op, logits, target, *, group=None, keep_mask=None, inp
         **options,
     )
 
-    def wrap(t):
-        return DTensor.from_local(
-            t, mesh, out_placements, run_check=False, shape=out_shape, stride=_contiguous_stride(out_shape)
+    def wrap(t, k=()):
+        shape = out_shape + k  # k: the log-prob's K dim with multi_target (whole on every rank)
+        return None if t is None else DTensor.from_local(
+            t, mesh, out_placements, run_check=False, shape=shape, stride=_contiguous_stride(shape)
         )
 
-    return wrap(logprob), (None if entropy is None else wrap(entropy))
+    logprob = outs[0]
+    return (wrap(logprob, tuple(logprob.shape[-1:]) if multi_target else ()),) + tuple(wrap(t) for t in outs[1:])

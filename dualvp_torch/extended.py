@@ -184,7 +184,8 @@ def _triton_coef(ec, valid, gl, ge, gs, tau, masked: bool, plan) -> torch.Tensor
     if tau.ndim:  # one temperature per row: log2(e) / tau formed (in float64) and rounded as the kernel forms it
         l2e = (math.log2(math.e) / tau.to(torch.float64)).to(cdt)
     else:  # the plan's number, as the statistics kernel used it
-        l2e = torch.full_like(comb.M, plan.scalars[2] if cdt == torch.float32 else math.log2(math.e) / plan.opt.temperature)
+        l2e = torch.full_like(comb.M, plan.scalars[2] if cdt == torch.float32
+                              else math.log2(math.e) / plan.opt.temperature)
     rows = dict(
         M=comb.M, log_s=comb.log_s, c=comb.c, sum_p2=zero if ec.sum_p2 is None else ec.sum_p2, A=a,
         GE=zero if ge is None else ge * (math.log(2.0) / tau), GS=zero if gs is None else 2.0 * gs / tau,

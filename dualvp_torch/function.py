@@ -195,10 +195,17 @@ def _extended(
     label_smoothing: float = 0.0, caller_error: Optional[BaseException] = None, keep_ids=None,
 ):
     """The call with K targets, a temperature tensor or ``sum_p2``: :mod:`dualvp_torch.extended`."""
-    if caller_error is None and not _plain(logits, target, keep_mask) and \
-            _dtensor.involves_dtensor(logits, target, keep_mask):
+    if caller_error is None and _dtensor.involves_dtensor(logits, target, keep_mask, keep_ids, temperature):
+        # unwrapped by dtensor.py into this function on the local shards and the vocab mesh dim's group
+        return _dtensor.logprob_entropy(
+            _extended, logits, target, group=group, keep_mask=keep_mask, temperature=temperature,
+            with_entropy=with_entropy, entropy_grad=entropy_grad, ignore_index=ignore_index, validate=validate,
+            inplace_grad=inplace_grad, impl=impl, multi_target=multi_target, with_sum_p2=with_sum_p2,
+            label_smoothing=label_smoothing, keep_ids=keep_ids,
+        )
+    if caller_error is not None and _dtensor.involves_dtensor(logits, target, keep_mask, keep_ids, temperature):
         raise NotImplementedError(
-            "logits: DTensor inputs with multi_target, with_sum_p2 or a temperature tensor are not supported yet; "
+            "logits: DTensor inputs through this caller's extended options are not supported; "
             "pass the local shard (to_local()) and the vocab mesh dim's group"
         )
     call = checks.logits_call(

@@ -14,11 +14,12 @@ tau``, and the kept pair ``(mk, sk)`` over the keep mask and the target's
 column (always kept), all relative to the running maxima. A new block's maxima
 rescale the running sums (``reduce_stats`` of two blocks): ``s <- s e^dm +
 s_b``, ``t <- e^dm (t + s dm) + t_b`` with ``dm = (m - m') / tau``; the
-factor is float64 and computed only when a maximum moves (a branch uniform
-over the program: one row), so the blocks after the row's max cost no
-float64 exponential. Per block: one max reduction (two operands under a
-mask) and one sum reduction of all the block's sums (multi-operand ``tl.reduce``,
-one set of barriers). The block sums are float32 tree reductions; the
+factor is computed only when a maximum moves (a branch uniform over the
+program: one row), as a float32 exponential converted to float64 under a
+float32 compute dtype (``_rescale``: no float64 exponential in the loop).
+Per block: one max reduction (two operands under a mask) and one sum
+reduction of all the block's sums (multi-operand ``tl.reduce``, one set of
+barriers). The block sums are float32 tree reductions; the
 running sums float64, converted once per block, never per element (float64
 input: float64 throughout). ``e^d`` is ``2^u`` with ``u = (z - m) log2(e) /
 tau`` (``logits_common.exp2``); ``t`` accumulates ``e u`` and is converted to
@@ -79,6 +80,22 @@ def _add3(a0, a1, a2, b0, b1, b2):
 @device_fn
 def _add4(a0, a1, a2, a3, b0, b1, b2, b3):
     return a0 + b0, a1 + b1, a2 + b2, a3 + b3
+
+
+@device_fn
+def _rescale(x, COMPUTE: tl.constexpr, COMPILED: tl.constexpr, ACC: tl.constexpr):
+    """``2^x`` in ``ACC`` for a rescale of the running sums (``x <= 0``, ``-inf`` before the first finite block).
+
+    float32 compute: the float32 exponential (one ``ex2.approx.ftz``) converted, not a float64 one (some 50
+    float64 instructions in the loop body): ``x`` is a float32 product already, whose rounding (``|x| 6e-8``
+    relative in the factor) matches the exponential's own (about 2 ulp); a factor that flushes to 0 (below
+    ``2^-126``) scales sums dwarfed by the new block's (it holds the new max: its sum is >= 1).
+    """
+    if COMPUTE == tl.float32:
+        f = exp2(x, COMPILED).to(ACC)
+    else:
+        f = tl.exp2(x.to(ACC))
+    return f
 
 
 @device_fn
@@ -156,14 +173,15 @@ def _block(z_row, k_row, cols, c_hi, m, s, t, mk, sk, s2, l2e_tau,
     if HAS_KEEP:
         # the running kept sum, rescaled to the new kept max (0 stays 0, not 0 * inf; NaN stays NaN)
         if mk_new != mk:
-            ak = tl.exp2(((mk - mk_sh) * l2e_tau).to(ACC))
+            ak = _rescale((mk - mk_sh) * l2e_tau, COMPUTE, COMPILED, ACC)
             sk = tl.where(sk == 0, 0.0, sk * ak)
         sk += bsk.to(ACC)
         mk = mk_new
     if WITH_ENTROPY or not HAS_KEEP:
-        if m_new != m:  # the running max moved: rescale (float64), else the factor is exactly 1
-            dm = ((m - m_sh) * l2e_tau).to(ACC)  # <= 0; -inf before the first finite block
-            a = tl.exp2(dm)
+        if m_new != m:  # the running max moved: rescale (_rescale), else the factor is exactly 1
+            dm32 = (m - m_sh) * l2e_tau  # <= 0; -inf before the first finite block
+            a = _rescale(dm32, COMPUTE, COMPILED, ACC)
+            dm = dm32.to(ACC)
             s_old = s
             s = tl.where(s_old == 0, 0.0, s_old * a)
             if WITH_ENTROPY:

@@ -2,15 +2,19 @@
 
 Each rank runs :data:`dualvp.testing.extended.EXT_CASES` entries on its vocab shard and returns its local
 outputs (the parent joins the gradient shards and judges them against the float64 oracle), then counts
-the ``torch.distributed`` collectives of one forward + backward at K = 1 and K = 8.
+the ``torch.distributed`` collectives of one forward + backward at K = 1 and K = 8. :func:`ids_against_mask`
+runs each problem twice per engine, the kept set as ``keep_ids`` and as the keep mask built from the same ids.
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import numpy as np
 import torch
 import torch.distributed as dist
 
+from dualvp import reference
 from dualvp.testing import cases
 from dualvp.testing import extended as ext
 from dualvp_torch import logprob_entropy
@@ -26,10 +30,10 @@ def keep_ids_of(prob: ext.ExtProblem) -> np.ndarray:
 
 
 def run_case(prob: ext.ExtProblem, rank: int, world: int, group, impl: str, ids: bool = False,
-             inplace: bool = False) -> dict:
+             inplace: bool = False, id_array: np.ndarray | None = None) -> dict:
     """This rank's ``(logprob, entropy, sum_p2, grad shard)`` as float64 NumPy arrays.
 
-    ``ids``: the keep mask handed over as ``keep_ids`` (:func:`keep_ids_of`);
+    ``ids``: the keep mask handed over as ``keep_ids`` (``id_array`` when given, else :func:`keep_ids_of`);
     ``inplace``: ``inplace_grad=True`` on a non-leaf copy of the logits.
     """
     c = prob.case
@@ -40,7 +44,8 @@ def run_case(prob: ext.ExtProblem, rank: int, world: int, group, impl: str, ids:
     tau = torch.tensor(prob.temperature, dtype=cdt) if c.row_temperature else prob.temperature
     kw = {}
     if keep is not None:
-        kw = {"keep_ids": torch.tensor(keep_ids_of(prob))} if ids else {"keep_mask": torch.tensor(keep)}
+        id_array = keep_ids_of(prob) if id_array is None else id_array
+        kw = {"keep_ids": torch.tensor(id_array)} if ids else {"keep_mask": torch.tensor(keep)}
     out = logprob_entropy(x, torch.tensor(prob.target), group=group, temperature=tau, inplace_grad=inplace,
                           ignore_index=c.ignore_index, multi_target=c.targets > 0, with_sum_p2=c.sum_p2, impl=impl,
                           **kw)
@@ -120,3 +125,24 @@ def rank_suite(rank: int, world: int, names: tuple, impl: str) -> dict:
 def rank_cases(rank: int, world: int, probs: list, impl: str, ids: bool = False) -> list:
     """This rank's outputs of each problem (:func:`run_case`), nothing else."""
     return [run_case(p, rank, world, dist.group.WORLD, impl, ids) for p in probs]
+
+
+def mask_of_ids(prob: ext.ExtProblem) -> tuple:
+    """``(ids, problem)``: the problem's kept set as ids (:func:`keep_ids_of`) and the problem with the keep mask
+    rebuilt from those ids by the oracle's own loop (``reference.mask_from_ids``), the mask both runs describe."""
+    ids = keep_ids_of(prob)
+    return ids, dataclasses.replace(prob, keep_mask=reference.mask_from_ids(ids, prob.logits.shape[-1]))
+
+
+def ids_against_mask(rank: int, world: int, jobs: list) -> dict:
+    """``jobs``: ``[(problem, engines)]``. ``"outputs"``: per job ``[(impl, with ids, with the mask)]``, this
+    rank's :func:`run_case` outputs with the kept set as ``keep_ids`` and as the keep mask built from the same
+    ids (:func:`mask_of_ids`) on each engine; ``"compile_failed"``: whether a compiled stage fell back to eager."""
+    from dualvp_torch import compiled
+
+    out = []
+    for prob, impls in jobs:
+        ids, masked = mask_of_ids(prob)
+        out.append([(impl, run_case(masked, rank, world, dist.group.WORLD, impl, ids=True, id_array=ids),
+                     run_case(masked, rank, world, dist.group.WORLD, impl)) for impl in impls])
+    return {"outputs": out, "compile_failed": compiled.failed()}

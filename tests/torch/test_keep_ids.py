@@ -5,7 +5,9 @@ so each check is "keep_ids equals the keep mask built from the same ids".
 Fast: a few cases on one process (eager, Triton under the interpreter, the
 fused op's tile loop, the in-place gradient). Slow: the whole table
 (:data:`dualvp.testing.cases.KEEP_IDS_CASES`) compiled, on Triton, on 2 and 4
-gloo ranks, the fused op on 2 ranks, DTensor, and bad ids on one rank only.
+gloo ranks, the fused op on 2 ranks, DTensor, and bad ids on one rank only;
+at W = 2, 4, 8 a few cases of both conformance tables with ids against the
+mask built from the same ids on the eager, Triton and compiled engines.
 """
 
 import functools
@@ -475,3 +477,68 @@ def test_keep_ids_with_an_extended_option_raises_in_jax_only():
     with pytest.raises(NotImplementedError, match="keep_ids.*multi_target"):
         validation.check_args(**kw)
     assert validation.check_args(**kw, ids_with_extended=True).has_ids
+
+
+# --- keep_ids against keep_mask built from the same ids, W gloo ranks, every engine ------------------------
+
+# A few masked cases of the conformance tables per world (the base op's and the extended op's), the compiled
+# engine on the first only (its compiles dominate the cost); the whole base table runs on eager at W = 2, 4
+# above and on every engine at W = 1.
+_IDS_VS_MASK = {2: ("all_everything", "drop_target", "all_confident_lm_bf16"),
+                4: ("everything", "all_neg_inf_masked", "row_tau_masked"),
+                8: ("all_drop_target", "neg_inf_masked", "confident_lm_bf16", "p2_masked")}
+
+
+def _ids_case(name):
+    from dualvp.testing import extended as ext
+
+    try:
+        return ext.ext_case(name)
+    except KeyError:  # a base case: the extended op's arrays with none of its options
+        return ext.ExtCase(name, cases.case(name))
+
+
+def _joined(outs):
+    """One rank-independent output from each rank's: the row outputs the same on every rank, the grad joined."""
+    from dualvp.testing import extended as ext
+
+    for o in outs[1:]:
+        for q in ("logprob", "entropy", "sum_p2"):
+            assert (o[q] is None) == (outs[0][q] is None), q
+            assert o[q] is None or np.array_equal(o[q], outs[0][q], equal_nan=True), q
+    return ext.ExtOutputs(outs[0]["logprob"], outs[0]["entropy"], np.concatenate([o["grad"] for o in outs], -1),
+                          outs[0]["sum_p2"])
+
+
+@pytest.mark.slow  # W gloo ranks spawned, compiles on each
+@pytest.mark.parametrize("world", sorted(_IDS_VS_MASK))
+def test_ids_equal_the_mask_of_the_same_ids_on_gloo_ranks(world):
+    """keep_ids [..., K] (repeated ids, -1 padding, the same on every rank) and the keep mask built from those ids
+    by the oracle's loop (each rank its shard): the same results within TOLERANCES on the eager, Triton
+    (interpreter) and compiled engines, and both within TOLERANCES of the float64 oracle."""
+    from dualvp.testing import extended as ext
+    from dualvp_torch.testing import run_ranks
+
+    from . import _ext_ranks
+
+    impls = ("eager", "triton") if _triton_ok() else ("eager",)
+    jobs = [(ext.make_ext(_ids_case(n)), impls + (("compiled",) if i == 0 else ()))
+            for i, n in enumerate(_IDS_VS_MASK[world])]
+    assert all(world in p.case.worlds and p.keep_mask is not None for p, _ in jobs)
+    res = run_ranks(_ext_ranks.ids_against_mask, world, jobs, timeout=900)
+    assert not any(r["compile_failed"] for r in res), "a compiled stage fell back to eager"
+    for j, (prob, impls_j) in enumerate(jobs):
+        _, masked = _ext_ranks.mask_of_ids(prob)
+        dtype = prob.case.dtype
+        for i, impl in enumerate(impls_j):
+            what = (prob.case.name, world, impl)
+            assert all(r["outputs"][j][i][0] == impl for r in res), what
+            with_ids = _joined([r["outputs"][j][i][1] for r in res])
+            with_mask = _joined([r["outputs"][j][i][2] for r in res])
+            for q, quantity in (("logprob", "logprob"), ("entropy", "entropy"), ("grad", "grad"),
+                                ("sum_p2", "entropy")):
+                a, b = getattr(with_ids, q), getattr(with_mask, q)
+                assert (a is None) == (b is None), (what, q)
+                assert a is None or testing.within_tolerance(a, b, testing.tolerance(dtype, quantity)), (what, q)
+            assert not ext.ext_failures(masked, with_ids), (what, "ids", ext.ext_failures(masked, with_ids))
+            assert not ext.ext_failures(masked, with_mask), (what, "mask", ext.ext_failures(masked, with_mask))

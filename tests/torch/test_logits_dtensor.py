@@ -121,6 +121,54 @@ def _run_case(mesh, name, *, shape, placements, dtype=torch.float32, mask=False,
     return fails
 
 
+def _run_ext_case(mesh, name, *, shape, placements, k=3, mask=False, local_companions=False, seed=0):
+    """The extended options through DTensors: K targets ``[..., K]``, a temperature per row (a DTensor with the
+    rows' placements, or plain local rows) and ``sum_p2``; forward + backward vs the oracle; a list of failures."""
+    from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+
+    import dualvp_torch
+
+    fails: list = []
+    z, _, keep, _, gh = _problem(shape, seed, torch.float32, mask)
+    g = torch.Generator().manual_seed(seed + 100)
+    v = shape[-1]
+    y = torch.randint(0, v, shape[:-1] + (k,), generator=g)
+    tau = (0.5 + torch.rand(shape[:-1], generator=g)).to(torch.float32)
+    gl = torch.randn(shape[:-1] + (k,), generator=g, dtype=torch.float64).float()
+    gs = torch.randn(shape[:-1], generator=g, dtype=torch.float64).float()
+    gh = gh.float()
+    ndim = len(shape)
+    norm = tuple(Shard(p.dim % ndim) if isinstance(p, Shard) else p for p in placements)
+    row_pl = tuple(Replicate() if (isinstance(p, Shard) and p.dim == ndim - 1) else p for p in norm)
+    dz = distribute_tensor(z, mesh, placements).requires_grad_()
+    dy, dtau = distribute_tensor(y, mesh, row_pl), distribute_tensor(tau, mesh, row_pl)
+    dk = None if keep is None else distribute_tensor(keep, mesh, placements)
+    if local_companions:
+        dy, dtau, dk = dy.to_local(), dtau.to_local(), (None if dk is None else dk.to_local())
+    lp, h, p2 = dualvp_torch.logprob_entropy(dz, dy, keep_mask=dk, temperature=dtau, multi_target=True,
+                                             with_sum_p2=True)
+    for out_name, t, want in (("logprob", lp, shape[:-1] + (k,)), ("entropy", h, shape[:-1]),
+                              ("sum_p2", p2, shape[:-1])):
+        if not isinstance(t, DTensor) or tuple(t.placements) != row_pl or tuple(t.shape) != tuple(want):
+            fails.append(f"{name}: {out_name} {type(t).__name__} placements {getattr(t, 'placements', None)} "
+                         f"shape {tuple(t.shape)}, expected a DTensor {row_pl} {tuple(want)}")
+            return fails
+    kw = dict(keep_mask=None if keep is None else keep.numpy(), temperature=_np(tau))
+    ref_lp, ref_h = reference.logprob_entropy(_np(z), y.numpy(), **kw)
+    _compare(name, "float32", _np(lp), ref_lp, "logprob", fails)
+    _compare(name, "float32", _np(h), ref_h, "entropy", fails)
+    _compare(name, "float32", _np(p2), reference.sum_squared_probs(_np(z), temperature=_np(tau)), "entropy", fails)
+    ((lp.full_tensor() * gl).sum() + (h.full_tensor() * gh).sum() + (p2.full_tensor() * gs).sum()).backward()
+    grad = dz.grad
+    if not isinstance(grad, DTensor) or tuple(grad.placements) != norm:
+        fails.append(f"{name}: logits gradient placements {getattr(grad, 'placements', None)}, expected {norm}")
+        return fails
+    ref_g = (reference.logprob_entropy_grad(_np(z), y.numpy(), _np(gl), _np(gh), **kw)
+             + reference.sum_squared_probs_grad(_np(z), _np(gs), temperature=_np(tau)))
+    _compare(name, "float32", _np(grad), ref_g, "grad", fails)
+    return fails
+
+
 def _raises(fn):
     try:
         fn()
@@ -159,6 +207,12 @@ def _error_checks_1d(mesh, rank):
     out["one_rank_bad_local_target"] = _raises(lambda: f(dz, y_local))
     # Out-of-range global target on the DTensor path.
     out["target_out_of_range"] = _raises(lambda: f(dz, distribute_tensor(torch.full((4,), 16), mesh, [Replicate()])))
+    # the extended options: a temperature DTensor sharded over the vocab mesh dim, K targets of the wrong shape
+    out["temperature_sharded_on_vocab_dim"] = _raises(
+        lambda: f(dz, dy, temperature=distribute_tensor(torch.ones(4), mesh, [Shard(0)])))
+    out["multi_target_global_shape"] = _raises(
+        lambda: f(dz, distribute_tensor(torch.zeros(3, 2, dtype=torch.long), mesh, [Replicate()]),
+                  multi_target=True))
     return out
 
 
@@ -197,6 +251,9 @@ def _rank_1d(rank, world):
                                         mask=True, seed=5)
     res["rows_sharded_vocab_replicated"] = _run_case(mesh, "rows_sharded_vocab_replicated", shape=(6, 16),
                                                      placements=[Shard(0)], temperature=0.5, seed=6)
+    res["ext_mask"] = _run_ext_case(mesh, "ext_mask", shape=(6, 32), placements=[Shard(-1)], mask=True, seed=7)
+    res["ext_3d_local_companions"] = _run_ext_case(mesh, "ext_3d_local_companions", shape=(2, 3, 32),
+                                                   placements=[Shard(2)], k=2, local_companions=True, seed=8)
     return {"cases": res, "errors": _error_checks_1d(mesh, rank)}
 
 
@@ -220,6 +277,8 @@ def _rank_2d(rank, world):
                              temperature=1.3, seed=4)
     res["rows_replicated"] = _run_case(mesh, "rows_replicated", shape=(5, 32), placements=[Replicate(), Shard(-1)],
                                        seed=5)
+    res["ext_dp_tp_mask"] = _run_ext_case(mesh, "ext_dp_tp_mask", shape=(7, 32), placements=[Shard(0), Shard(-1)],
+                                          mask=True, seed=6)
     return {"cases": res, "errors": _error_checks_2d(mesh)}
 
 
@@ -256,6 +315,8 @@ _EXPECTED_1D = {
     "bad_temperature": ("ValueError", "temperature", ()),
     "inplace_on_leaf": ("ValueError", "inplace_grad:", ("leaf",)),
     "target_out_of_range": ("ValueError", "target", ()),
+    "temperature_sharded_on_vocab_dim": ("ValueError", "temperature:", ("placements",)),
+    "multi_target_global_shape": ("ValueError", "target:", ("(4, 2)", "(3, 2)")),
 }
 
 

@@ -556,7 +556,8 @@ def _ext_rows_out(z, y, keep, tau, gl, ge, gs):
     return lp.detach(), h.detach(), p2.detach(), z.grad
 
 
-@pytest.mark.parametrize("dtype,n", [("float32", 7), ("bfloat16", 7), pytest.param("float32", 64, marks=pytest.mark.slow)])
+@pytest.mark.parametrize("dtype,n", [("float32", 7), ("bfloat16", 7),
+                                     pytest.param("float32", 64, marks=pytest.mark.slow)])
 def test_extended_batch_invariance_bitwise(dtype, n):
     """K = 3 targets (one repeated), a temperature per row, sum p^2 and a keep mask: a row alone and inside a
     call of ``n`` rows, bitwise equal (V = 320: two column splits under the interpreter)."""
