@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 import torch
 
-from dualvp.testing.kl import KL_CASES, kl_failures, make_kl
+from dualvp.testing.kl import KL_CASES, KLCase, kl_failures, make_kl
 from dualvp_torch import kl_divergence
 from dualvp_torch import kl as kl_mod
 from dualvp_torch.testing import run_ranks
@@ -59,11 +59,14 @@ def test_matches_oracle_w1(dtype):
 _MASKED = [c for c in KL_CASES if c.masked]
 
 
-@pytest.mark.parametrize("impl", ["compiled", "eager"])
+@pytest.mark.parametrize("impl", ["compiled", "eager", pytest.param("triton", marks=pytest.mark.slow)])
 def test_batch_invariant_rows(impl):
     # a row's KL and both gradient rows are bitwise the same alone (T = 1) and inside calls of T = 7, 64, 1000
     # rows at random positions, and from run to run (eager chunks are chosen from V_local: 512 rows of 512
-    # columns, so T = 1000 spans two chunks and a partial one; compiled kernels reduce each row in one order)
+    # columns, so T = 1000 spans two chunks and a partial one; compiled kernels reduce each row in one order;
+    # the Triton kernels run one program per row, blocks from V_local)
+    if impl == "triton":
+        pytest.importorskip("triton")
     g = torch.Generator().manual_seed(0)
     V = 512
     for T in (7, 64, 1000):
@@ -236,9 +239,70 @@ def test_bad_inputs_name_the_argument(change, name):
         kl_divergence(kw.pop("logits"), kw.pop("ref_logits"), **kw)
 
 
-def test_triton_engine_not_yet():
-    with pytest.raises(NotImplementedError, match="^impl:"):
+def test_triton_engine_needs_cuda_or_the_interpreter(monkeypatch):
+    pytest.importorskip("triton")
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    with pytest.raises(ValueError, match="^impl: 'triton' runs CUDA tensors"):
         kl_divergence(torch.randn(3, 8), torch.randn(3, 8), impl="triton")
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_triton_matches_oracle_w1(dtype):
+    # the Triton kernels (under TRITON_INTERPRET=1 on the CPU) on the masked cases; the whole table: slow
+    pytest.importorskip("triton")
+    fails = []
+    for case in _MASKED:
+        p = make_kl(case, dtype)
+        fails += kl_failures(p, _run(p, impl="triton"), "triton ")
+    assert not fails, "\n".join(fails)
+
+
+#: Rows wider than the Triton kernels' largest block (4096 columns): three blocks, the last one partial.
+_WIDE = (KLCase("wide_banned_masked", rows=(4,), vocab=9000, banned="both", masked=True, temperature=0.7, seed=11),
+         KLCase("wide_reverse_shard", rows=(3,), vocab=9000, banned="shard", direction="reverse", seed=12))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_triton_matches_oracle_multi_block_rows(dtype):
+    # the statistics kernel's loop over blocks (float64 accumulation across blocks) and the gradient kernel's
+    # grid of column blocks, with banned columns, a banned half row, masked NaN rows, both directions
+    pytest.importorskip("triton")
+    assert kl_mod._block_v(9000) < 9000
+    fails = []
+    for case in _WIDE:
+        p = make_kl(case, dtype)
+        fails += kl_failures(p, _run(p, impl="triton"), "triton ")
+    assert not fails, "\n".join(fails)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("dtype", DTYPES + ("float64",))
+def test_triton_matches_oracle_w1_all_cases(dtype):
+    pytest.importorskip("triton")
+    fails = []
+    for case in KL_CASES:
+        if dtype == "float64" and case.dtype != "float32":
+            continue
+        p = make_kl(case, dtype)
+        fails += kl_failures(p, _run(p, impl="triton"), "triton ")
+        if case.name == "basic":
+            for need in ((True, False), (False, True)):
+                fails += kl_failures(p, _run(p, need=need, impl="triton"), f"triton need={need} ")
+    assert not fails, "\n".join(fails)
+
+
+@pytest.mark.slow
+def test_triton_matches_oracle_w2():
+    pytest.importorskip("triton")
+    per_rank = run_ranks(_kl_ranks.run_cases, 2, DTYPES, "triton", timeout=600)
+    fails = []
+    for i, (name, dtype, kl, *_rest) in enumerate(per_rank[0]):
+        p = make_kl(next(c for c in KL_CASES if c.name == name), dtype)
+        np.testing.assert_array_equal(per_rank[1][i][2], kl)
+        dz = np.concatenate([per_rank[r][i][3] for r in range(2)], axis=-1)
+        dr = np.concatenate([per_rank[r][i][4] for r in range(2)], axis=-1)
+        fails += kl_failures(p, (kl, dz, dr), "triton W=2 ")
+    assert not fails, "\n".join(fails)
 
 
 @pytest.mark.parametrize("impl", ["eager", pytest.param("compiled", marks=pytest.mark.slow)])
