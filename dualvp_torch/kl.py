@@ -26,7 +26,8 @@ into one gradient buffer per input that needs a gradient (in that input's
 dtype). Between forward and backward the op holds references to its inputs
 and ``[5, n]`` statistics. Eager chunks are ``max(1, CHUNK_ELEMENTS // V_local)``
 rows, chosen from ``V_local`` alone; compiled kernels reduce each row in one
-order whatever ``T`` (a one-row shard runs as two rows): a row's results never
+order whatever ``T`` (a one-row shard runs as two rows); the Triton kernels run
+one program per row, blocks from ``V_local`` alone: a row's results never
 depend on the other rows or ``T``. Extra memory: the gradient buffers (1 B per input that needs a
 gradient, B = that input's shard bytes) plus a few float32 chunk temporaries
 (``CHUNK_ELEMENTS * 4`` bytes each) and O(T).
