@@ -303,6 +303,8 @@ def _triton_grad(a, b, res, g, mask, tau, cdt, want_a, want_b):
     b = b if b.stride(-1) == 1 else b.contiguous()
     ga = torch.empty((n, v), dtype=a.dtype, device=a.device) if want_a else None
     gb = torch.empty((n, v), dtype=b.dtype, device=b.device) if want_b else None
+    if n == 0:  # no launch with an empty grid
+        return ga, gb
     block = _block_v(v)
     m = mask.view(torch.uint8) if mask is not None else None
     kl_grad_kernel[(n, triton.cdiv(v, block))](
