@@ -354,3 +354,16 @@ def test_memory_is_the_gradients_plus_bounded_scratch(ref_grad, impl, monkeypatc
     step_peak = peak(allocations(step))
     assert fwd_peak <= scratch < B / 4, (fwd_peak, scratch, B)
     assert step_peak <= (2 if ref_grad else 1) * B + scratch, (step_peak, B)
+
+
+@pytest.mark.parametrize("impl", ["eager", "compiled", "triton"])
+def test_zero_rows(impl):
+    # a shard with no rows (an empty micro-batch): empty KL and empty gradients of the inputs' shapes and dtypes
+    dev = _triton_device() if impl == "triton" else "cpu"
+    z = torch.randn(0, 3, 16, device=dev, requires_grad=True)
+    r = torch.randn(0, 3, 16, device=dev, dtype=torch.bfloat16).requires_grad_()
+    kl = kl_divergence(z, r, impl=impl)
+    kl.sum().backward()
+    assert kl.shape == (0, 3) and kl.dtype == torch.float32
+    assert z.grad.shape == z.shape and z.grad.dtype == z.dtype and r.grad.shape == r.shape
+    assert r.grad.dtype == torch.bfloat16
