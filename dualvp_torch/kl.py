@@ -6,10 +6,11 @@ rank's shards ``[..., V_local]`` of the policy's and the reference's logits
 (same sharding), with gradients to ``logits`` and, when it requires one, to
 ``ref_logits``. The math is :mod:`dualvp.kl_spec`; this module runs it:
 
-Two engines run the stages (``impl``): ``"compiled"`` (the default), the
+Three engines run the stages (``impl``): ``"compiled"`` (the default), the
 spec functions under ``torch.compile`` over the whole shard (one fused pass
-per stage, row sums in float64 on CPU and CUDA), and ``"eager"``, the same
-functions op by op over bounded row chunks.
+per stage, row sums in float64 on CPU and CUDA); ``"eager"``, the same
+functions op by op over bounded row chunks; ``"triton"``, the kernels of
+:mod:`dualvp_torch.triton_kernels.kl` (opt-in).
 
 Forward: :func:`dualvp.kl_spec.block_stats` of the shard (eager: of bounded
 row chunks; ``[n, 5]`` statistics, O(T)), one all-gather of them over ``group``
@@ -25,7 +26,8 @@ into one gradient buffer per input that needs a gradient (in that input's
 dtype). Between forward and backward the op holds references to its inputs
 and ``[5, n]`` statistics. Eager chunks are ``max(1, CHUNK_ELEMENTS // V_local)``
 rows, chosen from ``V_local`` alone; compiled kernels reduce each row in one
-order whatever ``T`` (a one-row shard runs as two rows): a row's results never
+order whatever ``T`` (a one-row shard runs as two rows); the Triton kernels run
+one program per row, blocks from ``V_local`` alone: a row's results never
 depend on the other rows or ``T``. Extra memory: the gradient buffers (1 B per input that needs a
 gradient, B = that input's shard bytes) plus a few float32 chunk temporaries
 (``CHUNK_ELEMENTS * 4`` bytes each) and O(T).
@@ -57,7 +59,7 @@ from . import compiled as _compiled_path
 __all__ = ["kl_divergence", "CHUNK_ELEMENTS", "RECORD_FIELDS", "IMPLS"]
 
 #: The engines of the KL op (``impl``; ``None``: :func:`dualvp_torch.engines.select`, never Triton).
-IMPLS = ("compiled", "eager")
+IMPLS = ("compiled", "eager", "triton")
 
 #: Elements of one row chunk (rows = ``max(1, CHUNK_ELEMENTS // V_local)``): a float32 temporary of
 #: the chunk is 1 MiB, small next to any shard worth sharding, large enough that the Python loop is
@@ -76,10 +78,14 @@ RECORD_FIELDS = ("error", "rows", "V_local", "logits dtype", "ref_logits dtype",
 
 
 def _engine(impl, device) -> str:
-    """The engine a call runs (``"compiled"`` or ``"eager"``); ``ValueError`` / ``NotImplementedError`` naming ``impl``."""
+    """The engine a call runs (one of :data:`IMPLS`); ``ValueError`` naming ``impl`` (unknown, Triton unavailable)."""
     name = engines.select(impl, device, triton_default=False)
-    if name not in IMPLS:
-        raise NotImplementedError(f"impl: {name!r} has no kl_divergence kernel yet; expected None or one of {IMPLS}")
+    if name not in IMPLS:  # pragma: no cover - every engine of the registry runs the KL op
+        raise NotImplementedError(f"impl: {name!r} has no kl_divergence kernel; expected None or one of {IMPLS}")
+    if name == "triton":
+        why = engines.ENGINES["triton"].unavailable(device)
+        if why:
+            raise ValueError(f"impl: 'triton' {why}")
     return name
 
 
@@ -264,9 +270,57 @@ def _group(name: str):
     return torch.distributed.distributed_c10d._resolve_process_group(name) if name else None
 
 
+# --- the Triton engine: dualvp_torch/triton_kernels/kl.py ---------------------------------------
+
+
+def _block_v(v_local: int) -> int:
+    # from V_local alone (batch invariance): the whole row in one block up to 4096 columns
+    return min(4096, max(16, 1 << (max(1, v_local) - 1).bit_length()))
+
+
+def _triton_stats(a, b, tau, cdt) -> Tensor:
+    import triton.language as tl
+
+    from .triton_kernels.kl import kl_stats_kernel
+
+    n, v = a.shape
+    a = a if a.stride(-1) == 1 else a.contiguous()
+    b = b if b.stride(-1) == 1 else b.contiguous()
+    out = torch.empty((n, kl_spec.N_KL_STATS), dtype=cdt, device=a.device)
+    kl_stats_kernel[(n,)](a, b, out, v, a.stride(0), b.stride(0), _tau_tensor(tau, cdt, a.device).reshape(1),
+                          BLOCK_V=_block_v(v), COMPUTE=tl.float64 if cdt == torch.float64 else tl.float32)
+    return out
+
+
+def _triton_grad(a, b, res, g, mask, tau, cdt, want_a, want_b):
+    import triton
+    import triton.language as tl
+
+    from .triton_kernels.kl import kl_grad_kernel
+
+    n, v = a.shape
+    a = a if a.stride(-1) == 1 else a.contiguous()
+    b = b if b.stride(-1) == 1 else b.contiguous()
+    ga = torch.empty((n, v), dtype=a.dtype, device=a.device) if want_a else None
+    gb = torch.empty((n, v), dtype=b.dtype, device=b.device) if want_b else None
+    if n == 0:  # no launch with an empty grid
+        return ga, gb
+    block = _block_v(v)
+    m = mask.view(torch.uint8) if mask is not None else None
+    kl_grad_kernel[(n, triton.cdiv(v, block))](
+        a, b, res.contiguous(), g.contiguous(), m if m is not None else g, ga if want_a else a, gb if want_b else b,
+        n, v, a.stride(0), b.stride(0), _tau_tensor(tau, cdt, a.device).reshape(1), BLOCK_V=block,
+        COMPUTE=tl.float64 if cdt == torch.float64 else tl.float32, HAS_MASK=mask is not None, WANT_A=want_a,
+        WANT_B=want_b)
+    return ga, gb
+
+
 def _local_stats(a, b, tau, cdt, engine: str) -> Tensor:
     """``[n, 5]`` statistics of the shard: compiled over the whole shard, else eager over row chunks."""
     n = a.shape[0]
+    if engine == "triton":
+        return _triton_stats(a, b, tau, cdt) if n > 0 else torch.empty((0, kl_spec.N_KL_STATS), dtype=cdt,
+                                                                         device=a.device)
     if engine == "compiled" and n > 0:
         key = (a.dtype, b.dtype, a.device.type)
         out, ok = _run_compiled(_stats_stage, key, (a, b, _tau_tensor(tau, cdt, a.device), cdt,
@@ -306,7 +360,10 @@ def _grad(logits, ref_logits, row_mask, res, grad, tau, direction, need_logits, 
     g = grad.reshape(-1)
     mask = None if row_mask is None else row_mask.reshape(-1)
     done = False
-    if engine == "compiled" and a.shape[0] > 0:
+    if engine == "triton":
+        ga, gb = _triton_grad(a, b, res, g, mask, tau, cdt, want_a, want_b)
+        done = True
+    elif engine == "compiled" and a.shape[0] > 0:
         key = (a.dtype, b.dtype, a.device.type, mask is not None, want_a, want_b)
         out, done = _run_compiled(_grad_stage, key, (a, b, *res.unbind(0), g.to(cdt),
                                                       _tau_tensor(tau, cdt, a.device), mask, cdt, want_a, want_b))
@@ -430,9 +487,11 @@ def kl_divergence(logits: Tensor, ref_logits: Tensor, *, group=None, row_mask: O
         stage), ``"eager"`` (the same stages op by op over row chunks of
         ``CHUNK_ELEMENTS`` elements), or ``None``: as
         :func:`dualvp_torch.logprob_entropy` chooses (``"compiled"`` unless
-        ``DUALVP_COMPILE=0`` or compiling failed). Either way a row's results
-        do not depend on the other rows or ``T``. ``"triton"`` raises
-        ``NotImplementedError`` (no kernel yet).
+        ``DUALVP_COMPILE=0`` or compiling failed), never ``"triton"``: the
+        kernels of :mod:`dualvp_torch.triton_kernels.kl` (CUDA tensors, or CPU
+        tensors under ``TRITON_INTERPRET=1``; opt-in until a GPU run has
+        measured them). Every engine gives a row results that do not depend on
+        the other rows or ``T``.
 
     Returns:
       ``[...]`` float32 (float64 if either input is float64), identical on

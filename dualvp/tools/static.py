@@ -23,8 +23,9 @@ uninitialised):
 Drivers: :func:`drive_logits` calls ``dualvp_torch.logprob_entropy(...,
 impl="triton", validate=False)`` and its backward; :func:`drive_fused` calls
 ``dualvp_torch.linear_logprob_entropy(..., impl="triton")`` and its backward.
-Both use only the public API, so they follow whatever kernels and launch
-parameters the host code picks. :func:`analyse` reads one launch's figures:
+:func:`drive_kl` calls ``dualvp_torch.kl_divergence(..., impl="triton")``
+and its backward. All use only the public API, so they follow whatever
+kernels and launch parameters the host code picks. :func:`analyse` reads one launch's figures:
 registers, spills, shared memory, CTAs per SM, the global access widths and
 SASS instruction mix of its loop bodies, float64 instructions, atomics,
 memory barriers, 64-bit integer division.
@@ -45,8 +46,8 @@ import subprocess
 import tempfile
 import time
 
-__all__ = ["Launch", "hopper_target", "drive_logits", "drive_logits_ext", "drive_fused", "analyse", "sass_loops",
-           "LOGITS_MODES", "EXT_LOGITS_MODES", "FUSED_MODES"]
+__all__ = ["Launch", "hopper_target", "drive_logits", "drive_logits_ext", "drive_fused", "drive_kl", "analyse",
+           "sass_loops", "LOGITS_MODES", "EXT_LOGITS_MODES", "FUSED_MODES", "KL_MODES"]
 
 #: logits op modes: name -> (with_entropy, keep mask)
 LOGITS_MODES = {"lp": (False, False), "lp+ent": (True, False), "lp+ent+keep": (True, True)}
@@ -58,6 +59,8 @@ EXT_LOGITS_MODES = {"k4+tau": (True, False, False), "k4+tau+p2": (True, False, T
 FUSED_MODES = {"lp": (False, False, True, True), "lp+ent": (True, False, True, True),
                "lp+ent+keep": (True, True, True, True), "lp+ent,frozen-w": (True, False, True, False),
                "lp+ent,frozen-h": (True, False, False, True)}
+#: KL op modes: name -> (row_mask, ref_logits grad)
+KL_MODES = {"kl": (False, False), "kl+mask": (True, False), "kl+mask,ref-grad": (True, True)}
 
 
 _FACTORIES = ("empty", "zeros", "ones", "full", "empty_strided", "tensor", "as_tensor", "arange", "empty_like",
@@ -284,6 +287,22 @@ def drive_fused(launches, T: int, H: int, V: int, dtype: str, mode: str, tempera
                                                  allow_tf32=allow_tf32)
     loss = lp.sum() if en is None else lp.sum() + en.sum()
     loss.backward()
+
+
+def drive_kl(launches, T: int, V: int, dtype: str, mode: str, temperature: float = 0.7) -> None:
+    """Forward + backward of ``kl_divergence(impl="triton", validate=False)`` on two ``[T, V]`` logits (W = 1)."""
+    import torch
+
+    import dualvp_torch
+
+    masked, ref_grad = KL_MODES[mode]
+    dt = getattr(torch, dtype)
+    z = torch.empty((T, V), dtype=dt).requires_grad_(True)
+    r = torch.empty((T, V), dtype=dt).requires_grad_(ref_grad)
+    m = torch.ones((T,), dtype=torch.bool) if masked else None
+    _set_label(launches, f"kl {T}x{V} {dtype} {mode}")
+    kl = dualvp_torch.kl_divergence(z, r, row_mask=m, temperature=temperature, validate=False, impl="triton")
+    kl.sum().backward()
 
 
 # --- reading the compiled artefacts ---------------------------------------------------------------------

@@ -4,8 +4,9 @@ A child process (``dualvp.tools.static.hopper_target``) makes the host code
 believe it runs on one sm_90 device, then runs forward + backward of the
 public ops with ``impl="triton"`` at each input dtype and each mode the host
 launches: the logits op (log-prob; + entropy; + keep mask; the extended op's
-K targets with a temperature per row, sum p^2 and a keep mask) and the fused
-LM-head op (the same, plus frozen hidden / frozen weight in bfloat16). Each
+K targets with a temperature per row, sum p^2 and a keep mask), the fused
+LM-head op (the same, plus frozen hidden / frozen weight in bfloat16) and the
+KL op (plain; + row_mask; + ref_logits gradient, those two in bfloat16). Each
 ``kernel[grid](...)`` compiles with the launch parameters and runtime
 specialisation the host picks, and only compiles. For every compiled kernel:
 
@@ -62,6 +63,10 @@ with static.hopper_target() as launches:
         if dt != "float32":  # the in-kernel products with atomics: the 16-bit backward's option
             with tuning.using(tuning.Tuning(triton_linear_backward="atomic")):
                 static.drive_fused(launches, *FUSED[0], dt, "lp+ent")
+    for dt in DTYPES:
+        for mode in (static.KL_MODES if dt == "bfloat16" else ["kl"]):
+            for T, V in LOGITS:
+                static.drive_kl(launches, T, V, dt, mode)
 seen = set()
 for launch in launches:
     key = (launch.kernel, id(launch.compiled))
@@ -110,8 +115,9 @@ def test_every_launched_kernel_compiles(compiled):
     ext_stats = [r for r in _kernels(compiled, "logits_stats_kernel") if r["constexprs"].get("HAS_TARGET") == "False"]
     assert {r["constexprs"]["WITH_SUM_P2"] for r in ext_stats} == {"True", "False"}, ext_stats
     assert {"linear_stats_kernel", "linear_grad_kernel"} <= names, names
-    # every dtype of the fused pair compiled (the 16-bit ones failed on dot() before)
-    for name in ("linear_stats_kernel", "linear_grad_kernel"):
+    assert {"kl_stats_kernel", "kl_grad_kernel"} <= names, names
+    # every dtype of the fused pair (the 16-bit ones failed on dot() before) and of the KL pair compiled
+    for name in ("linear_stats_kernel", "linear_grad_kernel", "kl_stats_kernel", "kl_grad_kernel"):
         labels = {r["label"].split()[2] for r in _kernels(compiled, name)}
         assert labels == {"float32", "bfloat16", "float16"}, (name, labels)
 

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 import torch
 
-from dualvp.testing.kl import KL_CASES, kl_failures, make_kl
+from dualvp.testing.kl import KL_CASES, KLCase, kl_failures, make_kl
 from dualvp_torch import kl_divergence
 from dualvp_torch import kl as kl_mod
 from dualvp_torch.testing import run_ranks
@@ -26,11 +26,24 @@ from ._alloc import allocations, peak
 DTYPES = ("float32", "bfloat16")
 
 
+def _triton_device() -> str:
+    """Where ``impl="triton"`` runs here: ``"cpu"`` under TRITON_INTERPRET=1 (no GPU), else ``"cuda"``; else skip."""
+    pytest.importorskip("triton")
+    from dualvp_torch import triton_kernels
+
+    if triton_kernels.interpreting():
+        return "cpu"
+    if torch.cuda.is_available():
+        return "cuda"
+    pytest.skip("impl='triton' needs a CUDA device or TRITON_INTERPRET=1")
+
+
 def _run(p, *, need=(True, True), compiled=False, impl="eager"):
     dt = getattr(torch, p.case.dtype)
-    z = torch.tensor(p.logits, dtype=dt, requires_grad=need[0])
-    r = torch.tensor(p.ref_logits, dtype=dt, requires_grad=need[1])
-    m = None if p.row_mask is None else torch.tensor(p.row_mask)
+    dev = _triton_device() if impl == "triton" else "cpu"
+    z = torch.tensor(p.logits, dtype=dt, device=dev, requires_grad=need[0])
+    r = torch.tensor(p.ref_logits, dtype=dt, device=dev, requires_grad=need[1])
+    m = None if p.row_mask is None else torch.tensor(p.row_mask, device=dev)
     c = p.case
 
     def f(z, r, m):
@@ -39,9 +52,9 @@ def _run(p, *, need=(True, True), compiled=False, impl="eager"):
     fn = torch.compile(f, fullgraph=True, backend="aot_eager") if compiled else f
     kl = fn(z, r, m)
     if any(need):
-        (kl * torch.tensor(p.grad, dtype=kl.dtype)).sum().backward()
-    grad = lambda x: None if x.grad is None else x.grad.double().numpy()  # noqa: E731
-    return kl.detach().double().numpy(), grad(z), grad(r)
+        (kl * torch.tensor(p.grad, dtype=kl.dtype, device=dev)).sum().backward()
+    grad = lambda x: None if x.grad is None else x.grad.double().cpu().numpy()  # noqa: E731
+    return kl.detach().double().cpu().numpy(), grad(z), grad(r)
 
 
 @pytest.mark.parametrize("dtype", DTYPES + ("float64",))
@@ -59,19 +72,24 @@ def test_matches_oracle_w1(dtype):
 _MASKED = [c for c in KL_CASES if c.masked]
 
 
-@pytest.mark.parametrize("impl", ["compiled", "eager"])
-def test_batch_invariant_rows(impl):
+@pytest.mark.parametrize("impl, ts", [
+    pytest.param("compiled", (7, 64, 1000), id="compiled"), pytest.param("eager", (7, 64, 1000), id="eager"),
+    pytest.param("triton", (7,), id="triton-T7"),
+    pytest.param("triton", (7, 64, 1000), marks=pytest.mark.slow, id="triton")])
+def test_batch_invariant_rows(impl, ts):
     # a row's KL and both gradient rows are bitwise the same alone (T = 1) and inside calls of T = 7, 64, 1000
     # rows at random positions, and from run to run (eager chunks are chosen from V_local: 512 rows of 512
-    # columns, so T = 1000 spans two chunks and a partial one; compiled kernels reduce each row in one order)
+    # columns, so T = 1000 spans two chunks and a partial one; compiled kernels reduce each row in one order;
+    # the Triton kernels run one program per row, blocks from V_local; their fast-tier check: T = 7)
+    dev = _triton_device() if impl == "triton" else "cpu"
     g = torch.Generator().manual_seed(0)
     V = 512
-    for T in (7, 64, 1000):
-        z = torch.randn(T, V, generator=g, requires_grad=True)
-        r = torch.randn(T, V, generator=g, requires_grad=True)
-        m = torch.rand(T, generator=g) < 0.9
+    for T in ts:
+        z = torch.randn(T, V, generator=g).to(dev).requires_grad_()
+        r = torch.randn(T, V, generator=g).to(dev).requires_grad_()
+        m = (torch.rand(T, generator=g) < 0.9).to(dev)
         kl = kl_divergence(z, r, row_mask=m, temperature=0.8, impl=impl)
-        (kl * torch.arange(1.0, T + 1)).sum().backward()
+        (kl * torch.arange(1.0, T + 1, device=dev)).sum().backward()
         rows = torch.randperm(T, generator=g)[:3].tolist()
         for i in rows + [0, T - 1]:
             zi = z[i:i + 1].detach().clone().requires_grad_()
@@ -236,34 +254,116 @@ def test_bad_inputs_name_the_argument(change, name):
         kl_divergence(kw.pop("logits"), kw.pop("ref_logits"), **kw)
 
 
-def test_triton_engine_not_yet():
-    with pytest.raises(NotImplementedError, match="^impl:"):
+def test_triton_engine_needs_cuda_or_the_interpreter(monkeypatch):
+    pytest.importorskip("triton")
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    with pytest.raises(ValueError, match="^impl: 'triton' runs CUDA tensors"):
         kl_divergence(torch.randn(3, 8), torch.randn(3, 8), impl="triton")
 
 
-@pytest.mark.parametrize("impl", ["eager", pytest.param("compiled", marks=pytest.mark.slow)])
-@pytest.mark.parametrize("ref_grad", [False, True])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_triton_matches_oracle_w1(dtype):
+    # the Triton kernels (under TRITON_INTERPRET=1 on the CPU) on the masked cases; the whole table: slow
+    pytest.importorskip("triton")
+    fails = []
+    for case in _MASKED:
+        p = make_kl(case, dtype)
+        fails += kl_failures(p, _run(p, impl="triton"), "triton ")
+    assert not fails, "\n".join(fails)
+
+
+#: Rows wider than the Triton kernels' largest block (4096 columns): three blocks, the last one partial.
+_WIDE = (KLCase("wide_banned_masked", rows=(4,), vocab=9000, banned="both", masked=True, temperature=0.7, seed=11),
+         KLCase("wide_reverse_shard", rows=(3,), vocab=9000, banned="shard", direction="reverse", seed=12))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_triton_matches_oracle_multi_block_rows(dtype):
+    # the statistics kernel's loop over blocks (float64 accumulation across blocks) and the gradient kernel's
+    # grid of column blocks, with banned columns, a banned half row, masked NaN rows, both directions
+    pytest.importorskip("triton")
+    assert kl_mod._block_v(9000) < 9000
+    fails = []
+    for case in _WIDE:
+        p = make_kl(case, dtype)
+        fails += kl_failures(p, _run(p, impl="triton"), "triton ")
+    assert not fails, "\n".join(fails)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("dtype", DTYPES + ("float64",))
+def test_triton_matches_oracle_w1_all_cases(dtype):
+    pytest.importorskip("triton")
+    fails = []
+    for case in KL_CASES:
+        if dtype == "float64" and case.dtype != "float32":
+            continue
+        p = make_kl(case, dtype)
+        fails += kl_failures(p, _run(p, impl="triton"), "triton ")
+        if case.name == "basic":
+            for need in ((True, False), (False, True)):
+                fails += kl_failures(p, _run(p, need=need, impl="triton"), f"triton need={need} ")
+    assert not fails, "\n".join(fails)
+
+
+@pytest.mark.slow
+def test_triton_matches_oracle_w2():
+    # gloo ranks on CPU tensors: run where the interpreter is (no NCCL check of the Triton KL engine yet)
+    if _triton_device() != "cpu":
+        pytest.skip("the gloo ranks run CPU tensors: TRITON_INTERPRET=1 only")
+    per_rank = run_ranks(_kl_ranks.run_cases, 2, DTYPES, "triton", timeout=600)
+    fails = []
+    for i, (name, dtype, kl, *_rest) in enumerate(per_rank[0]):
+        p = make_kl(next(c for c in KL_CASES if c.name == name), dtype)
+        np.testing.assert_array_equal(per_rank[1][i][2], kl)
+        dz = np.concatenate([per_rank[r][i][3] for r in range(2)], axis=-1)
+        dr = np.concatenate([per_rank[r][i][4] for r in range(2)], axis=-1)
+        fails += kl_failures(p, (kl, dz, dr), "triton W=2 ")
+    assert not fails, "\n".join(fails)
+
+
+@pytest.mark.parametrize("impl, ref_grad", [
+    ("eager", False), ("eager", True), ("triton", False), ("triton", True),
+    pytest.param("compiled", False, marks=pytest.mark.slow),
+    pytest.param("compiled", True, marks=pytest.mark.slow)])
 def test_memory_is_the_gradients_plus_bounded_scratch(ref_grad, impl, monkeypatch):
     # B = one shard's bytes; extra peak of forward + backward <= B per input needing a gradient + chunk scratch,
     # and the forward alone allocates no [T, V_local] buffer (its peak is the chunk scratch, not B).
     # Small chunks keep the scratch far below B at a size the profiler traces quickly.
+    # The Triton engine (the interpreter's NumPy copies are not torch allocations) allocates the gradients only.
     monkeypatch.setattr(kl_mod, "CHUNK_ELEMENTS", 1 << 14)
-    T, V = 128, 8192
+    if impl == "triton" and _triton_device() != "cpu":
+        pytest.skip("the CPU allocation trace: TRITON_INTERPRET=1 only")
+    T, V = (32, 1024) if impl == "triton" else (128, 8192)
     z = torch.randn(T, V, requires_grad=True)
     r = torch.randn(T, V, requires_grad=ref_grad)
     B = z.numel() * 4
-    scratch = 12 * (1 << 14) * 4 + 64 * T  # a dozen float32 chunk temporaries, O(T) statistics
+    # a dozen float32 chunk temporaries, O(T) statistics; Triton: the O(T) statistics alone
+    scratch = 128 * T + 4096 if impl == "triton" else 12 * (1 << 14) * 4 + 64 * T
 
     def fwd():
         with torch.no_grad():
             kl_divergence(z, r, impl=impl)
 
     def step():
-        z.grad = r.grad = None
         kl_divergence(z, r, impl=impl).sum().backward()
 
     fwd(), step()  # warm up
     fwd_peak = peak(allocations(fwd))
+    z.grad = r.grad = None  # freed before the trace: the step's peak counts its own buffers only
     step_peak = peak(allocations(step))
     assert fwd_peak <= scratch < B / 4, (fwd_peak, scratch, B)
     assert step_peak <= (2 if ref_grad else 1) * B + scratch, (step_peak, B)
+
+
+@pytest.mark.parametrize("impl", ["eager", "compiled", "triton"])
+def test_zero_rows(impl):
+    # a shard with no rows (an empty micro-batch): empty KL and empty gradients of the inputs' shapes and dtypes
+    dev = _triton_device() if impl == "triton" else "cpu"
+    z = torch.randn(0, 3, 16, device=dev, requires_grad=True)
+    r = torch.randn(0, 3, 16, device=dev, dtype=torch.bfloat16).requires_grad_()
+    kl = kl_divergence(z, r, impl=impl)
+    kl.sum().backward()
+    assert kl.shape == (0, 3) and kl.dtype == torch.float32
+    assert z.grad.shape == z.shape and z.grad.dtype == z.dtype and r.grad.shape == r.shape
+    assert r.grad.dtype == torch.bfloat16
