@@ -58,6 +58,8 @@ with static.hopper_target() as launches:
         if dt != "float32":  # the in-kernel products with atomics: the 16-bit backward's option
             with tuning.using(tuning.Tuning(triton_linear_backward="atomic")):
                 static.drive_fused(launches, *FUSED[0], dt, "lp+ent")
+    # V_local = 8192: two vocabulary splits of the forward, merged by linear_merge_splits_kernel
+    static.drive_fused(launches, 128, 256, 8192, "bfloat16", "lp+ent")
 seen = set()
 for launch in launches:
     key = (launch.kernel, id(launch.compiled))
@@ -101,7 +103,7 @@ def test_every_launched_kernel_compiles(compiled):
     names = {r["kernel"] for r in compiled}
     # the logits op launches a statistics and a gradient kernel at least; the fused op its pair
     assert any("stats" in n for n in names) and any("grad" in n for n in names), names
-    assert {"linear_stats_kernel", "linear_grad_kernel"} <= names, names
+    assert {"linear_stats_kernel", "linear_grad_kernel", "linear_merge_splits_kernel"} <= names, names
     # every dtype of the fused pair compiled (the 16-bit ones failed on dot() before)
     for name in ("linear_stats_kernel", "linear_grad_kernel"):
         labels = {r["label"].split()[2] for r in _kernels(compiled, name)}
