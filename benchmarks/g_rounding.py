@@ -64,7 +64,8 @@ def ratios(dtype, mask, T, V, H, seed, temperature=0.7, grad_scale=1.0):
     peak = np.where(p > 0.5, g, tgt)
     gmax = np.abs(g).max()
     scale = 2.0 ** (14 - np.floor(np.log2(gmax))) if gmax > 0 else 1.0
-    variants = {"once": (hi, 1.0), "split": (hi + lo, 1.0), "target": (tgt, 1.0), "top1": (top, 1.0), "tgt+peak": (peak, 1.0)}
+    variants = {"once": (hi, 1.0), "split": (hi + lo, 1.0), "target": (tgt, 1.0), "top1": (top, 1.0),
+                "tgt+peak": (peak, 1.0)}
     if dtype == "float16":
         variants["scaled"] = (round_to_dtype(g * scale, dtype), 1.0 / scale)
     out = {}

@@ -7,8 +7,8 @@ from typing import Optional
 import torch
 
 __all__ = [
-    "tile_shape", "default_budget", "column_budget", "ranges", "even_ranges", "pad_rows", "TileBuffer", "MIN_SIDE", "MIN_BUDGET",
-    "BUDGET_FRACTION", "CUDA_BUDGET_FRACTION", "MIN_ROWS", "MAX_COLS", "MIN_COLUMN_BUDGET",
+    "tile_shape", "default_budget", "column_budget", "ranges", "even_ranges", "pad_rows", "TileBuffer", "MIN_SIDE",
+    "MIN_BUDGET", "BUDGET_FRACTION", "CUDA_BUDGET_FRACTION", "MIN_ROWS", "MAX_COLS", "MIN_COLUMN_BUDGET",
 ]
 
 #: Default budget of one tile, as a fraction of ``B`` ...
