@@ -637,7 +637,8 @@ def linear_logprob_entropy(
     # memory_budget is all three; by default the columns' comes from V_local alone (batch invariance)
     budget = (memory_budget,) * 3 if memory_budget is not None else (
         default_budget(n_rows, weight.shape[0], hidden.element_size(), hidden.device.type, tile_loop),
-        column_budget(weight.shape[0], hidden.element_size(), hidden.device.type if tile_loop else "cpu"),
+        column_budget(weight.shape[0], hidden.element_size(), hidden.device.type if tile_loop else "cpu",
+                      engines.ENGINES[call.engine].tile_scratch_bytes > 0),
         None,
     )
     logprob, entropy = LinearLogProbEntropyFunction.apply(

@@ -7,8 +7,8 @@ from typing import Optional
 import torch
 
 __all__ = [
-    "tile_shape", "default_budget", "column_budget", "ranges", "even_ranges", "pad_rows", "TileBuffer", "MIN_SIDE", "MIN_BUDGET",
-    "BUDGET_FRACTION", "CUDA_BUDGET_FRACTION", "MIN_ROWS", "MAX_COLS",
+    "tile_shape", "default_budget", "column_budget", "ranges", "even_ranges", "pad_rows", "TileBuffer", "MIN_SIDE",
+    "MIN_BUDGET", "BUDGET_FRACTION", "CUDA_BUDGET_FRACTION", "MIN_ROWS", "MAX_COLS", "MIN_COLUMN_BUDGET",
 ]
 
 #: Default budget of one tile, as a fraction of ``B`` ...
@@ -38,9 +38,24 @@ def default_budget(n_rows: int, v_local: int, itemsize: int, device_type: str = 
     return max(int(fraction * n_rows * v_local * itemsize), MIN_BUDGET)
 
 
-def column_budget(v_local: int, itemsize: int, device_type: str = "cpu") -> int:
-    """The default budget that sizes a tile's columns: :func:`default_budget` at ``MIN_SIDE`` rows (no ``T``)."""
-    return default_budget(MIN_SIDE, v_local, itemsize, device_type)
+#: The eager engine's default column budget is at least this many bytes (:func:`column_budget`
+#: with ``scratch=True``). Its tile carries ``BLOCK_SCRATCH_BYTES`` (44) of temporaries per element
+#: beside the 4-byte tile, so the plain budget gives it ~170 columns at V_local = 32000 (188 blocks
+#: per row, each a round of eager calls); at 4 MiB, 681. Measured (float32, T x 1024 x 32000,
+#: forward + backward, 1 thread, CPU time): T = 8 380 -> 242 ms, T = 64 753 -> 622 ms, T = 1024
+#: unchanged (4.67 -> 4.62 s). Not for the compiled engine: its tile's columns are 2000 at the plain
+#: budget, and 4x more columns leave 4x fewer rows per tile, so the weight is read once per token
+#: chunk: T = 64 412 -> 493 ms, T = 256 1.09 -> 1.44 s (docs/decisions.md, "Fused op: column budget").
+MIN_COLUMN_BUDGET = 4 << 20
+
+
+def column_budget(v_local: int, itemsize: int, device_type: str = "cpu", scratch: bool = False) -> int:
+    """The default budget that sizes a tile's columns, from ``V_local`` alone (no ``T``).
+
+    :func:`default_budget` at ``MIN_SIDE`` rows; with ``scratch`` (an engine whose tile
+    carries temporaries per element: eager), at least :data:`MIN_COLUMN_BUDGET`.
+    """
+    return max(default_budget(MIN_SIDE, v_local, itemsize, device_type), MIN_COLUMN_BUDGET if scratch else 0)
 
 
 def tile_shape(n_rows: int, v_local: int, budget: int, elem_bytes: int,

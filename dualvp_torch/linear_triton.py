@@ -180,7 +180,10 @@ GEMM_CHUNKS = 16
 
 
 def default_atomic_budget(v: int, hsz: int) -> int:
-    """The ``"atomic"`` backward's float32 ``dW`` chunk bytes at the default budget: a sixteenth of ``[V, H]``, >= 1 MiB."""
+    """The ``"atomic"`` backward's float32 ``dW`` chunk bytes at the default budget.
+
+    A sixteenth of ``[V, H]``, at least 1 MiB.
+    """
     return max(v * hsz * 4 // GEMM_CHUNKS, 1 << 20)
 
 

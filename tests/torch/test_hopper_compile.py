@@ -63,6 +63,8 @@ with static.hopper_target() as launches:
         if dt != "float32":  # the in-kernel products with atomics: the 16-bit backward's option
             with tuning.using(tuning.Tuning(triton_linear_backward="atomic")):
                 static.drive_fused(launches, *FUSED[0], dt, "lp+ent")
+    # V_local = 8192: two vocabulary splits of the forward, merged by linear_merge_splits_kernel
+    static.drive_fused(launches, 128, 256, 8192, "bfloat16", "lp+ent")
     for dt in DTYPES:
         for mode in (static.KL_MODES if dt == "bfloat16" else ["kl"]):
             for T, V in LOGITS:
@@ -114,7 +116,7 @@ def test_every_launched_kernel_compiles(compiled):
     assert "logits_ext_grad_kernel" in names, names
     ext_stats = [r for r in _kernels(compiled, "logits_stats_kernel") if r["constexprs"].get("HAS_TARGET") == "False"]
     assert {r["constexprs"]["WITH_SUM_P2"] for r in ext_stats} == {"True", "False"}, ext_stats
-    assert {"linear_stats_kernel", "linear_grad_kernel"} <= names, names
+    assert {"linear_stats_kernel", "linear_grad_kernel", "linear_merge_splits_kernel"} <= names, names
     assert {"kl_stats_kernel", "kl_grad_kernel"} <= names, names
     # every dtype of the fused pair (the 16-bit ones failed on dot() before) and of the KL pair compiled
     for name in ("linear_stats_kernel", "linear_grad_kernel", "kl_stats_kernel", "kl_grad_kernel"):

@@ -151,10 +151,11 @@ def _fused(p, impl, budget=None, group=None, rank=0, world=1):
     return testing.LinearOutputs(*(x.detach().double().numpy() for x in (lp, en, h.grad, w.grad)))
 
 
-def test_fused_op_small_tiles_fast():
+@pytest.mark.parametrize("impl", ["eager", pytest.param("compiled", marks=pytest.mark.slow)])
+def test_fused_op_small_tiles_fast(impl):
     """The fused op's tile loop with tiles smaller than the shard (several token and vocab tiles)."""
     p = cases.make_linear(cases.case("drop_target_ids", lead=(7,)), 16)
-    _check(p, _fused(p, "eager", budget=600))
+    _check(p, _fused(p, impl, budget=600))
 
 
 @pytest.mark.parametrize("name", ("nucleus_ids",) + FAST)

@@ -24,7 +24,7 @@ from dualvp.testing.cases import round_to_dtype  # noqa: E402
 from dualvp.testing.metrics import max_errors, tolerance, within_tolerance  # noqa: E402
 from dualvp_torch import engines, linear_logprob_entropy  # noqa: E402
 from dualvp_torch import linear as linear_mod  # noqa: E402
-from dualvp_torch.linear_tiles import MAX_COLS, MIN_SIDE, column_budget, default_budget, tile_shape  # noqa: E402
+from dualvp_torch.linear_tiles import MAX_COLS, MIN_COLUMN_BUDGET, MIN_SIDE, column_budget, default_budget, tile_shape  # noqa: E402
 from dualvp_torch.testing import run_ranks  # noqa: E402
 
 DT = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float64": torch.float64}
@@ -258,6 +258,11 @@ def test_tile_shape_respects_the_budget():
     cb = column_budget(32000, 2)
     cols = {tile_shape(n, 32000, default_budget(n, 32000, 2), 4, cb)[1] for n in (1, 8, 100, 4096, 100000)}
     assert len(cols) == 1, cols
+    # the eager engine's (tiles with 44 B of scratch per element): at least MIN_COLUMN_BUDGET, from V_local alone
+    cb = column_budget(32000, 4, scratch=True)
+    assert cb >= MIN_COLUMN_BUDGET > column_budget(32000, 4)
+    cols = {tile_shape(n, 32000, default_budget(n, 32000, 4), 48, cb)[1] for n in (1, 8, 100, 4096, 100000)}
+    assert len(cols) == 1 and cols.pop() * MIN_SIDE * 48 <= cb, cols
 
 
 # --- bad inputs (single process) ----------------------------------------------
