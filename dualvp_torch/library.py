@@ -145,7 +145,8 @@ _BWD_INPLACE = torch.ops.dualvp.logprob_entropy_bwd_.default
 def _call_of(logits, target, keep_mask, group_name, temperature, with_entropy, entropy_grad, ignore_index, validate,
              inplace_grad, impl, label_smoothing, keep_ids=None) -> checks.Call:
     return checks.logits_call(
-        logits, target, keep_mask, group=_group(group_name) if group_name else None, temperature=temperature, with_entropy=with_entropy,
+        logits, target, keep_mask, group=_group(group_name) if group_name else None, temperature=temperature,
+        with_entropy=with_entropy,
         entropy_grad=entropy_grad, ignore_index=ignore_index, validate=validate, inplace_grad=inplace_grad,
         impl=impl or None, label_smoothing=label_smoothing, keep_ids=keep_ids,
     )
@@ -205,7 +206,8 @@ def _bwd_inplace_fake(logits, *rest):
     return None
 
 
-for _name, _impl, _fake in (("logprob_entropy_fwd", _fwd_impl, _fwd_fake), ("logprob_entropy_bwd", _bwd_impl, _bwd_fake),
+for _name, _impl, _fake in (("logprob_entropy_fwd", _fwd_impl, _fwd_fake),
+                             ("logprob_entropy_bwd", _bwd_impl, _bwd_fake),
                             ("logprob_entropy_bwd_", _bwd_inplace_impl, _bwd_inplace_fake)):
     _LIB.impl(_name, _impl, "CompositeExplicitAutograd")  # every device: the engine is the call's
     torch.library.register_fake(f"dualvp::{_name}", _fake, lib=_LIB)

@@ -277,7 +277,8 @@ def run_ext(args, loaded: Optional[dict] = None) -> int:
                            lambda q, d=dtype: pair_tolerance(d, q)))
         for check, x, ref, tol_of in checks:
             for field, a, rel, ok in _rows(prob.case.name, x, ref, tol_of):
-                print(f"{prob.case.name:<22} {check:<16} {field:<8} {a:>12.3e} {rel:>12.3e}  {'PASS' if ok else 'FAIL'}")
+                verdict = "PASS" if ok else "FAIL"
+                print(f"{prob.case.name:<22} {check:<16} {field:<8} {a:>12.3e} {rel:>12.3e}  {verdict}")
                 n_checks += 1
                 bad += [] if ok else [f"{prob.case.name} {check} {field}"]
     if bad:
