@@ -207,7 +207,7 @@ def _bwd_inplace_fake(logits, *rest):
 
 
 for _name, _impl, _fake in (("logprob_entropy_fwd", _fwd_impl, _fwd_fake),
-                             ("logprob_entropy_bwd", _bwd_impl, _bwd_fake),
+                            ("logprob_entropy_bwd", _bwd_impl, _bwd_fake),
                             ("logprob_entropy_bwd_", _bwd_inplace_impl, _bwd_inplace_fake)):
     _LIB.impl(_name, _impl, "CompositeExplicitAutograd")  # every device: the engine is the call's
     torch.library.register_fake(f"dualvp::{_name}", _fake, lib=_LIB)
