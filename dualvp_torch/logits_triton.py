@@ -106,9 +106,9 @@ def make_plan(opt: validation.Options, rank: int, world: int, T: int, V: int, dt
         gr = (min(256, _pow2(V)), 1)
         mg = (64, 1)  # (a constant: blocks never from T)
     else:
-        # 16 (4-byte) or 32 (2-byte) elements per thread and iteration; 16 with a keep mask in 2-byte (32 take
-        # 126 registers; 8192 over 16 warps spills 8 bytes)
-        bv = 8192 if dtype.itemsize <= 2 and not opt.has_mask else 4096
+        # 16 (4-byte) or 32 (2-byte) elements per thread and iteration; with a keep mask in 2-byte the
+        # statistics kernel is capped at KEEP_MAXNREG registers (:func:`_reg_cap`)
+        bv = 8192 if dtype.itemsize <= 2 else 4096
         st = (min(bv, _pow2(V)), 8 if V >= 2048 else 4)
         per_split = MAX_BLOCKS_PER_SPLIT
         gr = (min(4096, _pow2(V)), 8 if V >= 2048 else 4)
@@ -130,6 +130,19 @@ def make_plan(opt: validation.Options, rank: int, world: int, T: int, V: int, dt
                 world == 1 and splits == 1 and not opt.has_ids, compiled, scalars)
 
 
+#: Register cap of the statistics kernel with a keep mask over 8192-element (2-byte) blocks: uncapped it takes
+#: 99 registers (Triton 3.6, sm_90), capped 96 with no spill; 32 elements per thread instead of 16 cut its
+#: loop from 29.7 to 25.5 SASS instructions per element (bfloat16), the lower bound on the H200 from 1.10 to
+#: 1.04 (docs/decisions.md, "Logits kernels toward the floor").
+KEEP_MAXNREG = 96
+
+
+def _reg_cap(keep, bv: int) -> dict:
+    # launch options of the statistics kernel: the register cap where the block holds 32 elements per thread
+    # beside a keep mask (GPU only: the interpreter's blocks are <= 128)
+    return {"maxnreg": KEEP_MAXNREG} if keep is not None and bv == 8192 else {}
+
+
 def _launch_stats(z, y, keep, plan: Plan, bad, out, logprob, entropy, res) -> None:
     grid, bv, nw = plan.stats_cfg
     k = z if keep is None else keep  # any pointer when HAS_KEEP is off
@@ -139,6 +152,7 @@ def _launch_stats(z, y, keep, plan: Plan, bad, out, logprob, entropy, res) -> No
         HAS_KEEP=keep is not None, WITH_ENTROPY=plan.opt.with_entropy, HAS_COUNTER=bad is not None,
         FINALIZE=out is None, COMPILED=plan.compiled, COMPUTE=_TL[plan.compute], ACC=tl.float64, BLOCK_V=bv,
         KEEP_VEC=16 // z.element_size(), HAS_TARGET=True, WITH_SUM_P2=False, ROW_TAU=False, N_OUT=6, num_warps=nw,
+        **_reg_cap(keep, bv),
     )
 
 
@@ -245,7 +259,7 @@ def ext_stats(z: torch.Tensor, keep: Optional[torch.Tensor], tau_rows: Optional[
             HAS_KEEP=keep is not None, WITH_ENTROPY=with_entropy or with_sum_p2, HAS_COUNTER=False, FINALIZE=False,
             COMPILED=plan.compiled, COMPUTE=_TL[plan.compute], ACC=tl.float64, BLOCK_V=bv,
             KEEP_VEC=16 // z.element_size(), HAS_TARGET=False, WITH_SUM_P2=with_sum_p2, ROW_TAU=tau_rows is not None,
-            N_OUT=n_out, num_warps=nw,
+            N_OUT=n_out, num_warps=nw, **_reg_cap(keep, bv),
         )
     return out
 
