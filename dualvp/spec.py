@@ -226,26 +226,34 @@ def _cast(xp, z, dtype):
 
 def _in_block(xp, z, local, owns, start):
     # [...]: the target's column within this block, and whether the block holds it.
-    col = local - start
+    col = local if type(start) is int and start == 0 else local - start  # (a traced start: always the op)
     inside = owns & (col >= 0) & (col < z.shape[-1])
     return xp.where(inside, col, xp.zeros_like(col)), inside
 
 
-def _column_offsets(xp, z, local, owns, start):
-    # [..., n] integers: each column's index minus the column of this block
-    # that holds this row's target (-1 for rows whose target lies elsewhere,
-    # which no column matches). ``getattr(..., "device")`` is None for traced
-    # JAX arrays (device-free).
+def _columns_and_target(xp, z, local, owns, start):
+    # ([n] integers, [..., 1] integers): the block's column indices, and the
+    # column of this block that holds each row's target (-1 for rows whose
+    # target lies elsewhere, which no column matches). ``getattr(...,
+    # "device")`` is None for traced JAX arrays (device-free).
     col, inside = _in_block(xp, z, local, owns, start)
     dev = getattr(z, "device", None)
     kw = {} if dev is None else {"device": dev}
     cols = xp.arange(0, z.shape[-1], dtype=local.dtype, **kw)
-    return cols - xp.where(inside, col, xp.full_like(col, -1))[..., None]
+    return cols, xp.where(inside, col, xp.full_like(col, -1))[..., None]
+
+
+def _column_offsets(xp, z, local, owns, start):
+    # [..., n] integers: each column's index minus the target's column (see _columns_and_target).
+    cols, target = _columns_and_target(xp, z, local, owns, start)
+    return cols - target
 
 
 def _target_columns(xp, z, local, owns, start):
-    # [..., n] bool: the column of this block that holds this row's target.
-    return _column_offsets(xp, z, local, owns, start) == 0
+    # [..., n] bool: the column of this block that holds this row's target,
+    # the indices compared with it directly (no [..., n] integer offsets).
+    cols, target = _columns_and_target(xp, z, local, owns, start)
+    return cols == target
 
 
 def _target_indicator(xp, z, local, owns, start):
@@ -468,7 +476,7 @@ def stats_from_sums(xp, sums, z, local, owns, keep=None, temperature=1.0, *, sta
     """
     m, s, t, sk = sums
     tau = _tau(xp, temperature, m.dtype)
-    zy = _astype(xp, _target_logit(xp, z, local, owns, start), m.dtype)
+    zy = _cast(xp, _target_logit(xp, z, local, owns, start), m.dtype)
     if keep is None:
         return xp.stack([m, s, t, m, s, zy], axis=-1)
     none_kept = sk == 0
