@@ -226,34 +226,26 @@ def _cast(xp, z, dtype):
 
 def _in_block(xp, z, local, owns, start):
     # [...]: the target's column within this block, and whether the block holds it.
-    col = local if type(start) is int and start == 0 else local - start  # (a traced start: always the op)
+    col = local - start
     inside = owns & (col >= 0) & (col < z.shape[-1])
     return xp.where(inside, col, xp.zeros_like(col)), inside
 
 
-def _columns_and_target(xp, z, local, owns, start):
-    # ([n] integers, [..., 1] integers): the block's column indices, and the
-    # column of this block that holds each row's target (-1 for rows whose
-    # target lies elsewhere, which no column matches). ``getattr(...,
-    # "device")`` is None for traced JAX arrays (device-free).
+def _column_offsets(xp, z, local, owns, start):
+    # [..., n] integers: each column's index minus the column of this block
+    # that holds this row's target (-1 for rows whose target lies elsewhere,
+    # which no column matches). ``getattr(..., "device")`` is None for traced
+    # JAX arrays (device-free).
     col, inside = _in_block(xp, z, local, owns, start)
     dev = getattr(z, "device", None)
     kw = {} if dev is None else {"device": dev}
     cols = xp.arange(0, z.shape[-1], dtype=local.dtype, **kw)
-    return cols, xp.where(inside, col, xp.full_like(col, -1))[..., None]
-
-
-def _column_offsets(xp, z, local, owns, start):
-    # [..., n] integers: each column's index minus the target's column (see _columns_and_target).
-    cols, target = _columns_and_target(xp, z, local, owns, start)
-    return cols - target
+    return cols - xp.where(inside, col, xp.full_like(col, -1))[..., None]
 
 
 def _target_columns(xp, z, local, owns, start):
-    # [..., n] bool: the column of this block that holds this row's target,
-    # the indices compared with it directly (no [..., n] integer offsets).
-    cols, target = _columns_and_target(xp, z, local, owns, start)
-    return cols == target
+    # [..., n] bool: the column of this block that holds this row's target.
+    return _column_offsets(xp, z, local, owns, start) == 0
 
 
 def _target_indicator(xp, z, local, owns, start):
