@@ -25,7 +25,12 @@ Then one step under cProfile: the Python calls made in dualvp's own files
 (``dualvp/``, ``dualvp_torch/``, ``dualvp_jax/``) and in all files, with the
 functions of dualvp's files by count.
 
+``--impl compiled`` / ``--impl eager``: the same step on those engines, whose
+work runs on the CPU itself (nothing to stub; at the default T=4 x V=256 it is
+a few microseconds of arithmetic, so the figure is the engine's host cost).
+
 Usage: python benchmarks/host_overhead.py [--T 4] [--V 256] [--blocks 60] [--steps 200] [--top 25]
+       [--impl triton|compiled|eager]
 """
 
 from __future__ import annotations
@@ -87,8 +92,11 @@ class Minimal(torch.autograd.Function):
         return g, None
 
 
+IMPL = "triton"  # --impl
+
+
 def _dualvp(z, y):
-    return dualvp_torch.logprob_entropy(z, y, validate=False, impl="triton")
+    return dualvp_torch.logprob_entropy(z, y, validate=False, impl=IMPL)
 
 
 def _minimal(z, y):
@@ -163,10 +171,15 @@ def main(argv=None) -> int:
     ap.add_argument("--blocks", type=int, default=60, help="timed blocks per side, alternating")
     ap.add_argument("--steps", type=int, default=200, help="forward + backward steps per block")
     ap.add_argument("--top", type=int, default=25, help="dualvp functions listed by call count")
+    ap.add_argument("--impl", default="triton", choices=("triton", "compiled", "eager"),
+                    help="the engine (triton: launches stubbed; compiled, eager: their CPU work runs)")
     a = ap.parse_args(argv)
+    global IMPL
+    IMPL = a.impl
     torch.set_num_threads(1)
     r = measure(a.T, a.V, a.blocks, a.steps)
-    print(f"host time per forward + backward, T={a.T} V={a.V}, launches stubbed "
+    print(f"host time per forward + backward, impl={a.impl}, T={a.T} V={a.V}"
+          f"{', launches stubbed' if a.impl == 'triton' else ''} "
           f"({a.blocks} blocks x {a.steps} steps per side, alternating), torch {torch.__version__}")
     print(f"{'':10s} {'wall min us':>12s} {'wall med us':>12s} {'cpu min us':>11s} {'cpu med us':>11s}")
     for k, (wmin, wmed, cmin, cmed) in r.items():

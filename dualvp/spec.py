@@ -469,7 +469,7 @@ def stats_from_sums(xp, sums, z, local, owns, keep=None, temperature=1.0, *, sta
     """
     m, s, t, sk = sums
     tau = _tau(xp, temperature, m.dtype)
-    zy = _astype(xp, _target_logit(xp, z, local, owns, start), m.dtype)
+    zy = _cast(xp, _target_logit(xp, z, local, owns, start), m.dtype)
     if keep is None:
         return xp.stack([m, s, t, m, s, zy], axis=-1)
     none_kept = sk == 0

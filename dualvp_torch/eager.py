@@ -208,6 +208,16 @@ def stats(z, local, owns, keep, tau, with_entropy: bool = True) -> torch.Tensor:
     """``[T, 6]`` statistics of the shard, chunk by chunk (``tau``: a 0-d tensor or the number 1)."""
     setting = tuning.current()
     shift = stages.kept_shift(z, keep)
+    n, v = z.shape
+    if n <= chunk_rows(n, v, z.element_size(), STATS_FRACTION, STATS_SCRATCH_BYTES, _workers(z, n, setting),
+                       _cap(z, setting)) and not _split_rows_possible(z, setting):
+        # One chunk in the calling thread: the stage's own output, no buffer, no copy (as grad below).
+        if setting.glibc_heap and z.device.type == "cpu":
+            host_memory.keep_chunk_scratch_mapped(setting.cpu_chunk_scratch_bytes)
+        st = stages.stats_stage(z, local, owns, keep, tau, None, with_entropy, shift)
+        if shift == "max":
+            redo_marked_rows(st, z, local, owns, keep, tau, with_entropy, setting)
+        return st
 
     # Each chunk's statistics go into one [T, k] buffer, made by the first
     # chunk to finish (k and the dtype come from the spec). A list of

@@ -99,8 +99,20 @@ def grad_inplace_stage(z, local, owns, keep: Optional[torch.Tensor], M, log_s, c
 
 
 def merge_stage(all_stats, valid, tau):
-    """``(*comb, logprob, entropy)`` from the ranks' ``[W, T, 6]`` statistics."""
-    comb = spec.finalize(xp, spec.reduce_stats(xp, all_stats, axis=0, temperature=tau), tau)
+    """``(*comb, logprob, entropy)`` from the ranks' ``[W, T, 6]`` statistics.
+
+    One rank's statistics are already reduced: ``spec.reduce_stats`` over
+    one block gives back ``m, s, t, mk, sk`` bit for bit (weights ``e^0 = 1``,
+    shifts ``s * 0 = +0``; a stage's ``t`` is never ``-0``: torch's row sums
+    start from ``+0``), and ``zy`` as torch's one-term sum, ``zy + 0``
+    (a target logit ``-0`` becomes ``+0``). So ``W = 1`` skips its ~35 ops.
+    """
+    if all_stats.shape[0] == 1:
+        one = all_stats[0]
+        stats = torch.cat([one[:, :spec.N_STATS - 1], one[:, spec.N_STATS - 1:] + 0.0], dim=-1)
+    else:
+        stats = spec.reduce_stats(xp, all_stats, axis=0, temperature=tau)
+    comb = spec.finalize(xp, stats, tau)
     return (*comb, *spec.outputs(xp, comb, valid, tau))
 
 
