@@ -89,8 +89,10 @@ def test_kept_set_far_below_the_max_across_blocks():
     assert not _failures(p, backends.run("torch", p, 1, impl="triton"))
 
 
+# W = 4 only: its ranks hold the first, middle and last vocabulary shards (W = 2's two among them), and every
+# case with W = 2 among its worlds has W = 4 too. (W = 2 here before: 22 s of the loaded machine's 60.)
 @pytest.mark.slow
-@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("world", [4])
 def test_cases_over_gloo_ranks(world):
     probs = [cases.make(c) for c in cases.CASES if world in c.worlds]
     outs = backends.run_all("torch", probs, world, impl="triton", timeout=600)
