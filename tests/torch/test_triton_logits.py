@@ -90,8 +90,10 @@ def test_kept_set_far_below_the_max_across_blocks():
     assert not _failures(p, backends.run("torch", p, 1, impl="triton"))
 
 
+# W = 4 only: its ranks hold the first, middle and last vocabulary shards (W = 2's two among them), and every
+# case with W = 2 among its worlds has W = 4 too. (W = 2 here before: 22 s of the loaded machine's 60.)
 @pytest.mark.slow
-@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("world", [4])
 def test_cases_over_gloo_ranks(world):
     probs = [cases.make(c) for c in cases.CASES if world in c.worlds]
     outs = backends.run_all("torch", probs, world, impl="triton", timeout=600)
@@ -300,9 +302,13 @@ def test_out_of_range_raises_on_every_rank():
 
 @pytest.mark.slow
 def test_precision_at_a_realistic_vocabulary():
-    """float32, T=64, V=32000, normal logits (sd 2), entropy and a gradient of both terms, against float64."""
+    """float32, T=8, V=32000, normal logits (sd 2), entropy and a gradient of both terms, against float64.
+
+    A row's error comes from its 250 column blocks (125 splits) under the interpreter, not from T: 8 rows
+    (2,000 programs a pass) sample it as the 64 before did (16,000, minutes of CPU under the interpreter).
+    """
     rng = np.random.default_rng(3)
-    T, V = 64, 32000
+    T, V = 8, 32000
     z64 = cases.round_to_dtype(rng.normal(0.0, 2.0, (T, V)), "float32")
     y = rng.integers(0, V, T)
     gl, ge = rng.normal(size=T), rng.normal(size=T)
@@ -414,18 +420,19 @@ def _rows_out(z, y, keep, gl, ge):
 
 
 # T = 7 in both dtypes in the fast tier; T = 64 (one whole merge block of 64 rows) in both dtypes and
-# float32 at T = 1000 (several merge programs) slow. The plan reads V and the element size, never T: a
-# T-dependent choice would show at T = 1000 in float32 as in bfloat16; bfloat16's rounding shows at T = 7.
+# float32 at T = 130 (three merge programs, the last one 2 rows: what T = 1000's 16 did, at 1/8 of its
+# row programs) slow. The plan reads V and the element size, never T: a T-dependent choice would show at
+# T = 130 in float32 as in bfloat16; bfloat16's rounding shows at T = 7.
 @pytest.mark.parametrize("dtype,n", [("float32", 7), ("bfloat16", 7),
                                      pytest.param("float32", 64, marks=pytest.mark.slow),
                                      pytest.param("bfloat16", 64, marks=pytest.mark.slow),
-                                     pytest.param("float32", 1000, marks=pytest.mark.slow)])
+                                     pytest.param("float32", 130, marks=pytest.mark.slow)])
 def test_batch_invariance_bitwise(dtype, n):
     """A row's log-prob, entropy and gradient alone and inside a batch of T = n rows: bitwise equal.
 
     V = 320 walks each row in two column splits (the interpreter's plan: 256 + 64 columns, the last block
     partial), with a keep mask, the entropy and its gradient: every kernel of the W = 1 split path.
-    (One row per program: under the interpreter T = 1000 takes minutes, hence slow.)
+    (One row per program and split under the interpreter: T >= 64 is slow.)
     """
     gen = torch.Generator().manual_seed(5)
     V = 320
