@@ -73,7 +73,8 @@ Precision: every logits block and every gradient block ``G`` is float32
 tiles and ranks; each gradient is rounded once to the input dtype at the end.
 16-bit inputs on CUDA: the blocks are ``torch.mm(..., out_dtype=float32)`` of
 the 16-bit operands, and the backward products take ``G`` as a high and a low
-16-bit part (``tuning.Tuning.split_gradient``), each multiplied on tensor cores with float32
+16-bit part (``tuning.Tuning.gradient_rounding``; the Triton backward's option
+``"fixed"`` rounds once and adds two rank-1 residual terms per row), each multiplied on tensor cores with float32
 accumulation; no float32 copy of a weight or hidden row is made. On the CPU
 (torch has no 16-bit matmul with float32 output there) the operands are
 upcast to float32 (exact) and ``G`` multiplies them as it is. float32 inputs
@@ -168,15 +169,16 @@ def _addmm_f32_(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor, first: bool
 def _g_parts(g: torch.Tensor, dtype: torch.dtype):
     """``G``'s parts in ``dtype``, one after the other: ``G_hi`` (``G`` rounded), then ``G_lo``.
 
-    ``G_lo`` only with ``tuning.current().split_gradient`` (a high and a low
-    part, ~16 significant bits; docs/decisions.md, "Fused LM-head: G split into hi + lo").
+    ``G_lo`` unless ``tuning.current().gradient_rounding == "once"`` (a high and a
+    low part, ~16 significant bits; docs/decisions.md, "Fused LM-head: G split into hi + lo";
+    ``"fixed"``, the Triton backward's rank-1 residual terms, is not built in the tile loop: split).
 
     ``G_lo`` is ``G - G_hi`` (exact in float32) rounded, formed over ``g``
     itself: one 16-bit part is alive at a time next to the float32 tile.
     """
     hi = g.to(dtype)
     yield hi
-    if tuning.current().split_gradient:
+    if tuning.current().gradient_rounding != "once":
         g.sub_(hi)
         del hi
         yield g.to(dtype)
@@ -486,7 +488,7 @@ class LinearLogProbEntropyFunction(torch.autograd.Function):
             dh, dw = linear_triton.grads(
                 h2, weight, _ycol(local, owns, valid), keep, (M, log_s, c if ge is not None else None, mk, log_sk),
                 gl, ge, opt.temperature,
-                need_dh, need_dw, ctx.allow_tf32, tuning.current().split_gradient, ctx.budget, kept_vals,
+                need_dh, need_dw, ctx.allow_tf32, tuning.current().gradient_rounding, ctx.budget, kept_vals,
             )
         else:
             with linear_triton.matmul_precision(h2, ctx.allow_tf32):
