@@ -24,7 +24,7 @@ from typing import Iterator, Optional
 
 import torch
 
-__all__ = ["Tuning", "DEFAULT", "current", "using"]
+__all__ = ["Tuning", "DEFAULT", "GRADIENT_ROUNDINGS", "current", "using"]
 
 
 def _frozenset_field(name: str, value, kind: type) -> frozenset:
