@@ -291,7 +291,8 @@ def grads(h2, weight, ycol, keep, comb, gl, ge, temperature: float, need_dh: boo
             km.stride(0) if keep is not None else 0, km.stride(1) if keep is not None else 0,
             1.0 / temperature,
             HAS_KEEP=keep is not None, HAS_ENT_GRAD=has_ent, NEED_DH=need_dh, NEED_DW=need_dw,
-            SPLIT_G=split, STORE_G=gemm, FIX_G=fix is not None, UPCAST=_upcast(h2), PRECISION=_precision(h2, allow_tf32),
+            SPLIT_G=split, STORE_G=gemm, FIX_G=fix is not None, UPCAST=_upcast(h2),
+            PRECISION=_precision(h2, allow_tf32),
             BLOCK_T=bt, BLOCK_V=bv, BLOCK_K=bk, GROUP_T=group_t, **_launch(warps),
         )
         if gemm:
