@@ -4,7 +4,7 @@ An independent formulation of what the kernels do with the gradient tile
 ``G``: the float64 oracle's ``G`` (``dualvp.reference``) through float32,
 then, per variant:
 
-- ``once``: rounded once to the input dtype (``split_gradient=False``);
+- ``once``: rounded once to the input dtype (``gradient_rounding="once"``);
 - ``split``: ``G_hi + G_lo``, each rounded (the hi/lo split, 12 T H V FLOP);
 - ``target``: rounded once, and the target column's rounding error
   ``G[t, y_t] - rnd(G[t, y_t])`` (float32) added back as a rank-1 term per row
