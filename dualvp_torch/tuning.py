@@ -79,8 +79,8 @@ class Tuning:
         ``"fixed"`` rounded once, and the rounding residual ``G - rnd(G)``
         at two columns per row (the target's and the one with ``p_v >
         1/2``) added back as rank-1 terms (8 T H V + O(T H); the Triton
-        ``"gemm"`` backward only: the tile path and the ``"atomic"``
-        backward run it as ``"split"``). Not the default: within 2x of
+        ``"gemm"`` backward and the tile path's 16-bit GEMMs on CUDA; the
+        ``"atomic"`` backward runs it as ``"split"``). Not the default: within 2x of
         float64 rounded once on the measured cases, but outside the fused
         tests' elementwise 16-bit tolerance on some
         (docs/decisions.md, "Fused op: batch invariance and G rounding").
