@@ -33,7 +33,8 @@ Fused LM-head op: ``flop_per_8thv`` = executed FLOP / the credited ``8 T H V``
 (forward 2, recompute 2, ``dh`` 2 and ``dW`` 2, each product twice with the
 hi/lo split of ``G``): with the backward writing ``G`` (``STORE_G``, the 16-bit
 default) the products are the host's cuBLAS matmuls, recorded by the harness
-(``matmuls``: their count) and summed as ``2 m n k``; with in-kernel products
+(``matmuls``: their count) and summed as ``2 m n k``, plus ``8 T H`` for the
+``gradient_rounding="fixed"`` rank-1 residual terms (``FIX_G``); with in-kernel products
 from the launch's constexprs, and ``mma_flop_ratio`` the same from the SASS
 (wgmma FLOP in the backward's loop bodies over the forward's, every branch
 counted once); ``atomics_per_kstep``: atomic instructions per thread in the
@@ -139,19 +140,22 @@ def logits_rows(T, V, dtype, mode):
     return rows
 
 
-def fused_rows(T, H, V, dtype, mode, split=None, backward=None):
+def fused_rows(T, H, V, dtype, mode, split=None, backward=None, rounding=None):
     import dataclasses
 
     from dualvp_torch import tuning
 
     setting = tuning.current()
     if split is not None:
-        setting = dataclasses.replace(setting, split_gradient=split)
+        setting = dataclasses.replace(setting, gradient_rounding="split" if split else "once")
+    if rounding is not None:
+        setting = dataclasses.replace(setting, gradient_rounding=rounding)
     if backward is not None:
         setting = dataclasses.replace(setting, triton_linear_backward=backward)
     with tuning.using(setting), static.hopper_target() as launches:
         static.drive_fused(launches, T, H, V, dtype, mode)
     label = mode + ("" if split is None else f",split={'on' if split else 'off'}") + (
+        "" if rounding is None else f",{rounding}") + (
         "" if backward is None else f",{backward}")
     rows, fwd_flop = [], None
     mm_flop = sum(2 * m * n * k for (_, m, n, k, _) in launches.matmuls)
@@ -166,7 +170,9 @@ def fused_rows(T, H, V, dtype, mode, split=None, backward=None):
             loops = a["each_loop"]
             r["atomics_per_kstep"] = max((lp["counts"]["atomic"] for lp in loops), default=0)
             if k.get("STORE_G"):  # G written per chunk; the products are the host's cuBLAS matmuls
-                r["flop_per_8thv"] = round((4 * T * H * V + mm_flop) / (8 * T * H * V), 3)
+                # "fixed" rounding: + the rank-1 residual terms, 2 slots x (dh + dW) x 2 T H
+                fix_flop = 8 * T * H if k.get("FIX_G") else 0
+                r["flop_per_8thv"] = round((4 * T * H * V + mm_flop + fix_flop) / (8 * T * H * V), 3)
                 r["matmuls"] = len(launches.matmuls)
             else:
                 prod = (2 if k.get("SPLIT_G") else 1) * (int(bool(k.get("NEED_DH"))) + int(bool(k.get("NEED_DW"))))
@@ -190,6 +196,7 @@ def _cases(args):
                 yield "fused", (T, H, V, dt, mode), {}
             if dt != "float32":
                 yield "fused", (T, H, V, dt, "lp+ent"), {"split": not _default_split()}
+                yield "fused", (T, H, V, dt, "lp+ent"), {"rounding": "fixed"}
                 yield "fused", (T, H, V, dt, "lp+ent"), {"backward": "atomic", "split": False}
             yield "fused", (T, H, V, dt, "lp+ent"), {"backward": "atomic"}
 
@@ -197,7 +204,7 @@ def _cases(args):
 def _default_split() -> bool:
     from dualvp_torch import tuning
 
-    return tuning.DEFAULT.split_gradient
+    return tuning.DEFAULT.gradient_rounding == "split"
 
 
 def main(argv=None):

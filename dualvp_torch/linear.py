@@ -73,7 +73,8 @@ Precision: every logits block and every gradient block ``G`` is float32
 tiles and ranks; each gradient is rounded once to the input dtype at the end.
 16-bit inputs on CUDA: the blocks are ``torch.mm(..., out_dtype=float32)`` of
 the 16-bit operands, and the backward products take ``G`` as a high and a low
-16-bit part (``tuning.Tuning.split_gradient``), each multiplied on tensor cores with float32
+16-bit part (``tuning.Tuning.gradient_rounding``; the option ``"fixed"`` rounds
+once and adds two rank-1 residual terms per row), each multiplied on tensor cores with float32
 accumulation; no float32 copy of a weight or hidden row is made. On the CPU
 (torch has no 16-bit matmul with float32 output there) the operands are
 upcast to float32 (exact) and ``G`` multiplies them as it is. float32 inputs
@@ -168,15 +169,16 @@ def _addmm_f32_(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor, first: bool
 def _g_parts(g: torch.Tensor, dtype: torch.dtype):
     """``G``'s parts in ``dtype``, one after the other: ``G_hi`` (``G`` rounded), then ``G_lo``.
 
-    ``G_lo`` only with ``tuning.current().split_gradient`` (a high and a low
-    part, ~16 significant bits; docs/decisions.md, "Fused LM-head: G split into hi + lo").
+    ``G_lo`` only with ``tuning.current().gradient_rounding == "split"`` (a high and a
+    low part, ~16 significant bits; docs/decisions.md, "Fused LM-head: G split into hi + lo";
+    ``"fixed"``: ``G_hi`` alone, the caller adds the rank-1 residual terms, :func:`_tile_fixes`).
 
     ``G_lo`` is ``G - G_hi`` (exact in float32) rounded, formed over ``g``
     itself: one 16-bit part is alive at a time next to the float32 tile.
     """
     hi = g.to(dtype)
     yield hi
-    if tuning.current().split_gradient:
+    if tuning.current().gradient_rounding == "split":
         g.sub_(hi)
         del hi
         yield g.to(dtype)
@@ -259,6 +261,45 @@ def _stats(h2, weight, local, owns, keep, tau, tiles, compiled: bool, kept=None)
     return spec.with_kept_pair(_sxp, stats, *spec.kept_pair(_sxp, zk, kept[1], tau))
 
 
+def _tile_peak(z, local, owns, valid, res, tau, j0: int, j1: int):
+    """``(ly, at_y, amax, peak)`` ``[tc]`` of a logits tile (``gradient_rounding="fixed"``), before it holds ``G``.
+
+    ``ly``: the target's tile column (clamped), ``at_y``: the tile holds it;
+    ``amax``: the row's largest logit's tile column, ``peak``: its ``p_v >
+    1/2`` (at most one column per row) and it is not the target.
+    """
+    zmax, amax = z.max(dim=1)
+    m = res[0]
+    ms = torch.where(m == float("-inf"), torch.zeros((), dtype=m.dtype, device=m.device), m)
+    ly = (local - j0).clamp(0, j1 - j0 - 1)
+    at_y = owns & valid & (local >= j0) & (local < j1)
+    peak = valid & (torch.exp((zmax - ms) / tau - res[1]) > 0.5) & ~(at_y & (amax == ly))
+    return ly, at_y, amax, peak
+
+
+def _tile_fixes(g, dtype, found=None, kept_cols=None):
+    """``[(tile column [tc], residual G - rnd(G) [tc])]`` of a gradient tile ``g`` (float32) rounded to ``dtype``.
+
+    ``found``: :func:`_tile_peak`'s result (the target and the ``p > 1/2``
+    column, residual 0 where the row has none); ``kept_cols``: ``(c, u,
+    vals)`` of ``keep_ids`` instead (every kept column: the written values'
+    residuals).
+    """
+    def residual(x):
+        return x - x.to(dtype).to(x.dtype)
+
+    if kept_cols is not None:
+        c, u, vals = kept_cols
+        zero = torch.zeros((), dtype=vals.dtype, device=vals.device)
+        return [(c[:, k].clamp(min=0), torch.where(u[:, k], residual(vals[:, k]), zero)) for k in range(c.shape[1])]
+    ly, at_y, amax, peak = found
+    out = []
+    for col, on in ((ly, at_y), (amax, peak)):
+        v = g.gather(1, col[:, None])[:, 0]
+        out.append((col, torch.where(on, residual(v), torch.zeros((), dtype=v.dtype, device=v.device))))
+    return out
+
+
 def _grads(h2, weight, local, owns, keep, res, valid, gl, ge, tau, tiles, need_dh, need_dw, compiled: bool,
            kept=None):
     """``(dh [T, H] float32 or None, dW [V_local, H] in weight's dtype or None)``: the local partial sums.
@@ -297,6 +338,7 @@ def _grads(h2, weight, local, owns, keep, res, valid, gl, ge, tau, tiles, need_d
     # 16-bit operands on CUDA: products of G's 16-bit parts with the rows as
     # they are (tensor cores, float32 accumulation), no float32 copies.
     native = _native_out_dtype(h2, cdt)
+    fixing = native and tuning.current().gradient_rounding == "fixed"
     up = (lambda x: x) if native else (lambda x: _up(x, cdt))
     # Operand rows upcast once where the inner loop has a single step (the
     # common case): the full hidden for vocabulary-major, the full weight for
@@ -330,6 +372,9 @@ def _grads(h2, weight, local, owns, keep, res, valid, gl, ge, tau, tiles, need_d
                     _sxp, spec.gather_columns(_sxp, z, c, u), kept[0][i0:i1], u, local[i0:i1], owns[i0:i1],
                     spec.Combined(*(f[i0:i1] for f in comb_all[:5]), None), valid[i0:i1], gl_kept[i0:i1],
                     None if ge_kept is None else ge_kept[i0:i1], tau)
+            found = None
+            if fixing and kept is None:
+                found = _tile_peak(z, local[i0:i1], owns[i0:i1], valid[i0:i1], res[:, i0:i1], tau, j0, j1)
             engines.block_grad_(
                 z, local[i0:i1], owns[i0:i1], kb, res[:, i0:i1], valid[i0:i1], gl[i0:i1], ge_i, tau, start=j0,
                 compiled=compiled,
@@ -337,6 +382,8 @@ def _grads(h2, weight, local, owns, keep, res, valid, gl, ge, tau, tiles, need_d
             if kept is not None:
                 spec.set_at_columns(_sxp, z, c, vals, u)
             if native:
+                fixes = _tile_fixes(z, h2.dtype, found, None if kept is None else (c, u, vals)) if fixing else ()
+                acc = None
                 for q, g in enumerate(_g_parts(z, h2.dtype)):
                     if need_dh:
                         _addmm_f32_(dh[i0:i1], g, w_j, False)
@@ -344,6 +391,13 @@ def _grads(h2, weight, local, owns, keep, res, valid, gl, ge, tau, tiles, need_d
                         acc = block_acc if block_acc is not None else dw_full[j0:j1]
                         _addmm_f32_(acc, g.t(), h_i, block_acc is not None and k == 0 and q == 0)
                     del g
+                # "fixed": G rounded once above; its residual at the target / p > 1/2 (or kept) columns added
+                # back as rank-1 terms into the float32 accumulators (dh per row; dW before its rounding)
+                for col, r in fixes:
+                    if need_dh:
+                        dh[i0:i1].addcmul_(r[:, None], w_j[col].to(cdt))
+                    if need_dw:
+                        acc.index_add_(0, col, r[:, None] * h_i.to(cdt))
             else:  # float32 G times float32 (or upcast) rows
                 if need_dh:
                     dh[i0:i1].addmm_(z, w_j)
@@ -486,7 +540,7 @@ class LinearLogProbEntropyFunction(torch.autograd.Function):
             dh, dw = linear_triton.grads(
                 h2, weight, _ycol(local, owns, valid), keep, (M, log_s, c if ge is not None else None, mk, log_sk),
                 gl, ge, opt.temperature,
-                need_dh, need_dw, ctx.allow_tf32, tuning.current().split_gradient, ctx.budget, kept_vals,
+                need_dh, need_dw, ctx.allow_tf32, tuning.current().gradient_rounding, ctx.budget, kept_vals,
             )
         else:
             with linear_triton.matmul_precision(h2, ctx.allow_tf32):

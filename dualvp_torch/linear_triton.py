@@ -188,7 +188,7 @@ def default_atomic_budget(v: int, hsz: int) -> int:
 
 
 def grads(h2, weight, ycol, keep, comb, gl, ge, temperature: float, need_dh: bool, need_dw: bool,
-          allow_tf32: bool, split_g: bool, budget: Optional[int], kept=None):
+          allow_tf32: bool, rounding: str, budget: Optional[int], kept=None):
     """``(dh [T, H] float32 or None, dW [V, H] in weight's dtype or None)``: this rank's partial sums.
 
     ``comb = (M, log_s, c, mk, log_sk)`` ``[T]`` float32 (``c`` may be
@@ -209,6 +209,17 @@ def grads(h2, weight, ycol, keep, comb, gl, ge, temperature: float, need_dh: boo
     unless ``allow_tf32``). ``"atomic"``: the kernel multiplies in-register
     ``G`` and adds with float32 atomics.
 
+    ``rounding`` (``Tuning.gradient_rounding``, 16-bit weights): ``"split"``
+    ``G_hi + G_lo``; ``"once"`` ``G`` rounded once; ``"fixed"`` (the
+    ``"gemm"`` backward; ``"atomic"`` runs it as ``"once"``) rounded once,
+    and the kernel records per row the residual ``d = G - rnd(G)`` at the
+    target column and at the column with ``p_v > 1/2`` (``FIX_G``); the host
+    adds ``d W[c]`` to ``dh`` (after the chunks, per row, slot 0 then 1) and
+    ``d h_t`` to the chunk's float32 ``dW`` block before its one rounding
+    (:func:`~dualvp_torch.triton_kernels.linear_bwd.linear_fix_dw_kernel`,
+    entries sorted by column: no atomics). With ``kept`` the residuals are
+    those of the written kept values at every kept column instead.
+
     ``kept``: ``(cols, use, vals)`` ``[T, K+1]`` (``keep_ids``: the kept
     columns and the gradient's values there, ``spec.kept_grad``, float32):
     written over each stored ``G`` chunk before its products (rounded once
@@ -223,8 +234,10 @@ def grads(h2, weight, ycol, keep, comb, gl, ge, temperature: float, need_dh: boo
     bt, bv, bk, warps = blocks(dev)
     M, log_s, c, mk, log_sk = (None if x is None else x.contiguous() for x in comb)
     has_ent = ge is not None
-    split = bool(split_g) and weight.dtype != torch.float32
     gemm = tuning.current().triton_linear_backward == "gemm"
+    sixteen = weight.dtype != torch.float32
+    fixing = rounding == "fixed" and sixteen and gemm
+    split = (rounding == "split" or (rounding == "fixed" and not gemm)) and sixteen  # atomic: "fixed" as split
     if kept is not None and not gemm:
         raise NotImplementedError(
             "keep_ids: the fused Triton backward writes the kept columns into its stored G chunks; "
@@ -237,13 +250,14 @@ def grads(h2, weight, ycol, keep, comb, gl, ge, temperature: float, need_dh: boo
         if budget is None:  # batch invariance: dh sums its chunks' products, so the chunk follows V alone
             chunk = min(v, max(bv, triton.cdiv(triton.cdiv(v, GEMM_CHUNKS), bv) * bv))
         else:
-            per_col = n * weight.element_size() * (2 if split else 1) + (4 * hsz if split and need_dw else 0)
+            per_col = n * weight.element_size() * (2 if split else 1) + (4 * hsz if (split or fixing) and need_dw
+                                                                          else 0)
             chunk = min(v, max(bv, budget // max(1, per_col) // bv * bv))
         g_hi = torch.empty((n, chunk), dtype=weight.dtype, device=dev)
         g_lo = torch.empty((n, chunk), dtype=weight.dtype, device=dev) if split else g_hi
         if need_dw:
             dw = torch.empty((v, hsz), dtype=weight.dtype, device=dev)
-            acc = torch.empty((chunk, hsz), dtype=torch.float32, device=dev) if split else None
+            acc = torch.empty((chunk, hsz), dtype=torch.float32, device=dev) if split or fixing else None
     elif need_dw:
         if weight.dtype == torch.float32:
             dw = acc = torch.zeros((v, hsz), dtype=torch.float32, device=dev)
@@ -252,6 +266,13 @@ def grads(h2, weight, ycol, keep, comb, gl, ge, temperature: float, need_dh: boo
             dw = torch.empty((v, hsz), dtype=weight.dtype, device=dev)
             acc = torch.empty((chunk, hsz), dtype=torch.float32, device=dev)
     chunked = not gemm and need_dw and acc is not dw  # atomic 16-bit dW: a float32 buffer per vocabulary chunk
+    fix = fixes = None
+    if fixing and kept is None:  # the kernel's residual slots [2, T] (column << 32 | float32 bits), -1: none
+        fix = torch.full((2, n), -1, dtype=torch.int64, device=dev)
+    elif fixing:  # keep_ids: the residuals of the kept values written over G, at every kept column
+        vals = kept[2]
+        fixes = (torch.where(kept[1], kept[0], -1).t().contiguous(),
+                 (vals - vals.to(weight.dtype).to(vals.dtype)).t().contiguous())
     dummy = dh if dh is not None else (acc if acc is not None else g_hi)  # a disabled output's pointer (unused)
     group_t = group_rows(triton.cdiv(n, bt), bt, hsz, dev)
     for j0 in range(0, v, chunk):
@@ -264,13 +285,14 @@ def grads(h2, weight, ycol, keep, comb, gl, ge, temperature: float, need_dh: boo
         linear_grad_kernel[(triton.cdiv(n, bt), triton.cdiv(j1 - j0, bv))](
             h2, wj, ycol, km, M, log_s, c if has_ent else M, mk, log_sk, gl, ge if has_ent else gl,
             dh if need_dh else dummy, dw_arg, g_hi if gemm else dummy, g_lo if gemm else dummy,
-            chunk if gemm else 0,
+            chunk if gemm else 0, fix if fix is not None else ycol,
             n, j1 - j0, hsz, j0,
             h2.stride(0), h2.stride(1), wj.stride(0), wj.stride(1),
             km.stride(0) if keep is not None else 0, km.stride(1) if keep is not None else 0,
             1.0 / temperature,
             HAS_KEEP=keep is not None, HAS_ENT_GRAD=has_ent, NEED_DH=need_dh, NEED_DW=need_dw,
-            SPLIT_G=split, STORE_G=gemm, UPCAST=_upcast(h2), PRECISION=_precision(h2, allow_tf32),
+            SPLIT_G=split, STORE_G=gemm, FIX_G=fix is not None, UPCAST=_upcast(h2),
+            PRECISION=_precision(h2, allow_tf32),
             BLOCK_T=bt, BLOCK_V=bv, BLOCK_K=bk, GROUP_T=group_t, **_launch(warps),
         )
         if gemm:
@@ -281,9 +303,13 @@ def grads(h2, weight, ycol, keep, comb, gl, ge, temperature: float, need_dh: boo
                 if need_dh:
                     for part in parts:
                         _mm_f32_into(dh, part, wj, first=False)
-                if need_dw and split:
+                if need_dw and (split or fixing):
                     for i, part in enumerate(parts):
                         _mm_f32_into(acc[: j1 - j0], part.t(), h2, first=i == 0)
+                    if fixing:
+                        if fix is not None:
+                            fixes = _unpack(fix)
+                        _fix_dw(acc[: j1 - j0], h2, *fixes, j0, j1)
                     dw[j0:j1].copy_(acc[: j1 - j0])  # the one rounding of this chunk of dW
                 elif need_dw:  # G rounded once (or float32): cuBLAS accumulates in float32, rounds once into dW
                     if dev.type == "cuda":
@@ -292,7 +318,42 @@ def grads(h2, weight, ycol, keep, comb, gl, ge, temperature: float, need_dh: boo
                         dw[j0:j1].copy_(parts[0].t().float() @ h2.float())
         elif chunked:
             dw[j0:j1].copy_(acc[: j1 - j0])  # the one rounding of this chunk of dW
+    if fixing and need_dh:
+        cols, res = _unpack(fix) if fix is not None else fixes
+        for s_cols, s_res in zip(cols, res):  # per row, slot after slot: the same order wherever the row sits
+            dh.addcmul_(s_res[:, None], weight[s_cols.clamp(min=0)].to(torch.float32))
     return dh, dw
+
+
+def _unpack(fix: torch.Tensor):
+    """``(cols [S, T] int64, res [S, T] float32)`` of the kernel's packed slots; ``res`` 0 where ``cols`` is -1."""
+    cols = fix >> 32
+    res = (fix & 0xFFFFFFFF).to(torch.int32).view(torch.float32)
+    return cols, torch.where(cols >= 0, res, torch.zeros((), dtype=torch.float32, device=fix.device))
+
+
+def _fix_dw(acc: torch.Tensor, h2: torch.Tensor, cols: torch.Tensor, res: torch.Tensor, j0: int, j1: int) -> None:
+    """Add ``res[s, t] h2[t]`` to ``acc[cols[s, t] - j0]`` (float32) for the entries with a column in ``[j0, j1)``.
+
+    No host sync: the entries are sorted by column (stable: slot-major row
+    order within a column) and :func:`linear_fix_dw_kernel` sums each
+    column's run, found by ``searchsorted``, in that order.
+    """
+    from .triton_kernels.linear_bwd import linear_fix_dw_kernel
+
+    n = cols.shape[-1]
+    flat = cols.reshape(-1)
+    width = j1 - j0
+    key = torch.where((flat >= j0) & (flat < j1), flat - j0, width)
+    key, order = torch.sort(key, stable=True)
+    bounds = torch.searchsorted(key, torch.arange(width + 1, dtype=key.dtype, device=key.device))
+    hsz = h2.shape[1]
+    cuda = acc.device.type == "cuda"
+    bh = min(2048, triton.next_pow2(hsz)) if cuda else min(64, triton.next_pow2(hsz))
+    # CUDA: >= 8 16-bit elements of h per thread (16-byte loads): one warp per 512 columns
+    linear_fix_dw_kernel[(width, triton.cdiv(hsz, bh))](
+        acc, h2, (order % n).to(torch.int32), res.reshape(-1)[order], bounds, hsz, acc.stride(0), h2.stride(0),
+        h2.stride(1), BLOCK_H=bh, **_launch(max(1, bh // 512) if cuda else None))
 
 
 def _set_kept(parts, kept, start: int, width: int) -> None:
@@ -332,6 +393,10 @@ class _Triton:
     @staticmethod
     def cdiv(a: int, b: int) -> int:
         return -(-a // b)
+
+    @staticmethod
+    def next_pow2(a: int) -> int:
+        return 1 << max(0, (a - 1).bit_length())
 
 
 triton = _Triton()

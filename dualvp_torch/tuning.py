@@ -24,7 +24,7 @@ from typing import Iterator, Optional
 
 import torch
 
-__all__ = ["Tuning", "DEFAULT", "current", "using"]
+__all__ = ["Tuning", "DEFAULT", "GRADIENT_ROUNDINGS", "current", "using"]
 
 
 def _frozenset_field(name: str, value, kind: type) -> frozenset:
@@ -35,6 +35,10 @@ def _frozenset_field(name: str, value, kind: type) -> frozenset:
     if bad:
         raise TypeError(f"{name}: expected a set of {kind.__name__}, got {bad[0]!r} in it")
     return items
+
+
+#: The values of :attr:`Tuning.gradient_rounding`.
+GRADIENT_ROUNDINGS = ("split", "once", "fixed")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -67,10 +71,19 @@ class Tuning:
         thresholds and ``malloc_trim`` around the eager CPU chunks); off, the
         op makes no allocator call of its own
         (docs/decisions.md, "glibc heap calls of the eager path: opt-in").
-      split_gradient: the fused LM-head op's 16-bit backward products take
-        the float32 gradient block ``G`` as a high and a low 16-bit part (two
-        products each) rather than rounded once
-        (docs/decisions.md, "Fused LM-head: G split into hi + lo").
+      gradient_rounding: how the fused LM-head op's 16-bit backward products
+        take the float32 gradient block ``G``: ``"split"`` (the default) a
+        high and a low 16-bit part, two products each (12 T H V FLOP);
+        ``"once"`` rounded once to the input dtype, as the peers do (8 T H
+        V; dh/dW error up to 2.3x that of float64 rounded once);
+        ``"fixed"`` rounded once, and the rounding residual ``G - rnd(G)``
+        at two columns per row (the target's and the one with ``p_v >
+        1/2``) added back as rank-1 terms (8 T H V + O(T H); the Triton
+        ``"gemm"`` backward and the tile path's 16-bit GEMMs on CUDA; the
+        ``"atomic"`` backward runs it as ``"split"``). Not the default: within 2x of
+        float64 rounded once on the measured cases, but outside the fused
+        tests' elementwise 16-bit tolerance on some
+        (docs/decisions.md, "Fused op: batch invariance and G rounding").
       triton_default_devices: device types ("cuda") on which ``impl=None``
         selects the logits op's Triton kernels (``impl="triton"``) when
         ``triton`` is installed. Empty until a GPU run has checked them
@@ -92,7 +105,7 @@ class Tuning:
     max_eager_workers: int = 8
     cpu_chunk_scratch_bytes: int = 16 << 20
     glibc_heap: bool = False
-    split_gradient: bool = True
+    gradient_rounding: str = "split"
     triton_default_devices: frozenset = frozenset()
     triton_linear_blocks: Optional[tuple] = None
     triton_linear_backward: str = "gemm"
@@ -108,9 +121,12 @@ class Tuning:
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ValueError(f"{name}: expected an int >= 1, got {v!r}")
-        for name in ("glibc_heap", "split_gradient"):
+        for name in ("glibc_heap",):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"{name}: expected a bool, got {getattr(self, name)!r}")
+        if self.gradient_rounding not in GRADIENT_ROUNDINGS:
+            raise ValueError(f"gradient_rounding: expected one of {GRADIENT_ROUNDINGS}, "
+                             f"got {self.gradient_rounding!r}")
         if self.triton_linear_backward not in ("gemm", "atomic"):
             raise ValueError(f"triton_linear_backward: expected 'gemm' or 'atomic', "
                              f"got {self.triton_linear_backward!r}")

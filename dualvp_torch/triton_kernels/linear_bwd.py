@@ -35,19 +35,19 @@ import triton.language as tl
 
 from .linear_tile import dot, tile_logits
 
-__all__ = ["linear_grad_kernel"]
+__all__ = ["linear_fix_dw_kernel", "linear_grad_kernel"]
 
 
 @triton.jit
 def linear_grad_kernel(
     h_ptr, w_ptr, ycol_ptr, keep_ptr,
     M_ptr, log_s_ptr, c_ptr, mk_ptr, log_sk_ptr, gl_ptr, ge_ptr,
-    dh_ptr, dw_ptr, g_hi_ptr, g_lo_ptr, stride_g,
+    dh_ptr, dw_ptr, g_hi_ptr, g_lo_ptr, stride_g, fix_ptr,
     T, V, H, col0,
     stride_ht, stride_hk, stride_wv, stride_wk, stride_kt, stride_kv,
     inv_tau,
     HAS_KEEP: tl.constexpr, HAS_ENT_GRAD: tl.constexpr, NEED_DH: tl.constexpr, NEED_DW: tl.constexpr,
-    SPLIT_G: tl.constexpr, STORE_G: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
+    SPLIT_G: tl.constexpr, STORE_G: tl.constexpr, FIX_G: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_T: tl.constexpr,
 ):
     """Add this tile's ``G W_j`` to ``dh [T, H]`` and ``G^T h_i`` to ``dW [V, H]`` (float32, contiguous).
@@ -56,7 +56,12 @@ def linear_grad_kernel(
     (``G_hi``, and ``G_lo`` with ``SPLIT_G``) into ``g_hi``/``g_lo [T, V]``
     (row stride ``stride_g``, chunk-local columns) and multiplies nothing:
     the host forms ``dh += G W`` and ``dW = G^T h`` with cuBLAS (the
-    Liger/verl backward; no atomics).
+    Liger/verl backward; no atomics). ``FIX_G`` (with ``STORE_G``, ``G``
+    rounded once): ``fix [2, T]`` int64 also receives, per row, the target
+    column's (slot 0) and the ``p_v > 1/2`` column's (slot 1, not the
+    target) shard column and rounding residual ``G - rnd(G)`` (float32 bits),
+    packed ``column << 32 | bits``; rows without one keep the host's ``-1``.
+    The host adds them back as rank-1 terms (:func:`linear_fix_dw_kernel`).
 
     ``w``, ``keep`` and ``dW`` start at the shard's column ``col0`` (a
     vocabulary chunk of ``V`` columns: its float32 ``dW`` buffer is
@@ -136,6 +141,18 @@ def linear_grad_kernel(
         tl.store(g_hi_ptr + g_off, g_hi, mask=g_ok)
         if SPLIT_G:
             tl.store(g_lo_ptr + g_off, g_lo, mask=g_ok)
+        if FIX_G:  # the rounding residuals at the target column and at the column with p > 1/2, per row
+            # packed (shard column << 32 | float32 bits of G - rnd(G)): one 64-bit store per slot, so a
+            # reader never pairs one column with another column's residual (two columns of a row with
+            # p > 1/2 in float32 rounding: the larger packed value, whole). (Reducing the residual and
+            # the column separately compiled to more registers: 177-211 against 167, sm_90.)
+            res_bits = (g - g_hi.to(tl.float32)).to(tl.uint32, bitcast=True).to(tl.int64)
+            packed = ((cols + col0)[None, :] << 32) | res_bits
+            live = g_ok & valid[:, None]
+            at_y = tl.max(tl.where(live & is_y, packed, -1), axis=1)  # the target: one column per row
+            peak = tl.max(tl.where(live & (e_all > 0.5) & (~is_y), packed, -1), axis=1)  # p_v > 1/2: at most one
+            tl.store(fix_ptr + rows, at_y, mask=at_y >= 0)
+            tl.store(fix_ptr + T + rows, peak, mask=peak >= 0)
     else:  # (no early return: Triton's code generator would compile the statements after it too)
         # the products in the kernel: float32 accumulation, added to dh and dW
         if UPCAST:
@@ -164,3 +181,28 @@ def linear_grad_kernel(
                     part = dot(tl.trans(g_lo), hb, part, PRECISION)
                 tl.atomic_add(dw_ptr + cols[:, None] * H + kk[None, :], part,
                               mask=col_ok[:, None] & k_ok[None, :], sem="relaxed")
+
+
+@triton.jit
+def linear_fix_dw_kernel(acc_ptr, h_ptr, rows_ptr, res_ptr, bounds_ptr, H, stride_a, stride_ht, stride_hk,
+                         BLOCK_H: tl.constexpr):
+    """``acc[c] += sum_e res[e] h[rows[e]]`` over the entries ``e in [bounds[c], bounds[c + 1])``, in entry order.
+
+    The rank-1 residual terms of ``dW`` (``dW[c] += d_t h_t``, spec fused-op
+    section with ``G = rnd(G) + d``) added into a vocabulary chunk's float32
+    ``dW`` block ``acc [chunk, H]`` before its one rounding: grid ``(chunk,
+    cdiv(H, BLOCK_H))``; the entries sorted by column (row order within a
+    column), so the sums run in one order on every run (no atomics).
+    """
+    c = tl.program_id(0)
+    kk = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    k_ok = kk < H
+    lo = tl.load(bounds_ptr + c)
+    hi = tl.load(bounds_ptr + c + 1)
+    if hi > lo:
+        a = tl.load(acc_ptr + c * stride_a + kk, mask=k_ok, other=0.0)
+        for e in range(lo, hi):
+            t = tl.load(rows_ptr + e).to(tl.int64)  # (int32 rows: T * H may pass 2^31)
+            d = tl.load(res_ptr + e)
+            a += d * tl.load(h_ptr + t * stride_ht + kk * stride_hk, mask=k_ok, other=0.0).to(tl.float32)
+        tl.store(acc_ptr + c * stride_a + kk, a, mask=k_ok)

@@ -83,13 +83,13 @@ def run_case(rank: int, world: int, case_kw: dict, hidden: int, run_kw: dict, lo
 
     run_kw = dict(run_kw)
     hidden_grad, weight_grad = run_kw.pop("hidden_grad", True), run_kw.pop("weight_grad", True)
-    split = run_kw.pop("split_gradient", tuning.current().split_gradient)
+    rounding = run_kw.pop("gradient_rounding", tuning.current().gradient_rounding)
     backward = run_kw.pop("triton_linear_backward", tuning.current().triton_linear_backward)
     dt = getattr(torch, P.case.dtype)
     h = torch.tensor(P.hidden).to(dt).requires_grad_(hidden_grad)
     w = torch.tensor(P.weight).to(dt).requires_grad_(weight_grad)
     keep = None if P.keep_mask is None else torch.tensor(P.keep_mask)
-    with tuning.using(tuning.Tuning(split_gradient=split, triton_linear_backward=backward)):
+    with tuning.using(tuning.Tuning(gradient_rounding=rounding, triton_linear_backward=backward)):
         lp, en = linear_logprob_entropy(h, w, torch.tensor(P.target), keep_mask=keep,
                                         temperature=P.case.temperature, ignore_index=P.case.ignore_index, **run_kw)
         loss = (lp * torch.tensor(P.grad_logprob, dtype=lp.dtype)).sum()

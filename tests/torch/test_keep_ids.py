@@ -168,6 +168,18 @@ def test_fused_triton_kernels_keep_ids(name):
     _check(p, _fused(p, "triton", budget=600 if name == "nucleus_ids" else None), name)
 
 
+def test_fused_triton_fixed_gradient_keep_ids():
+    # gradient_rounding="fixed" with keep_ids: the kept values written over G rounded once, their residuals
+    # added back as rank-1 terms at every kept column. bfloat16: G rounded once alone fails this case
+    if not _triton_ok():
+        pytest.skip("needs triton under TRITON_INTERPRET=1")
+    from dualvp_torch import tuning
+
+    p = cases.make_linear(cases.case("confident_lm_bf16_ids"), 8)
+    with tuning.using(tuning.Tuning(gradient_rounding="fixed")):
+        _check(p, _fused(p, "triton"))
+
+
 def test_fused_triton_atomic_backward_refuses_keep_ids():
     if not _triton_ok():
         pytest.skip("needs triton under TRITON_INTERPRET=1")

@@ -76,3 +76,45 @@ def test_split_gradient_within_twice_the_rounding(emulated, dtype):
     for x, r in ((dh, ref.dh), (dw, ref.dW)):
         floor = np.abs(round_to_dtype(r, dtype) - r).max()
         assert np.abs(x - r).max() <= 2 * floor, (np.abs(x - r).max(), floor)
+
+
+@pytest.mark.parametrize("impl,budget", [("eager", None), ("eager", 256 * 300 * (4 + 44)),
+                                         pytest.param("compiled", None, marks=pytest.mark.slow)])
+@pytest.mark.parametrize("rounding", ["fixed", "once"])
+def test_fixed_gradient_within_twice_the_rounding(emulated, rounding, impl, budget):
+    # gradient_rounding="fixed": G rounded once, one product per part, and the rank-1 residual terms at
+    # the target and p > 1/2 columns: dh and dW within 2x of the float64 result rounded once (issue 45).
+    # "once" alone exceeds 2x on this case (benchmarks/g_rounding.py: 2.30 dh, 2.11 dW), so the check
+    # fails without the residual terms. budget: several tiles per row and per column (vocab-major)
+    from dualvp_torch import tuning
+
+    c = cases.case("basic", lead=(256,), vocab=2048, worlds=(1,), dtype="bfloat16", mask="none", temperature=0.7,
+                   seed=2)
+    P = cases.make_linear(c, 128)
+    with tuning.using(tuning.Tuning(gradient_rounding=rounding)):
+        _, _, dh, dw = _run(P, budget=budget, impl=impl)
+    ref = oracle_linear(P)
+    ratios = [np.abs(x - r).max() / np.abs(round_to_dtype(r, "bfloat16") - r).max() for x, r in ((dh, ref.dh),
+                                                                                              (dw, ref.dW))]
+    assert (max(ratios) <= 2) == (rounding == "fixed"), ratios
+    assert emulated and len(emulated) % 4 == 0  # forward block, recompute, dh and dW: one part of G each
+
+
+@pytest.mark.parametrize("rounding", ["fixed", "once"])
+def test_fixed_gradient_keep_ids(emulated, rounding):
+    # keep_ids: the kept values written over G rounded once, their residuals added back at every kept
+    # column; against the oracle (G rounded once alone fails this case)
+    from dualvp import testing
+    from dualvp_torch import tuning
+
+    p = cases.make_linear(cases.case("confident_lm_bf16_ids"), 8)
+    h = torch.from_numpy(p.hidden).to(torch.bfloat16).requires_grad_(True)
+    w = torch.from_numpy(p.weight).to(torch.bfloat16).requires_grad_(True)
+    with tuning.using(tuning.Tuning(gradient_rounding=rounding)):
+        lp, en = linear_logprob_entropy(h, w, torch.from_numpy(p.target), keep_ids=torch.from_numpy(p.keep_ids),
+                                        temperature=p.case.temperature, ignore_index=p.case.ignore_index,
+                                        impl="eager", memory_budget=600)
+        torch.autograd.backward([lp, en], [torch.from_numpy(x).to(lp.dtype) for x in (p.grad_logprob,
+                                                                                    p.grad_entropy)])
+    out = testing.LinearOutputs(*(x.detach().double().numpy() for x in (lp, en, h.grad, w.grad)))
+    assert bool(testing.failures(p, {"torch": out})) == (rounding == "once")

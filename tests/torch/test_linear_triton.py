@@ -209,13 +209,13 @@ def test_two_ranks(dtype, two_ranks):
         assert np.array_equal(out["plain"]["lp"], res[0]["plain"]["lp"])  # identical on every rank
 
 
-# --- the 16-bit backward's gradient tile: hi + lo split (default) or rounded once ---------------
+# --- the 16-bit backward's gradient tile: rounded once + rank-1 fixes (default), hi + lo split, or once ---------------
 
 
 def _g_once(P, dtype):
     """``(dh, dW)`` of ``G`` (float64 oracle, through float32) rounded once to ``dtype``, products in float64.
 
-    An independent formulation of ``split_gradient=False``: NumPy on the
+    An independent formulation of ``gradient_rounding="once"``: NumPy on the
     oracle's ``G`` (``dualvp.reference``), not the kernels' arithmetic; the
     results rounded once to ``dtype`` as the op returns them.
     """
@@ -232,24 +232,69 @@ def _floor(r, dtype):
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("rounding", ["split", "fixed"])
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
-def test_split_gradient_within_twice_the_rounding(dtype):
-    # the default (hi + lo split of G): max |error| of dh and dW <= 2 x the float64 result rounded once
-    P, (_, _, dh, dw) = _run(_case(dtype, T=64, V=512, mask="nucleus", seed=3), 64)
+def test_split_gradient_within_twice_the_rounding(dtype, rounding):
+    # hi + lo split of G, and G rounded once + the rank-1 residual terms: max |error| of dh and dW
+    # <= 2 x the float64 result rounded once
+    P, (_, _, dh, dw) = _run(_case(dtype, T=64, V=512, mask="nucleus", seed=3), 64, gradient_rounding=rounding)
     ref = oracle_linear(P)
     for name, x, r in (("dh", dh, ref.dh), ("dW", dw, ref.dW)):
         assert np.abs(x - r).max() <= 2 * _floor(r, dtype), (name, np.abs(x - r).max() / _floor(r, dtype))
 
 
+def _g_fixed(P, dtype):
+    """``(dh, dW)`` of ``G`` rounded once to ``dtype`` but exact (float32) at the target and the ``p > 1/2`` columns.
+
+    An independent formulation of ``gradient_rounding="fixed"`` (as
+    ``benchmarks/g_rounding.py``'s ``tgt+peak``): NumPy on the oracle's
+    ``G``; ``p`` the unmasked softmax of the float64 logits.
+    """
+    z = P.hidden @ P.weight.T
+    g = reference.logprob_entropy_grad(z, P.target, P.grad_logprob, P.grad_entropy, keep_mask=P.keep_mask,
+                                       temperature=P.case.temperature, ignore_index=P.case.ignore_index)
+    g32 = g.astype(np.float32).astype(np.float64)
+    fixed = round_to_dtype(g32, dtype)
+    rows = np.nonzero((P.target >= 0) & (P.target < z.shape[1]))[0]
+    fixed[rows, P.target[rows]] = g32[rows, P.target[rows]]
+    u = z / P.case.temperature
+    p = np.exp(u - u.max(1, keepdims=True))
+    p /= p.sum(1, keepdims=True)
+    fixed = np.where(p > 0.5, g32, fixed)
+    return round_to_dtype(fixed @ P.weight, dtype), round_to_dtype(fixed.T @ P.hidden, dtype)
+
+
+@pytest.mark.parametrize("dtype,mask,seed,model", [
+    pytest.param("bfloat16", "none", 0, False, marks=pytest.mark.slow),  # ~6 s under the interpreter
+    pytest.param("float16", "nucleus", 3, False, marks=pytest.mark.slow),
+    pytest.param("float16", "none", 0, True, marks=pytest.mark.slow),
+])
+def test_fixed_gradient_within_twice_the_rounding(dtype, mask, seed, model):
+    # gradient_rounding="fixed" (G rounded once + the rank-1 residual terms at the target and the
+    # p > 1/2 column): max |error| of dh and dW <= 2 x the float64 result rounded once (issue 45). G
+    # rounded once alone exceeds it on the bfloat16 case (2.6x dW, measured under the interpreter).
+    P, (_, _, dh, dw) = _run(_case(dtype, T=64, V=512, mask=mask, seed=seed), 64, gradient_rounding="fixed")
+    ref = oracle_linear(P)
+    for name, x, r in (("dh", dh, ref.dh), ("dW", dw, ref.dW)):
+        assert np.abs(x - r).max() <= 2 * _floor(r, dtype), (name, np.abs(x - r).max() / _floor(r, dtype))
+    if model:
+        # the same rounding as the NumPy formulation, within one rounding unit (float16: see
+        # test_gradient_rounded_once_option). G rounded once alone is 2.2x (dh) / 2.4x (dW) away on this
+        # case; on float16 nucleus seed 3 the default is 1.01x away (one dW entry's last rounding flips)
+        fixed = _g_fixed(P, dtype)
+        for name, x, o, r in (("dh", dh, fixed[0], ref.dh), ("dW", dw, fixed[1], ref.dW)):
+            assert np.abs(x - o).max() <= _floor(r, dtype), (name, np.abs(x - o).max() / _floor(r, dtype))
+
+
 @pytest.mark.slow
 def test_gradient_rounded_once_option():
-    # split_gradient=False: G rounded once to the operand dtype; the kernels' dh and dW against the
+    # gradient_rounding="once": G rounded once to the operand dtype; the kernels' dh and dW against the
     # independent NumPy formulation of the same rounding (within one rounding unit: the kernels' G is
     # float32 arithmetic, which may round a few entries of G the other way). float16 only: the
     # interpreter converts float32 to bfloat16 by truncation (a GPU rounds to nearest), so its
     # bfloat16 G rounded once is not the GPU's.
     dtype = "float16"
-    P, (_, _, dh, dw) = _run(_case(dtype, T=64, V=512, mask="nucleus", seed=3), 64, split_gradient=False)
+    P, (_, _, dh, dw) = _run(_case(dtype, T=64, V=512, mask="nucleus", seed=3), 64, gradient_rounding="once")
     ref = oracle_linear(P)
     once = _g_once(P, dtype)
     for name, x, o, r in (("dh", dh, once[0], ref.dh), ("dW", dw, once[1], ref.dW)):

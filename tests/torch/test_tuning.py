@@ -15,6 +15,7 @@ def test_frozen_with_the_documented_defaults():
     assert t.float64_sums_devices == {"cpu", "cuda"} and t.static_vocab_devices == {"cuda"}
     assert t.full_stats_cpu_dtypes == {torch.bfloat16, torch.float16}
     assert t.glibc_heap is False  # the default path makes no allocator call of its own
+    assert t.gradient_rounding == "split"  # "fixed" is an option (docs/decisions.md, G rounding)
     with pytest.raises(dataclasses.FrozenInstanceError):
         t.glibc_heap = True
     assert tuning.Tuning(static_vocab_devices=["cpu"]).static_vocab_devices == frozenset({"cpu"})
@@ -27,6 +28,8 @@ def test_frozen_with_the_documented_defaults():
     ("max_eager_workers", 0, ValueError),
     ("cpu_chunk_scratch_bytes", 1.5, ValueError),
     ("glibc_heap", 1, TypeError),
+    ("gradient_rounding", True, ValueError),  # the former split_gradient bool: now one of three names
+    ("gradient_rounding", "hi+lo", ValueError),
 ])
 def test_bad_fields_name_the_field(field, value, error):
     with pytest.raises(error, match=f"^{field}: expected"):
