@@ -170,8 +170,13 @@ def test_killed_worker_survivors_raise_and_everything_exits(launch):
     print(f"kill -9 of rank {launch['victim']}: survivors raised after "
           f"{[round(launch['faults'][r]['time'] - launch['t_kill'], 2) for r in sorted(launch['faults'])]} s, "
           f"agents exited after {launch['t_agents']:.2f} s, all workers gone after {launch['gone_after']} s")
-    assert sorted(launch["faults"]) == survivors, launch["faults"]
-    for r in survivors:
+    # Every survivor that raised did so with the dead peer's error, within the bound, and at least one raised.
+    # A survivor may instead be stopped by its agent (torchrun tears down a node's worker group once one of its
+    # workers exits) before its own call fails: it leaves no fault record, and "no hang" is then the bound on
+    # every process being gone (CI saw rank 3 stopped so, 1.5 s after the kill, its neighbour rank 2 having raised).
+    raised = sorted(launch["faults"])
+    assert raised and set(raised) <= set(survivors), launch["faults"]
+    for r in raised:
         f = launch["faults"][r]
         assert f["type"] == "RuntimeError", f
         assert f["time"] - launch["t_kill"] < KILL_BOUND, f
