@@ -605,6 +605,10 @@ def run_launched(args) -> int:
                 rows, run_error, digest = None, f"{type(exc).__name__}: {exc}", ""
         table = [None] * world
         dist.all_gather_object(table, (rows, run_error, digest))
+        # No rank tears its group down while a peer may still be inside the gather: gloo's worker
+        # threads of a torn-down pair can abort the process at exit (CI saw one SIGABRT, "terminate
+        # called without an active exception", after every rank had printed PASS).
+        dist.barrier()
     finally:
         dist.destroy_process_group()
     return _launched_verdict(table, rank, world, tp, args, prob if not failed else None)

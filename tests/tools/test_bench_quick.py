@@ -60,8 +60,9 @@ def test_bench_quick_appends_one_row_per_impl_and_mode(tmp_path):
         assert (r["err_entropy"] == "") == (not MODES[r["mode"]].with_entropy), r
     one = {(r["impl"], r["mode"]): r for r in one}
     assert one["torch-eager", "lp"]["T"] == "16" and one["torch-eager", "lp"]["V_local"] == "256"
-    if "dualvp-torch-inplace" in impls:  # the gradient overwrites the logits: O(T) extra
-        assert float(one["dualvp-torch-inplace", "lp"]["peak_extra_B"]) < 0.5
+    # The in-place row's memory (O(T) extra) is pinned by tests/torch/test_logits_memory.py with the
+    # allocator's own counts: at 16 x 256 (B = 16 KiB, four pages) an RSS peak is one stray arena
+    # growth away from 4 B (CI saw 3.75 under load), so here only the column's presence is checked.
     if "dualvp-torch-eager" in impls:
         w2 = [r for r in rows if r["W"] == "2"]
         assert sorted(r["mode"] for r in w2) == sorted(modes) and all(r["V_local"] == "128" for r in w2)
