@@ -15,9 +15,18 @@ without the ``[T, V_local]`` logits ever existing.
 W gloo ranks.
 """
 
-from . import compat  # noqa: F401
 from .function import logprob_entropy
 from .linear import linear_logprob_entropy
 from .kl import kl_divergence
 
 __all__ = ["logprob_entropy", "linear_logprob_entropy", "kl_divergence", "compat"]
+
+
+def __getattr__(name):
+    # ``dualvp_torch.compat`` (the drop-ins, a layer above the ops) is imported on first use, as its stack
+    # modules are: importing the ops does not load every drop-in.
+    if name == "compat":
+        import importlib
+
+        return importlib.import_module(f"{__name__}.compat")
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -35,7 +35,8 @@ import torch
 
 from dualvp import validation
 
-from . import agreement, collectives, engines, linear_triton
+from . import agreement, collectives, linear_triton, selection
+from .engine_names import FIXED, NAMES
 
 __all__ = [
     "Call",
@@ -56,7 +57,7 @@ class Call(NamedTuple):
     """A checked call: what the engines and the agreement read, a pure function of the call's metadata."""
 
     opt: validation.Options
-    engine: str  # a name of dualvp_torch.engines.ENGINES
+    engine: str  # a name of dualvp_torch.engine_names.NAMES
     rank: int
     world: int
     rows: int  # T, the target's elements
@@ -66,7 +67,7 @@ class Call(NamedTuple):
     validate: bool
     record: Optional[tuple]  # the agreement record (validate=True with a group), bad-target field 0
     fields: tuple  # its layout: validation.RECORD_FIELDS or LINEAR_RECORD_FIELDS
-    plan: Any = None  # the engine's launch state (engines.EngineEntry.plan)
+    plan: Any = None  # the engine's launch state (selection.Traits.plan)
 
     @property
     def vocab(self) -> int:
@@ -105,8 +106,8 @@ def check_call(group: object, validate: object, impl: object) -> tuple[int, int]
         raise TypeError(f"group: expected a torch.distributed.ProcessGroup or None, got {kind(group)}")
     if not isinstance(validate, bool):
         raise TypeError(f"validate: expected a bool, got {type(validate).__name__} {validate!r}")
-    if impl is not None and impl not in engines.NAMES:
-        raise ValueError(f"impl: expected None or one of {engines.NAMES}, got {impl!r}")
+    if impl is not None and impl not in NAMES:
+        raise ValueError(f"impl: expected None or one of {NAMES}, got {impl!r}")
     return collectives.group_rank_world(group)
 
 
@@ -201,7 +202,7 @@ def logits_options(lm: tuple, tm: tuple, km: Optional[tuple], temperature: objec
 
 
 def _engine_available(engine: str, device: torch.device) -> None:
-    reason = engines.ENGINES[engine].unavailable(device)
+    reason = selection.TRAITS[engine].unavailable(device)
     if reason is not None:
         raise ValueError(f"impl: {engine!r} {reason}")
 
@@ -232,7 +233,7 @@ def _cached_logits_call(group, validate: bool, engine: str, lm: tuple, tm: tuple
         ))
     call = Call(opt, engine, rank, world, rows, lm[0][-1], lm[1], lm[2].type, validate, record,
                 validation.RECORD_FIELDS)
-    return call._replace(plan=engines.ENGINES[engine].plan(call))
+    return call._replace(plan=selection.TRAITS[engine].plan(call))
 
 
 def logits_call(
@@ -266,8 +267,8 @@ def logits_call(
         try:
             # an explicit engine is checked by the cached call (check_call); None and "compiled" (which falls
             # back to "eager" once compiling failed) are resolved at each call
-            engine = (impl if impl in engines.FIXED
-                      else engines.select(impl, logits.device, triton_default=not (multi_target or with_sum_p2)))
+            engine = (impl if impl in FIXED
+                      else selection.select(impl, logits.device, triton_default=not (multi_target or with_sum_p2)))
             return _cached_logits_call(
                 group, validate, engine,
                 (logits.shape, logits.dtype, logits.device, logits.requires_grad, logits.is_leaf,
@@ -294,7 +295,7 @@ def logits_call(
                              _meta3(keep_ids))
         if taum is not None and validate is True:
             check_temperature_values(temperature)
-        engine = engines.select(impl, logits.device, triton_default=not extended_options(opt))
+        engine = selection.select(impl, logits.device, triton_default=not extended_options(opt))
         return _cached_logits_call(group, validate, engine, meta(logits), _meta3(target), _meta3(keep_mask),
                                    opt.temperature, opt.ignore_index, with_entropy, entropy_grad, inplace_grad,
                                    label_smoothing, multi_target, with_sum_p2, taum, _meta3(keep_ids))
@@ -392,7 +393,7 @@ def agree(call: Call, bad: Optional[torch.Tensor], group: object, hint: torch.Te
 def _check_fused_options(hidden: torch.Tensor, engine: str, allow_tf32: object) -> None:
     if not isinstance(allow_tf32, bool):
         raise TypeError(f"allow_tf32: expected a bool, got {type(allow_tf32).__name__} {allow_tf32!r}")
-    if not engines.ENGINES[engine].spec_stages:  # the fused Triton kernels
+    if not selection.TRAITS[engine].spec_stages:  # the fused Triton kernels
         if hidden.dtype not in (torch.float32, torch.bfloat16, torch.float16):
             raise ValueError(f"impl: {engine!r} takes float32, bfloat16 or float16 hidden states, got {hidden.dtype}")
         reason = linear_triton.unavailable(hidden.device)
@@ -430,7 +431,7 @@ def linear_call(
         for name, x in (("weight", weight), ("target", target), ("keep_mask", keep_mask), ("keep_ids", keep_ids)):
             if x is not None and x.device != hidden.device:
                 raise ValueError(f"{name}: expected a tensor on hidden's device {hidden.device}, got device {x.device}")
-        engine = engines.select(impl, hidden.device, triton_default=False)
+        engine = selection.select(impl, hidden.device, triton_default=False)
         _check_fused_options(hidden, engine, allow_tf32)
         record = None
         if validate and group is not None:

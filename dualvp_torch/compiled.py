@@ -26,12 +26,13 @@ from typing import Callable, Optional
 
 import torch
 
-from . import stages, tuning
+from . import engine_names, stages, tuning
 
 __all__ = ["COMPILE_ERRORS", "failed", "run", "one_graph_break"]  # noqa: F822 - COMPILE_ERRORS: module __getattr__
 
-# The compile cache and the fallback flag (tests reset it with a fresh dict).
-_state: dict = {"failed": False}
+# The compile cache (tests reset it with a fresh dict); the fallback flag is dualvp_torch.engine_names's,
+# which choosing an engine reads without importing this module.
+_state: dict = {}
 _lock = threading.Lock()
 
 
@@ -56,7 +57,7 @@ def __getattr__(name: str):
 
 def failed() -> bool:
     """``True`` once compiling a stage has failed in this process."""
-    return _state["failed"]
+    return engine_names.compile_failed()
 
 
 # Each stage is meant to be one fused pass over the shard. Inductor stores a
@@ -172,8 +173,7 @@ def run(fn: Callable, args: tuple, has_entropy: bool, has_keep: Optional[bool] =
     except _compile_errors() as exc:
         if _caused_by_oom(exc):
             raise
-        if not _state["failed"]:
-            _state["failed"] = True
+        if engine_names.record_compile_failure():
             warnings.warn(
                 f"dualvp_torch: torch.compile of the local kernels failed ({type(exc).__name__}: {exc}); "
                 "falling back to the eager row-chunked path for the rest of the process",

@@ -31,7 +31,8 @@ engine         how the spec runs                                                
                                                                                    ``TRITON_INTERPRET=1``
 =============  ==================================================================  ==========================
 
-Selection (:func:`select`, the one place that reads an engine's name): the
+Selection (:func:`select`, from :mod:`dualvp_torch.selection`, the one place that reads an engine's
+name; the checks import it, and no engine, from there): the
 ``impl`` argument when given; else ``"triton"`` on the device types of
 ``Tuning.triton_default_devices`` (none by default) when the ``triton``
 package is installed, else the environment variable ``DUALVP_COMPILE`` read
@@ -51,9 +52,7 @@ stage; ``compiled=True`` tries the compiled stage first.
 
 from __future__ import annotations
 
-import os
-import typing
-from typing import Any, Callable, Literal, NamedTuple, Optional
+from typing import Any, Callable, NamedTuple, Optional
 
 import torch
 
@@ -62,8 +61,9 @@ from dualvp import spec
 from . import compiled as _compiled_path
 from . import eager as _eager_path
 from . import stages as _stages
-from . import triton_kernels as _triton
 from . import tuning
+from .engine_names import FIXED, NAMES, Engine
+from .selection import TRAITS, select
 from .stages import compute_dtype, xp
 
 __all__ = [
@@ -83,13 +83,8 @@ __all__ = [
     "block_grad_",
 ]
 
-#: What ``impl`` may name (``None``: :func:`select` chooses).
-Engine = Literal["compiled", "eager", "triton"]
-#: The engines' names, in the order of :data:`Engine`.
-NAMES: tuple[str, ...] = typing.get_args(Engine)
-#: The engines a call that names one gets as named; ``"compiled"`` falls back to ``"eager"`` once compiling
-#: failed in this process, so :func:`select` resolves it (and ``None``) at each call.
-FIXED: frozenset = frozenset(NAMES) - {"compiled"}
+# Engine, NAMES, FIXED (dualvp_torch.engine_names) and select (dualvp_torch.selection) are re-exported here:
+# choosing an engine, which the checks do, imports no engine.
 
 #: The eager path's temporaries per block element of the fused op, in bytes,
 #: for either stage (the larger of the eager stages' per-element scratch; the
@@ -105,7 +100,8 @@ def __getattr__(name: str):
 
 
 class EngineEntry(NamedTuple):
-    """One row of :data:`ENGINES`: an engine's steps (see the module docstring) and what it serves."""
+    """One row of :data:`ENGINES`: an engine's steps (see the module docstring) and its traits
+    (:data:`dualvp_torch.selection.TRAITS`: what it serves)."""
 
     name: str
     #: device types it serves; ``None``: every device
@@ -123,37 +119,6 @@ class EngineEntry(NamedTuple):
     spec_stages: bool
     #: the fused op's scratch per tile element besides the float32 tile, in bytes
     tile_scratch_bytes: int
-
-
-def _triton_unavailable(device: torch.device) -> Optional[str]:
-    if not _triton.available():
-        return "needs the triton package (pip install 'dualvp[triton]'), not installed"
-    if device.type == "cpu" and not _triton.interpreting():
-        return "runs CUDA tensors (or CPU tensors under TRITON_INTERPRET=1), got logits on the CPU"
-    return None
-
-
-def select(impl: Optional[str] = None, device: Optional[torch.device] = None, *, triton_default: bool = True) -> str:
-    """The engine a call runs: ``impl`` if given, else the default for ``device`` (see the module docstring).
-
-    ``"compiled"`` becomes ``"eager"`` once compiling has failed in this
-    process. ``triton_default=False``: ``impl=None`` never selects
-    ``"triton"`` (the fused op).
-
-    Raises:
-      ValueError: ``impl`` is not ``None`` or one of :data:`NAMES`.
-    """
-    if impl is None:
-        if (triton_default and device is not None and device.type in tuning.current().triton_default_devices
-                and _triton.available()):
-            return "triton"
-        off = os.environ.get("DUALVP_COMPILE", "1").strip().lower() in ("0", "false", "no")
-        impl = "eager" if off else "compiled"
-    elif impl not in NAMES:
-        raise ValueError(f"impl: expected None or one of {NAMES}, got {impl!r}")
-    if impl == "compiled" and _compiled_path.failed():
-        return "eager"
-    return impl
 
 
 def accumulation_dtype(z: torch.Tensor, compiled: bool = True) -> Optional[torch.dtype]:
@@ -359,18 +324,17 @@ def _spec_stages(compiled: bool) -> tuple:
 # (plan.finalize) the statistics kernel writes the outputs itself: stats passes them to merge in ``rows``.
 
 
-#: dualvp_torch.logits_triton, once a plan is made: every call's plan is made with its checks, before any of
-#: the steps below run (an import statement per step cost ~1 us of host time each).
+#: dualvp_torch.logits_triton, imported at the first step (its plan, made with the call's checks by
+#: dualvp_torch.selection, imported it already; an import statement per step cost ~1 us of host time each).
 _lt = None
 
 
-def _triton_plan(call):
+def _launchers():
     global _lt
     from . import logits_triton
 
     _lt = logits_triton
-    return logits_triton.make_plan(call.opt, call.rank, call.world, call.rows, call.v_local, call.dtype,
-                                   call.device_type, False, None)
+    return logits_triton
 
 
 def _triton_stats(z, y, keep, call):
@@ -378,10 +342,11 @@ def _triton_stats(z, y, keep, call):
     z = z if z.stride(-1) == 1 else z.contiguous()
     keep = None if keep is None else (keep if keep.stride(-1) == 1 else keep.contiguous()).view(torch.uint8)
     plan = call.plan
+    lt = _lt or _launchers()
     if plan.finalize:  # one launch: logprob, entropy, res; "stats" is any tensor (a group of 1 gathers it)
-        logprob, entropy, res, _ = _lt.stats_outputs(z, y, keep, plan)
+        logprob, entropy, res, _ = lt.stats_outputs(z, y, keep, plan)
         return res, None, (logprob, entropy, res)
-    st, _ = _lt.stats(z, y, keep, plan)  # [S, T, 6]
+    st, _ = lt.stats(z, y, keep, plan)  # [S, T, 6]
     return st, None, None
 
 
@@ -389,30 +354,25 @@ def _triton_merge(all_stats, y, rows, call):
     if rows is not None:
         return rows
     # [W, S, T, 6] -> [W S, T, 6]: the merge is associative over ranks and column splits alike
-    return _lt.merge(all_stats.flatten(0, 1), y, call.plan)  # (T may be 0: no reshape(-1, ...))
+    return (_lt or _launchers()).merge(all_stats.flatten(0, 1), y, call.plan)  # (T may be 0: no reshape(-1, ...))
 
 
 def _triton_grad(z, y, keep, res, gl, ge, call, out=None):
     z = z if z.stride(-1) == 1 else z.contiguous()
     keep = None if keep is None else (keep if keep.stride(-1) == 1 else keep.contiguous()).view(torch.uint8)
-    return _lt.grad(z, y, keep, res, gl, ge, call.plan, out=out)
+    return (_lt or _launchers()).grad(z, y, keep, res, gl, ge, call.plan, out=out)
 
 
-def _no_plan(call):
-    return None
+def _entry(name: str, stats, merge_, grad, *, compiled: bool, tile_scratch_bytes: int) -> EngineEntry:
+    t = TRAITS[name]
+    return EngineEntry(name, t.devices, t.unavailable, t.plan, stats, merge_, grad, compiled=compiled,
+                       spec_stages=t.spec_stages, tile_scratch_bytes=tile_scratch_bytes)
 
 
-def _everywhere(device: torch.device) -> Optional[str]:
-    return None
-
-
-#: The registry: engine name -> its steps and devices.
+#: The registry: engine name -> its steps and traits.
 ENGINES: dict[str, EngineEntry] = {
-    "compiled": EngineEntry("compiled", None, _everywhere, _no_plan, *_spec_stages(True), compiled=True,
-                            spec_stages=True, tile_scratch_bytes=0),
-    "eager": EngineEntry("eager", None, _everywhere, _no_plan, *_spec_stages(False), compiled=False,
-                         spec_stages=True, tile_scratch_bytes=BLOCK_SCRATCH_BYTES),
-    "triton": EngineEntry("triton", frozenset({"cuda", "cpu"}), _triton_unavailable, _triton_plan, _triton_stats,
-                          _triton_merge, _triton_grad, compiled=False, spec_stages=False, tile_scratch_bytes=0),
+    "compiled": _entry("compiled", *_spec_stages(True), compiled=True, tile_scratch_bytes=0),
+    "eager": _entry("eager", *_spec_stages(False), compiled=False, tile_scratch_bytes=BLOCK_SCRATCH_BYTES),
+    "triton": _entry("triton", _triton_stats, _triton_merge, _triton_grad, compiled=False, tile_scratch_bytes=0),
 }
 assert tuple(ENGINES) == NAMES

@@ -14,23 +14,29 @@ One module per stack, each exporting that stack's names and signatures:
 
 The names importable from ``dualvp_torch.compat`` itself (``vocab_parallel_cross_entropy``,
 ``calculate_log_probs_and_entropy``, ``linear_cross_entropy``) are kept for existing code. The stack
-modules are imported on first use (``dualvp_torch.compat.trl`` etc.); none imports its stack.
+modules, and those three names with theirs, are imported on first use (``dualvp_torch.compat.trl``
+etc.); none imports its stack.
 """
 
 from __future__ import annotations
 
 import importlib
 
-from .megatron import vocab_parallel_cross_entropy
-from .slime import calculate_log_probs_and_entropy
-from .verl import linear_cross_entropy
-
 __all__ = ["calculate_log_probs_and_entropy", "linear_cross_entropy", "vocab_parallel_cross_entropy"]
 
 _STACKS = ("trl", "verl", "nemo_rl", "areal", "megatron", "slime")
+#: the names kept from before the per-stack modules, and the module each comes from
+_NAMES = {"vocab_parallel_cross_entropy": "megatron", "calculate_log_probs_and_entropy": "slime",
+          "linear_cross_entropy": "verl"}
 
 
 def __getattr__(name):
     if name in _STACKS:
         return importlib.import_module(f"{__name__}.{name}")
+    if name in _NAMES:
+        return getattr(importlib.import_module(f"{__name__}.{_NAMES[name]}"), name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__():
+    return sorted(set(globals()) | set(_STACKS) | set(_NAMES))

@@ -13,7 +13,7 @@ torch = pytest.importorskip("torch")
 
 from dualvp import reference  # noqa: E402
 from dualvp.testing import cases  # noqa: E402
-from dualvp_torch import compiled, engines, logprob_entropy  # noqa: E402
+from dualvp_torch import compiled, engine_names, engines, logprob_entropy  # noqa: E402
 
 from .test_logits_conformance import _problem  # noqa: E402
 
@@ -182,6 +182,7 @@ def test_import_does_not_load_the_compiler():
 def test_compile_failure_falls_back_once(monkeypatch):
     monkeypatch.setenv("DUALVP_COMPILE", "1")
     state = dict(compiled._state)
+    monkeypatch.setattr(engine_names, "_state", {"compile_failed": False})
     import torch._inductor.exc
 
     def fail(*a):
@@ -210,6 +211,7 @@ def test_only_compile_failures_fall_back(monkeypatch, error):
 
     monkeypatch.setenv("DUALVP_COMPILE", "1")
     state = dict(compiled._state)
+    monkeypatch.setattr(engine_names, "_state", {"compile_failed": False})
 
     def fail(*a):
         if error == "oom":
@@ -226,7 +228,7 @@ def test_only_compile_failures_fall_back(monkeypatch, error):
     try:
         with pytest.raises((torch.OutOfMemoryError, RuntimeError)):
             logprob_entropy(z, y)
-        assert not compiled._state["failed"]
+        assert not compiled.failed()
         assert engines.select() == "compiled"
     finally:
         compiled._state.clear()

@@ -10,7 +10,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from dualvp_torch import compiled, engines, logprob_entropy, tuning  # noqa: E402
+from dualvp_torch import compiled, engine_names, engines, logprob_entropy, tuning  # noqa: E402
 
 from .test_logits_memory import _measure  # noqa: E402
 
@@ -44,7 +44,8 @@ def test_views_and_coincident_sizes_do_not_recompile(monkeypatch, masked):
     # Allowed: one specialisation per stage when views at a storage offset
     # >= 2 follow offset-0 inputs (dynamo's 0/1 rule). (The merge is compiled
     # off the CPU only.)
-    monkeypatch.setattr(compiled, "_state", {"failed": False})
+    monkeypatch.setattr(compiled, "_state", {})
+    monkeypatch.setattr(engine_names, "_state", {"compile_failed": False})
     g = torch.Generator().manual_seed(3)
     V = 40
 
@@ -81,7 +82,8 @@ def test_static_vocab_compiles_once_per_width_with_dynamic_rows(monkeypatch):
     # Tuning.static_vocab_devices (the GPU's default, off on the CPU), checked on the CPU: one graph
     # per stage for every row count (views and contiguous inputs alike), a new one per vocabulary
     # width, and the same numbers as the dynamic-shape kernels.
-    monkeypatch.setattr(compiled, "_state", {"failed": False})
+    monkeypatch.setattr(compiled, "_state", {})
+    monkeypatch.setattr(engine_names, "_state", {"compile_failed": False})
     count = lambda: torch._dynamo.utils.counters["stats"]["unique_graphs"]  # noqa: E731
 
     def step(t, v, static):
@@ -114,7 +116,8 @@ def test_a_small_first_call_does_not_compile_serial_kernels(monkeypatch):
     # statistics at T=4, V_local=64; every stage takes the same options.
     from torch._inductor.utils import fresh_inductor_cache, run_and_get_code
 
-    monkeypatch.setattr(compiled, "_state", {"failed": False})
+    monkeypatch.setattr(compiled, "_state", {})
+    monkeypatch.setattr(engine_names, "_state", {"compile_failed": False})
     g = torch.Generator().manual_seed(2)
     x = torch.randn(4, 64, generator=g)
     y = torch.randint(0, 64, (4,), generator=g)
