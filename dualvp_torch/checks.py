@@ -22,11 +22,12 @@ its longer record; its record holds whether hidden and weight require grad
 under the current grad mode, so it is not cached.
 
 This module's job is to share the check helpers: :func:`kind`,
-:func:`dtype_name`, :func:`meta`, :func:`check_target_keep`.
+:func:`dtype_name`, :func:`meta`, :func:`check_target_keep`, :func:`argument_names`.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 from typing import Any, Callable, NamedTuple, Optional
@@ -41,6 +42,7 @@ from .engine_names import FIXED, NAMES
 __all__ = [
     "Call",
     "kind",
+    "argument_names",
     "dtype_name",
     "meta",
     "check_call",
@@ -85,6 +87,23 @@ def kind(x: object) -> str:
     if isinstance(x, torch.Tensor):
         return f"tensor of dtype {dtype_name(x.dtype)} and shape {tuple(x.shape)}"
     return f"{type(x).__name__} {x!r}"[:200]
+
+
+@contextlib.contextmanager
+def argument_names(**names: str):
+    """Re-word errors of :func:`dualvp_torch.logprob_entropy` with the caller's argument names (``inner=outer``).
+
+    The errors are raised alike on every rank (agreement step), so the
+    re-worded ones are too.
+    """
+    try:
+        yield
+    except (TypeError, ValueError) as exc:
+        msg = str(exc)
+        for inner, outer in names.items():
+            if msg.startswith(inner + ":"):
+                raise type(exc)(outer + msg[len(inner) :]) from exc
+        raise
 
 
 def meta(x: Optional[torch.Tensor]) -> Optional[tuple]:

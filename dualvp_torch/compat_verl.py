@@ -3,6 +3,6 @@
 Kept so that ``from dualvp_torch.compat_verl import linear_cross_entropy`` keeps working.
 """
 
-from .compat.verl import REDUCTIONS, linear_cross_entropy  # noqa: F401
+from .compat.verl_fused import REDUCTIONS, linear_cross_entropy  # noqa: F401
 
 __all__ = ["linear_cross_entropy"]

@@ -60,7 +60,7 @@ import torch
 # it has been imported, so nothing here imports it before a DTensor is seen.
 _DT_MODULES = ("torch.distributed.tensor", "torch.distributed._tensor")
 
-__all__ = ["dtensor_module", "is_dtensor", "involves_dtensor", "logprob_entropy"]
+__all__ = ["dtensor_module", "is_dtensor", "involves_dtensor", "logprob_entropy", "replicated_to_plain", "vocab_local"]
 
 
 def dtensor_module():
@@ -297,3 +297,40 @@ def logprob_entropy(local_op, logits, target, *, group=None, keep_mask=None, inp
 
     logprob = outs[0]
     return (wrap(logprob, tuple(logprob.shape[-1:]) if multi_target else ()),) + tuple(wrap(t) for t in outs[1:])
+
+
+def replicated_to_plain(x):
+    """A DTensor result of the op (O(T) values) as the plain tensor the stacks' callers expect.
+
+    ``full_tensor()`` of an output that is replicated over the vocab mesh dim
+    moves no vocabulary-sized data: at most O(T) values when other mesh dims
+    shard the rows. Differentiable.
+    """
+    if x is None or not is_dtensor(x):
+        return x
+    return x.full_tensor()
+
+
+def vocab_local(logits):
+    """``(local shard, group)`` of DTensor logits whose vocab dim is ``Shard(-1)`` over one mesh dim and
+    every other mesh dim ``Replicate`` (the FSDP-TP layout of the loss logits); raises otherwise."""
+    dt = dtensor_module()
+    ndim = logits.ndim
+    vocab_dims = []
+    for i, p in enumerate(logits.placements):
+        if isinstance(p, dt.Shard) and p.dim in (-1, ndim - 1):
+            vocab_dims.append(i)
+        elif not isinstance(p, dt.Replicate):
+            raise ValueError(
+                f"logits: expected a DTensor with the vocabulary (last) dim Shard(-1) and every other mesh dim "
+                f"Replicate, got placements {tuple(logits.placements)}"
+            )
+    if len(vocab_dims) > 1:
+        raise ValueError(f"logits: the vocabulary dim is sharded over {len(vocab_dims)} mesh dims; expected one")
+    if vocab_dims and logits.shape[-1] % logits.device_mesh.size(vocab_dims[0]):
+        raise ValueError(
+            f"logits: vocabulary {logits.shape[-1]} not divisible by the vocab mesh dim's size "
+            f"{logits.device_mesh.size(vocab_dims[0])} (equal shards needed)"
+        )
+    group = logits.device_mesh.get_group(vocab_dims[0]) if vocab_dims else None
+    return logits.to_local(), group

@@ -32,14 +32,18 @@ import torch
 
 
 from . import checks, library
-from . import extended as _extended_op
 from . import dtensor as _dtensor
-from .engines import Engine
+from . import extended as _extended_op
+from .checks import argument_names, kind
+from .engine_names import Engine
 
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
 
-__all__ = ["logprob_entropy"]
+__all__ = ["logprob_entropy", "logprob_entropy_or_raise", "logprobs_k", "sum_pi_squared", "entropy_only"]
+
+#: The ignore id of the calls below that fill a target (the op's default ``ignore_index``).
+IGNORE_INDEX = -100
 
 def logprob_entropy(
     logits: torch.Tensor,
@@ -221,3 +225,104 @@ def _extended(
 def _plain(logits, target, keep_mask) -> bool:
     return (type(logits) is torch.Tensor and type(target) is torch.Tensor
             and (keep_mask is None or type(keep_mask) is torch.Tensor))
+
+
+# --- the calls of the op that the drop-ins share (dualvp_torch.compat) ------------------------------------------
+#
+# * logprobs_k: ``K`` log-probs per position (TRL's ``index [..., K]``, NeMo-RL's
+#   ``ChunkedDistributedGatherLogprob``): ONE call of the op with ``multi_target=True`` (one pass, one
+#   statistics all-gather whatever ``K``).
+# * sum_pi_squared: ``sum_v p_v^2`` (verl's optimal-token baseline): ONE call with ``with_sum_p2=True``.
+# * entropy_only: the entropy, every row's log-prob ignored.
+# * logprob_entropy_or_raise: the op, or a drop-in's own argument error raised on every rank.
+
+
+def logprob_entropy_or_raise(logits, target, *, caller_error: Optional[BaseException] = None, **options):
+    """:func:`logprob_entropy`, or a drop-in's own argument error raised on every rank.
+
+    ``caller_error`` (a ``TypeError`` / ``ValueError`` naming the drop-in's
+    argument, found before the op runs) goes through the op's check routine
+    (:func:`dualvp_torch.checks.logits_call`): with a group and
+    ``validate=True`` the agreement all-gather carries it, so every rank
+    raises and none waits in a collective. ``options``: the op's keywords.
+    """
+    if caller_error is None:
+        return logprob_entropy(logits, target, **options)
+    return library.logprob_entropy(logits, target, caller_error=caller_error, **options)  # raises
+
+
+def logprobs_k(
+    logits: torch.Tensor,
+    index: torch.Tensor,
+    *,
+    group,
+    ignore_index: int,
+    temperature: float = 1.0,
+    validate: bool = True,
+    names: Optional[dict] = None,
+) -> torch.Tensor:
+    """``[..., K]`` log-probs of the ids ``index [..., K]`` (global) under ``softmax(logits / tau)``.
+
+    ONE call of the core op with ``multi_target=True``: one pass over the logits, one statistics
+    all-gather whatever ``K`` (plus the agreement's with ``validate=True``); float32 (float64 for
+    float64 logits). An ``ignore_index`` entry gives 0 there (and no gradient); every other id outside
+    ``[0, V)`` raises ``ValueError`` on every rank. Gradient: ``sum_k g_k (onehot(y_k) - p) / tau``,
+    formed in float32 and rounded once to the logits' dtype.
+    """
+    names = names or {}
+    if _dtensor.is_dtensor(logits) or _dtensor.is_dtensor(index):
+        raise TypeError(
+            f"{names.get('logits', 'logits')}: DTensor inputs are not supported with several ids per position "
+            "yet; pass the local shard and the group"
+        )
+    if not isinstance(index, torch.Tensor) or index.dim() < 1:
+        raise TypeError(f"{names.get('target', 'index')}: expected an integer tensor [..., K], got {kind(index)}")
+    with argument_names(**names):
+        lp, _ = logprob_entropy(
+            logits, index, group=group, keep_mask=None, temperature=temperature, with_entropy=False,
+            entropy_grad=True, ignore_index=ignore_index, validate=validate, inplace_grad=False, impl=None,
+            multi_target=True,
+        )
+    return lp
+
+
+def sum_pi_squared(logits: torch.Tensor, group, name: str = "logits") -> torch.Tensor:
+    """``[...]`` ``sum_v softmax(z)_v^2`` over the whole vocabulary from ``logits [..., V_local]``.
+
+    ONE call of the core op with ``with_sum_p2=True`` (one statistics all-gather; every row's log-prob
+    ignored), differentiable (``2 p_v (p_v - S)``); float32 (float64 for float64 logits); the input is
+    never modified. DTensor logits (vocab ``Shard(-1)``, other mesh dims ``Replicate``) are taken as they
+    are: the local shard and the vocab mesh dim's group, never gathered.
+    """
+    if _dtensor.is_dtensor(logits):
+        logits, group = _dtensor.vocab_local(logits)
+    if not isinstance(logits, torch.Tensor) or not logits.is_floating_point() or logits.dim() < 1:
+        raise TypeError(f"{name}: expected a floating torch.Tensor [..., V_local], got {kind(logits)}")
+    if logits.shape[-1] == 0:
+        raise ValueError(f"{name}: expected a non-empty vocabulary dim, got shape {tuple(logits.shape)}")
+    target = torch.full(logits.shape[:-1], IGNORE_INDEX, dtype=torch.int64, device=logits.device)
+    with argument_names(logits=name):
+        _, _, s = logprob_entropy(
+            logits, target, group=group, keep_mask=None, temperature=1.0, with_entropy=False, entropy_grad=True,
+            ignore_index=IGNORE_INDEX, validate=True, inplace_grad=False, impl=None, with_sum_p2=True,
+        )
+    return s
+
+
+def entropy_only(logits, *, group, entropy_grad: bool = True, names: Optional[dict] = None) -> torch.Tensor:
+    """``[...]`` entropy of ``softmax(logits)`` over the whole vocabulary (one op call, every row's log-prob
+    ignored). DTensor logits are taken as they are (their vocab mesh dim's group; ``group`` must then be
+    ``None``); the result is a plain tensor."""
+    names = names or {}
+    local = logits.to_local() if _dtensor.is_dtensor(logits) else logits
+    if not isinstance(local, torch.Tensor) or local.dim() < 1:
+        with argument_names(**names):
+            raise TypeError(f"logits: expected a torch.Tensor [..., V_local] of a floating dtype, got {kind(logits)}")
+    target = torch.full(local.shape[:-1], IGNORE_INDEX, dtype=torch.int64, device=local.device)
+    if _dtensor.is_dtensor(logits):
+        group = None
+    with argument_names(**names):
+        _, entropy = logprob_entropy(
+            logits, target, group=group, with_entropy=True, entropy_grad=entropy_grad, ignore_index=IGNORE_INDEX
+        )
+    return _dtensor.replicated_to_plain(entropy)

@@ -27,6 +27,7 @@ import torch
 import torch.distributed as dist
 
 from . import _core
+from ..function import logprob_entropy
 from ._core import NO_IGNORE, argument_names, check_chunk_size
 
 __all__ = ["gather_logprobs", "gather_logprobs_entropy"]
@@ -41,7 +42,7 @@ def _group(tp_group):
 
 def _call(logits, labels, temperature, group, with_entropy, names=None):
     with argument_names(target="labels", **(names or {})):
-        return _core.logprob_entropy(
+        return logprob_entropy(
             logits, labels, group=group, temperature=temperature, with_entropy=with_entropy, ignore_index=NO_IGNORE
         )
 

@@ -35,10 +35,10 @@ from .. import checks, library
 from .. import dtensor as _dtensor
 from ..compiled import one_graph_break
 from ..function import logprob_entropy
+from ..function import logprob_entropy_or_raise as _logprob_entropy_or_raise
 from ..stages import compute_dtype, xp
 from ._core import IGNORE_INDEX as _IGNORE_INDEX
 from ._core import argument_names as _argument_names
-from ._core import logprob_entropy_or_raise as _logprob_entropy_or_raise
 from ._core import resolve_megatron_group as _resolve_megatron_group
 
 __all__ = ["vocab_parallel_cross_entropy"]

@@ -28,7 +28,7 @@ since the id lies on no shard), except ``-100``, which gives 0 and no gradient a
 ``vocab_start_index`` / ``vocab_end_index`` raise on every rank. The logits are never modified.
 
 ``ChunkedDistributedGatherLogprob`` (``K`` ids per position) runs the core op's K-target pass
-(``_core.logprobs_k``: one pass, one statistics all-gather whatever ``K``); a ``-100`` id gives 0 at its
+(``dualvp_torch.function.logprobs_k``: one pass, one statistics all-gather whatever ``K``); a ``-100`` id gives 0 at its
 own position only.
 """
 
@@ -41,8 +41,8 @@ import torch
 
 from .. import collectives
 from ..checks import kind
-from . import _core
-from ._core import IGNORE_INDEX, argument_names, check_chunk_size, check_flag, logprob_entropy_or_raise
+from ..function import entropy_only, logprob_entropy_or_raise, logprobs_k
+from ._core import IGNORE_INDEX, argument_names, check_chunk_size, check_flag
 
 __all__ = ["DistributedLogprob", "ChunkedDistributedLogprob", "ChunkedDistributedGatherLogprob",
            "ChunkedDistributedEntropy"]
@@ -136,7 +136,7 @@ class ChunkedDistributedGatherLogprob:
                     validate=True, inplace_grad=False, impl=None, caller_error=error,
                 )
         with _grad_mode(inference_only):
-            return _core.logprobs_k(
+            return logprobs_k(
                 vocab_parallel_logits, global_indices, group=tp_group, ignore_index=IGNORE_INDEX,
                 names={"logits": "vocab_parallel_logits", "target": "global_indices"},
             )
@@ -152,4 +152,4 @@ class ChunkedDistributedEntropy:
         check_chunk_size(chunk_size)
         _check_group(tp_group, "tp_group")
         with _grad_mode(inference_only):
-            return -_core.entropy_only(vocab_parallel_logits, group=tp_group, names=_NAMES)
+            return -entropy_only(vocab_parallel_logits, group=tp_group, names=_NAMES)

@@ -37,7 +37,7 @@ Deliberate differences from TRL:
 * The entropy of a row with ``-inf`` logits is finite (TRL's is NaN from ``0 * -inf``).
 
 ``K`` ids per position run the core op's K-target pass (``multi_target=True``: one pass over the
-logits, see ``_core.logprobs_k``).
+logits, see ``dualvp_torch.function.logprobs_k``).
 
 :data:`calls` counts the calls of the two functions (``"selective_log_softmax"``,
 ``"entropy_from_logits"``), so that a run can check that the patch is active.
@@ -51,8 +51,8 @@ import sys
 
 import torch
 
-from . import _core
-from ._core import NO_IGNORE, _kind, argument_names, check_chunk_size, check_flag, stack_dtype
+from ..function import entropy_only, logprob_entropy, logprobs_k
+from ._core import NO_IGNORE, argument_names, check_chunk_size, check_flag, kind, stack_dtype
 
 __all__ = ["selective_log_softmax", "entropy_from_logits", "selective_log_softmax_and_entropy", "install",
            "uninstall", "calls"]
@@ -85,18 +85,18 @@ def selective_log_softmax(
     calls["selective_log_softmax"] += 1
     check_flag(float32_output, "float32_output")
     if not isinstance(logits, torch.Tensor) or logits.dim() < 1:
-        raise TypeError(f"logits: expected a torch.Tensor [..., V] of a floating dtype, got {_kind(logits)}")
+        raise TypeError(f"logits: expected a torch.Tensor [..., V] of a floating dtype, got {kind(logits)}")
     if not isinstance(index, torch.Tensor):
-        raise TypeError(f"index: expected an integer torch.Tensor [...] or [..., K], got {_kind(index)}")
+        raise TypeError(f"index: expected an integer torch.Tensor [...] or [..., K], got {kind(index)}")
     index, keep = _apply_row_mask(index, row_mask)
     if index.dim() == logits.dim() - 1:
         with argument_names(**_NAMES):
-            out, _ = _core.logprob_entropy(
+            out, _ = logprob_entropy(
                 logits, index, temperature=temperature, with_entropy=False, ignore_index=NO_IGNORE
             )
     elif index.dim() == logits.dim() and tuple(index.shape[:-1]) == tuple(logits.shape[:-1]):
         # the core op's K-target pass (one pass, one statistics gather whatever K)
-        out = _core.logprobs_k(logits, index, group=None, ignore_index=NO_IGNORE, temperature=temperature,
+        out = logprobs_k(logits, index, group=None, ignore_index=NO_IGNORE, temperature=temperature,
                                names=_NAMES)
     else:
         raise ValueError(
@@ -114,7 +114,7 @@ def _apply_row_mask(index, row_mask):
         return index, None
     if not isinstance(row_mask, torch.Tensor) or tuple(row_mask.shape) != tuple(index.shape):
         raise ValueError(f"row_mask: expected None or a tensor of the index's shape {tuple(index.shape)}, "
-                         f"got {_kind(row_mask)}")
+                         f"got {kind(row_mask)}")
     keep = row_mask != 0
     return torch.where(keep, index, torch.zeros((), dtype=index.dtype, device=index.device)), keep
 
@@ -134,10 +134,10 @@ def selective_log_softmax_and_entropy(
     check_flag(entropy_requires_grad, "entropy_requires_grad")
     check_flag(float32_output, "float32_output")
     if not isinstance(index, torch.Tensor):
-        raise TypeError(f"index: expected an integer torch.Tensor [...], got {_kind(index)}")
+        raise TypeError(f"index: expected an integer torch.Tensor [...], got {kind(index)}")
     index, keep = _apply_row_mask(index, row_mask)
     with argument_names(**_NAMES):
-        lp, ent = _core.logprob_entropy(
+        lp, ent = logprob_entropy(
             logits, index, temperature=temperature, with_entropy=True, entropy_grad=entropy_requires_grad,
             ignore_index=NO_IGNORE,
         )
@@ -155,7 +155,7 @@ def entropy_from_logits(logits, chunk_size: int = 128, *, float32_output: bool =
     calls["entropy_from_logits"] += 1
     check_chunk_size(chunk_size)
     check_flag(float32_output, "float32_output")
-    entropy = _core.entropy_only(logits, group=None)
+    entropy = entropy_only(logits, group=None)
     return stack_dtype(entropy, logits.dtype, float32_output)
 
 

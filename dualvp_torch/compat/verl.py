@@ -35,7 +35,7 @@ every rank) instead of giving an undefined value; the logits are never modified 
 ``_VocabParallelEntropy`` restores them after modifying them, megatron-core's cross-entropy overwrites
 float32 logits); float64 logits give float64 log-probs.
 
-The sum of squared probabilities is the core op's ``with_sum_p2`` output (``_core.sum_pi_squared``: one
+The sum of squared probabilities is the core op's ``with_sum_p2`` output (``dualvp_torch.function.sum_pi_squared``: one
 call, one statistics all-gather, differentiable).
 
 Fused: the drop-in for verl's ``linear_cross_entropy`` (``verl.utils.kernel.linear_cross_entropy``).
@@ -73,14 +73,12 @@ label outside ``[0, V)`` raises ``ValueError`` on every rank. ``impl``
 
 from __future__ import annotations
 
-import numbers
-from typing import Optional
-
 import torch
 
-from ..linear import linear_logprob_entropy
+from ..function import entropy_only, logprob_entropy, sum_pi_squared
 from . import _core
 from ._core import IGNORE_INDEX, argument_names, check_chunk_size, check_flag, stack_dtype
+from .verl_fused import REDUCTIONS, linear_cross_entropy  # noqa: F401 (REDUCTIONS: re-exported)
 
 __all__ = [
     "linear_cross_entropy",
@@ -94,50 +92,6 @@ __all__ = [
     "vocab_parallel_sum_pi_squared",
     "vocab_parallel_log_probs_and_entropy",
 ]
-
-REDUCTIONS = ("none", "sum", "mean")
-
-
-def linear_cross_entropy(
-    hidden: torch.Tensor,
-    weight: torch.Tensor,
-    labels: torch.Tensor,
-    temperature: float = 1.0,
-    reduction: str = "none",
-    dist_process_group=None,
-    *,
-    impl: Optional[str] = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """verl's ``linear_cross_entropy``: ``(logprobs, entropy)`` of ``hidden @ weight^T / temperature``.
-
-    See the module docstring for the shapes, the reductions and the
-    tensor-parallel contract (``d_hidden`` left partial per rank).
-
-    Raises:
-      TypeError / ValueError naming the argument (``reduction``,
-      ``temperature``, and those of :func:`dualvp_torch.linear_logprob_entropy`).
-    """
-    if not isinstance(reduction, str):
-        raise TypeError(f"reduction: expected a str, got {type(reduction).__name__} {reduction!r}")
-    mode = reduction.lower()
-    if mode not in REDUCTIONS:
-        raise ValueError(f"reduction: expected one of {REDUCTIONS}, got {reduction!r}")
-    if isinstance(temperature, bool) or not isinstance(temperature, numbers.Real):
-        raise TypeError(f"temperature: expected a float, got {type(temperature).__name__} {temperature!r}")
-    if isinstance(hidden, torch.Tensor) and isinstance(labels, torch.Tensor) and hidden.dim() >= 1:
-        hidden_rows = hidden.reshape(-1, hidden.shape[-1])
-        labels = labels.reshape(-1)
-    else:
-        hidden_rows = hidden  # the op names the wrong argument
-    logprobs, entropy = linear_logprob_entropy(
-        hidden_rows, weight, labels, group=dist_process_group, temperature=float(temperature),
-        reduce_hidden_grad=False, impl=impl,
-    )
-    if mode == "sum":
-        logprobs = logprobs.sum()
-    elif mode == "mean":
-        logprobs = logprobs.sum() / logprobs.shape[0]
-    return logprobs, entropy
 
 
 def _resolve(tp_group, logits):
@@ -183,7 +137,7 @@ def logprobs_from_logits(logits, labels, inplace_backward=True, *, float32_outpu
     )
     group = None if _core.is_dtensor(logits) else (_core.check_tp_group(tp_group) or tp_group)
     with argument_names(target="labels"):
-        lp, _ = _core.logprob_entropy(
+        lp, _ = logprob_entropy(
             logits, labels, group=group, with_entropy=False, ignore_index=IGNORE_INDEX, inplace_grad=inplace
         )
     return _core.replicated_to_plain(lp)
@@ -198,7 +152,7 @@ def entropy_from_logits(logits, *, float32_output=False, tp_group=None):
     """
     check_flag(float32_output, "float32_output")
     group = None if _core.is_dtensor(logits) else (_core.check_tp_group(tp_group) or tp_group)
-    ent = _core.entropy_only(logits, group=group)
+    ent = entropy_only(logits, group=group)
     return stack_dtype(ent, getattr(logits, "dtype", None), float32_output)
 
 
@@ -211,7 +165,7 @@ def entropy_from_logits_with_chunking(logits, chunk_size: int = 2048, *, float32
     check_chunk_size(chunk_size)
     check_flag(float32_output, "float32_output")
     group = None if _core.is_dtensor(logits) else (_core.check_tp_group(tp_group) or tp_group)
-    return _core.entropy_only(logits, group=group)
+    return entropy_only(logits, group=group)
 
 
 def calculate_sum_pi_squared_from_logits(logits, *, float32_output=False, tp_group=None):
@@ -223,7 +177,7 @@ def calculate_sum_pi_squared_from_logits(logits, *, float32_output=False, tp_gro
     """
     check_flag(float32_output, "float32_output")
     _core.check_tp_group(tp_group)
-    out = _core.sum_pi_squared(logits, tp_group)
+    out = sum_pi_squared(logits, tp_group)
     return stack_dtype(out, getattr(logits, "dtype", None), float32_output)
 
 
@@ -235,7 +189,7 @@ def vocab_parallel_log_probs_from_logits(logits, labels, *, tp_group=None):
     """
     group = _resolve(tp_group, logits)
     with argument_names(target="labels"):
-        lp, _ = _core.logprob_entropy(logits, labels, group=group, with_entropy=False, ignore_index=IGNORE_INDEX)
+        lp, _ = logprob_entropy(logits, labels, group=group, with_entropy=False, ignore_index=IGNORE_INDEX)
     return _core.replicated_to_plain(lp)
 
 
@@ -245,7 +199,7 @@ def vocab_parallel_entropy(vocab_parallel_logits, *, float32_output=False, tp_gr
     modified. Group: megatron-core's tensor-parallel group (``tp_group=`` overrides)."""
     check_flag(float32_output, "float32_output")
     group = _resolve(tp_group, vocab_parallel_logits)
-    ent = _core.entropy_only(vocab_parallel_logits, group=group, names={"logits": "vocab_parallel_logits"})
+    ent = entropy_only(vocab_parallel_logits, group=group, names={"logits": "vocab_parallel_logits"})
     return stack_dtype(ent, getattr(vocab_parallel_logits, "dtype", None), float32_output)
 
 
@@ -254,7 +208,7 @@ def vocab_parallel_entropy_with_chunking(vocab_parallel_logits, chunk_size: int 
     ``chunk_size`` accepted and not used (identical results for every value)."""
     check_chunk_size(chunk_size)
     group = _resolve(tp_group, vocab_parallel_logits)
-    return _core.entropy_only(vocab_parallel_logits, group=group, names={"logits": "vocab_parallel_logits"})
+    return entropy_only(vocab_parallel_logits, group=group, names={"logits": "vocab_parallel_logits"})
 
 
 def vocab_parallel_sum_pi_squared(vocab_parallel_logits, *, float32_output=False, tp_group=None):
@@ -265,7 +219,7 @@ def vocab_parallel_sum_pi_squared(vocab_parallel_logits, *, float32_output=False
     """
     check_flag(float32_output, "float32_output")
     group = _resolve(tp_group, vocab_parallel_logits)
-    out = _core.sum_pi_squared(vocab_parallel_logits, group, name="vocab_parallel_logits")
+    out = sum_pi_squared(vocab_parallel_logits, group, name="vocab_parallel_logits")
     return stack_dtype(out, getattr(vocab_parallel_logits, "dtype", None), float32_output)
 
 
@@ -276,7 +230,7 @@ def vocab_parallel_log_probs_and_entropy(logits, labels, *, entropy_grad=True, t
     """
     group = _resolve(tp_group, logits)
     with argument_names(target="labels"):
-        lp, ent = _core.logprob_entropy(
+        lp, ent = logprob_entropy(
             logits, labels, group=group, with_entropy=True, entropy_grad=entropy_grad, ignore_index=IGNORE_INDEX
         )
     return _core.replicated_to_plain(lp), _core.replicated_to_plain(ent)
