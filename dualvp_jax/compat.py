@@ -333,20 +333,20 @@ def softmax_cross_entropy_with_integer_labels(
     if mesh is None:
         return _local_jit(z, y, where_row, where_class, cfg=_Cfg(axis_name, kind))
 
-    from .sharded import _is_explicit, _lead_spec, _mesh_world, _place  # the same placement rules as the sharded op
+    from .sharded import is_explicit, lead_spec, mesh_world, place_on_mesh  # the same placement rules as the sharded op
 
-    world = _mesh_world(mesh, vocab_axis)
+    world = mesh_world(mesh, vocab_axis)
     if z.shape[-1] % world:
         raise ValueError(f"logits: expected the number of classes {z.shape[-1]} divisible by the size {world} "
                          f"of mesh axis {vocab_axis!r}, got shape {tuple(np.shape(logits))}")
     ndim = z.ndim
-    explicit = _is_explicit(mesh, mesh.axis_names)
+    explicit = is_explicit(mesh, mesh.axis_names)
     if explicit:
-        lead = _lead_spec(z, mesh, vocab_axis, ndim)
-        z = _place(z, mesh, P(*lead, vocab_axis), True)
-        y = _place(y, mesh, P(*lead), True)
-        where_row = _place(where_row, mesh, P(*lead), True)
-        where_class = _place(where_class, mesh, P(*lead, vocab_axis), True)
+        lead = lead_spec(z, mesh, vocab_axis, ndim)
+        z = place_on_mesh(z, mesh, P(*lead, vocab_axis), True)
+        y = place_on_mesh(y, mesh, P(*lead), True)
+        where_row = place_on_mesh(where_row, mesh, P(*lead), True)
+        where_class = place_on_mesh(where_class, mesh, P(*lead, vocab_axis), True)
     else:
         lead = (None,) * (ndim - 1)
     return _mesh_jit(z, y, where_row, where_class, cfg=_Cfg(vocab_axis, kind), mesh=mesh, lead=lead,

@@ -38,6 +38,7 @@ from dualvp.validation import Options
 
 from . import chunks
 from ._tuning import ENTROPY_TERMS, Tuning
+from .shards import compute_dtype, gather_stats, int_dtype
 
 __all__ = ["layout_of", "ext_apply"]
 
@@ -57,12 +58,6 @@ def _position(axis_name, opt: Options, target, v_local: int):
     valid, owns, local = spec.target_to_local(jnp, target, r, v_local, opt.ignore_index)
     bad = valid & ((target < 0) | (target >= w * v_local))
     return valid, owns, local, jnp.any(bad, axis=-1)
-
-
-def _gather(axis_name, stats):
-    if axis_name is None:
-        return stats[None]
-    return lax.all_gather(stats, axis_name, axis=0, to="invarying")
 
 
 def _stats(logits, local, owns, keep, tau, cdt, opt: Options, tuning: Tuning):
@@ -108,17 +103,13 @@ def _stats(logits, local, owns, keep, tau, cdt, opt: Options, tuning: Tuning):
     return {"whole": whole, "chunked": chunked}[tuning.path](logits, local, owns, keep, t)
 
 
-def _compute_dtype(dtype):
-    return jnp.promote_types(dtype, jnp.float32)
-
-
 def _forward(logits, target, keep, tau, axis_name, opt: Options, tuning: Tuning):
-    cdt = _compute_dtype(logits.dtype)
+    cdt = compute_dtype(logits.dtype)
     t = tau.astype(cdt) if opt.row_temperature else opt.temperature
     lay = layout_of(opt)
     valid, owns, local, bad = _position(axis_name, opt, target, logits.shape[-1])
     stats = _stats(logits, local, owns, keep, t, cdt, opt, tuning)
-    ec = spec.ext_finalize(jnp, spec.ext_reduce_stats(jnp, _gather(axis_name, stats), lay, axis=0, temperature=t),
+    ec = spec.ext_finalize(jnp, spec.ext_reduce_stats(jnp, gather_stats(axis_name, stats), lay, axis=0, temperature=t),
                            lay, t)
     logprob, entropy, sum_p2 = spec.ext_outputs(jnp, ec, valid, t)
     logprob = jnp.where(bad[..., None], jnp.nan, logprob)
@@ -142,7 +133,7 @@ def _op_fwd(logits, target, keep, tau, axis_name, opt: Options, tuning: Tuning):
 def _op_bwd(axis_name, opt: Options, tuning: Tuning, res, cotangents):
     logits, target, keep, tau, ec = res
     g_logprob, g_entropy, g_sum_p2 = cotangents
-    cdt = _compute_dtype(logits.dtype)
+    cdt = compute_dtype(logits.dtype)
     t = tau.astype(cdt) if opt.row_temperature else opt.temperature
     valid, owns, local, bad = _position(axis_name, opt, target, logits.shape[-1])
     g_entropy = jnp.asarray(g_entropy, cdt) if opt.need_entropy_grad else None
@@ -166,10 +157,8 @@ def ext_apply(logits, target, keep_mask, tau, axis_name, opt: Options, tuning: T
     ``stop_gradient`` without ``opt.entropy_grad``), ``sum_p2`` ``None``
     without ``opt.with_sum_p2``.
     """
-    from .function import _int_dtype
-
     logits = jnp.asarray(logits)
-    target = jnp.asarray(target).astype(_int_dtype())
+    target = jnp.asarray(target).astype(int_dtype())
     if opt.n_targets == 0:
         target = target[..., None]
     keep = None if keep_mask is None else jnp.asarray(keep_mask)

@@ -65,6 +65,7 @@ from dualvp.validation import Options, bad_ids_error, check_args, count_bad_ids
 from dualvp.validation import check_temperature_values as check_temperature_values_count
 
 from . import chunks, extended, multiprocess
+from .shards import compute_dtype, gather_stats, int_dtype, shard_index, shard_position
 from ._tuning import DEFAULT, ENTROPY_TERMS, INDICATOR, Tuning
 
 __all__ = ["logprob_entropy"]
@@ -77,18 +78,14 @@ def _is_tracer(x) -> bool:
     return isinstance(x, jax.core.Tracer)
 
 
-def _describe(name: str, x, kinds: str):
+def describe(name: str, x, kinds: str):
     """``(shape, dtype name)`` of an array argument, or TypeError naming it."""
     if isinstance(x, (jax.Array, np.ndarray, np.generic)) or _is_tracer(x):
         return tuple(int(d) for d in np.shape(x)) if not _is_tracer(x) else tuple(x.shape), jnp.dtype(x.dtype).name
     raise TypeError(f"{name}: expected {kinds}, got {type(x).__name__}")
 
 
-def _int_dtype():
-    return jnp.int64 if jax.config.jax_enable_x64 else jnp.int32
-
-
-def _check_temperature_type(temperature) -> None:
+def check_temperature_type(temperature) -> None:
     # dualvp.validation.check_temperature falls back to float(), which accepts
     # True and "1.0"; the op needs a static Python / NumPy number.
     if isinstance(temperature, (bool, np.bool_, str, bytes)) or _is_tracer(temperature):
@@ -108,7 +105,7 @@ def _is_row_temperature(temperature) -> bool:
     return isinstance(temperature, (jax.Array, np.ndarray)) and np.ndim(temperature) > 0
 
 
-def _validate(logits, target, keep_mask, temperature, ignore_index, with_entropy, entropy_grad,
+def validated_options(logits, target, keep_mask, temperature, ignore_index, with_entropy, entropy_grad,
               multi_target=False, with_sum_p2=False, keep_ids=None):
     """Static checks (shapes, dtypes, options); returns the :class:`~dualvp.validation.Options`.
 
@@ -120,13 +117,13 @@ def _validate(logits, target, keep_mask, temperature, ignore_index, with_entropy
     if _is_row_temperature(temperature):
         tau_kw = dict(temperature_shape=tuple(temperature.shape), temperature_dtype=jnp.dtype(temperature.dtype).name)
     else:
-        _check_temperature_type(temperature)
-    ls, ld = _describe("logits", logits, "a floating jax.Array or numpy array [..., V_local]")
-    ts, td = _describe("target", target, "an integer jax.Array or numpy array [...]")
+        check_temperature_type(temperature)
+    ls, ld = describe("logits", logits, "a floating jax.Array or numpy array [..., V_local]")
+    ts, td = describe("target", target, "an integer jax.Array or numpy array [...]")
     ks = kd = None
     if keep_mask is not None:
-        ks, kd = _describe("keep_mask", keep_mask, "None or a bool jax.Array or numpy array [..., V_local]")
-    ids_shape, ids_dtype = _describe_ids(keep_ids)
+        ks, kd = describe("keep_mask", keep_mask, "None or a bool jax.Array or numpy array [..., V_local]")
+    ids_shape, ids_dtype = describe_ids(keep_ids)
     return check_args(
         logits_shape=ls,
         logits_dtype=ld,
@@ -146,11 +143,11 @@ def _validate(logits, target, keep_mask, temperature, ignore_index, with_entropy
     )
 
 
-def _describe_ids(keep_ids):
+def describe_ids(keep_ids):
     """``(shape, dtype name)`` of ``keep_ids``, ``(None, None)`` for ``None``."""
     if keep_ids is None:
         return None, None
-    return _describe("keep_ids", keep_ids, "None or an integer jax.Array or numpy array [..., K] of global ids")
+    return describe("keep_ids", keep_ids, "None or an integer jax.Array or numpy array [..., K] of global ids")
 
 
 def check_ids_range(keep_ids, vocab_size: int) -> None:
@@ -223,7 +220,7 @@ def check_target_range(target, vocab_size: int, ignore_index: int, *, processes=
         )
 
 
-def _record(opt: Options, **arrays) -> dict:
+def call_record(opt: Options, **arrays) -> dict:
     """What must agree across processes: the options and the global shapes and dtypes."""
     return {"options": dataclasses.asdict(opt), "arrays": multiprocess.describe_arrays(**arrays)}
 
@@ -250,34 +247,6 @@ def _check_varying(logits, axis_name) -> None:
 
 
 # --- the op -------------------------------------------------------------------
-
-def _compute_dtype(dtype):
-    # bf16 / f16 / f32 -> f32; f64 -> f64 (only reachable under jax_enable_x64).
-    return jnp.promote_types(dtype, jnp.float32)
-
-
-def _shard_index(axis_name):
-    """``(r, W)``: this shard's index along ``axis_name`` and the shard count (``(0, 1)`` unsharded)."""
-    if axis_name is None:
-        return 0, 1
-    return lax.axis_index(axis_name), lax.axis_size(axis_name)
-
-
-def _shard_position(axis_name, opt: Options, target, v_local: int):
-    """``(valid, owns, local, bad)`` for this shard, and the shard count."""
-    r, w = _shard_index(axis_name)
-    valid, owns, local = spec.target_to_local(jnp, target, r, v_local, opt.ignore_index)
-    bad = valid & ((target < 0) | (target >= w * v_local))
-    return valid, owns, local, bad
-
-
-def _gather(axis_name, stats):
-    if axis_name is None:
-        return stats[None]
-    # The one collective of the op. ``to="invarying"``: the table is the same
-    # on every shard, and its type says so (check_vma).
-    return lax.all_gather(stats, axis_name, axis=0, to="invarying")
-
 
 def _shard_stats(logits, local, owns, keep, tau, cdt, with_entropy: bool, tuning: Tuning):
     """``spec.block_stats`` of the whole shard: ``[..., N_STATS]`` in ``cdt``.
@@ -327,7 +296,7 @@ def _shard_stats(logits, local, owns, keep, tau, cdt, with_entropy: bool, tuning
 
 def _kept_columns(ids, target, axis_name, opt: Options, v_local: int):
     """``spec.kept_columns`` of this shard: ``(cols, use)``, ``[..., K+1]``."""
-    return spec.kept_columns(jnp, ids, target, _shard_index(axis_name)[0], v_local, opt.ignore_index)
+    return spec.kept_columns(jnp, ids, target, shard_index(axis_name)[0], v_local, opt.ignore_index)
 
 
 def _kept_pair(zk, use, tau):
@@ -341,9 +310,9 @@ def _kept_pair(zk, use, tau):
 
 
 def _forward(logits, target, keep, axis_name, opt: Options, tuning: Tuning):
-    cdt = _compute_dtype(logits.dtype)
+    cdt = compute_dtype(logits.dtype)
     tau = opt.temperature
-    valid, owns, local, bad = _shard_position(axis_name, opt, target, logits.shape[-1])
+    valid, owns, local, bad = shard_position(axis_name, opt, target, logits.shape[-1])
     if opt.has_ids:
         # keep holds keep_ids: the unmasked statistics of the shard, then the
         # kept pair from the K + 1 logits gathered at the kept columns; no
@@ -354,7 +323,7 @@ def _forward(logits, target, keep, axis_name, opt: Options, tuning: Tuning):
         stats = spec.with_kept_pair(jnp, stats, *_kept_pair(zk, use, tau))
     else:
         stats = _shard_stats(logits, local, owns, keep, tau, cdt, opt.with_entropy, tuning)
-    comb = spec.finalize(jnp, spec.reduce_stats(jnp, _gather(axis_name, stats), axis=0, temperature=tau), tau)
+    comb = spec.finalize(jnp, spec.reduce_stats(jnp, gather_stats(axis_name, stats), axis=0, temperature=tau), tau)
     logprob, entropy = spec.outputs(jnp, comb, valid, tau)
     nan = jnp.full_like(logprob, jnp.nan)
     logprob = jnp.where(bad, nan, logprob)
@@ -376,8 +345,8 @@ def _op_fwd(logits, target, keep, axis_name, opt: Options, tuning: Tuning):
 def _op_bwd(axis_name, opt: Options, tuning: Tuning, res, cotangents):
     logits, target, keep, comb = res
     g_logprob, g_entropy = cotangents
-    cdt = _compute_dtype(logits.dtype)
-    valid, owns, local, bad = _shard_position(axis_name, opt, target, logits.shape[-1])
+    cdt = compute_dtype(logits.dtype)
+    valid, owns, local, bad = shard_position(axis_name, opt, target, logits.shape[-1])
     g_logprob = jnp.asarray(g_logprob, cdt)
     g_entropy = jnp.asarray(g_entropy, cdt) if opt.need_entropy_grad else None
     if opt.has_ids:
@@ -496,7 +465,7 @@ def _logprob_entropy(logits, target, axis_name, keep_mask, temperature, with_ent
     multiprocess.check_flag(validate)
 
     def checks():
-        opt = _validate(logits, target, keep_mask, temperature, ignore_index, with_entropy, entropy_grad,
+        opt = validated_options(logits, target, keep_mask, temperature, ignore_index, with_entropy, entropy_grad,
                         multi_target, with_sum_p2, keep_ids)
         vocab = int(np.shape(logits)[-1]) if not _is_tracer(logits) else int(logits.shape[-1])
         if validate and axis_name is None:
@@ -509,7 +478,7 @@ def _logprob_entropy(logits, target, axis_name, keep_mask, temperature, with_ent
              if validate and axis_name is None else ())
     if len(procs) > 1:
         opt = multiprocess.checked(procs, "logprob_entropy", checks, target, ignore_index,
-                                   lambda opt: _record(opt, logits=logits, target=target, keep_mask=keep_mask,
+                                   lambda opt: call_record(opt, logits=logits, target=target, keep_mask=keep_mask,
                                                        keep_ids=keep_ids))
     else:
         opt, vocab = checks()
@@ -527,17 +496,17 @@ def _logprob_entropy(logits, target, axis_name, keep_mask, temperature, with_ent
     return _apply_jit(logits, target, keep, axis_name=axis_name, opt=opt, tuning=tuning)
 
 
-def _apply(logits, target, keep_mask, axis_name, opt: Options, tuning: Tuning = DEFAULT):
+def apply_op(logits, target, keep_mask, axis_name, opt: Options, tuning: Tuning = DEFAULT):
     """The op on validated arguments (called per shard); ``keep_mask`` holds the ids when ``opt.has_ids``."""
     logits = jnp.asarray(logits)
-    target = jnp.asarray(target).astype(_int_dtype())
+    target = jnp.asarray(target).astype(int_dtype())
     keep = None if keep_mask is None else jnp.asarray(keep_mask)
     if opt.has_ids:
         keep = keep.astype(target.dtype)
-    return _outputs(*_op(logits, target, keep, axis_name, opt, tuning), opt)
+    return op_outputs(*_op(logits, target, keep, axis_name, opt, tuning), opt)
 
 
-def _outputs(logprob: jax.Array, entropy: jax.Array, opt: Options) -> tuple[jax.Array, Optional[jax.Array]]:
+def op_outputs(logprob: jax.Array, entropy: jax.Array, opt: Options) -> tuple[jax.Array, Optional[jax.Array]]:
     """The op's ``(logprob [...], entropy [...])`` as returned to the caller.
 
     ``entropy`` is ``None`` without ``with_entropy`` and under
@@ -552,6 +521,6 @@ def _outputs(logprob: jax.Array, entropy: jax.Array, opt: Options) -> tuple[jax.
 
 # Eager calls run as one compiled program instead of op-by-op dispatch; under an
 # outer jit (or inside shard_map) this is simply inlined.
-_apply_jit = jax.jit(_apply, static_argnames=("axis_name", "opt", "tuning"))
+_apply_jit = jax.jit(apply_op, static_argnames=("axis_name", "opt", "tuning"))
 
 _ext_apply_jit = jax.jit(extended.ext_apply, static_argnames=("axis_name", "opt", "tuning"))

@@ -38,7 +38,7 @@ from dualvp import kl_spec
 from dualvp.validation import check_temperature
 
 from . import chunks
-from .sharded import _is_explicit, _lead_spec, _mesh_world, _place
+from .sharded import is_explicit, lead_spec, mesh_world, place_on_mesh
 
 __all__ = ["kl_divergence", "sharded_kl_divergence"]
 
@@ -217,18 +217,18 @@ def sharded_kl_divergence(logits, ref_logits, mesh, vocab_axis="tp", *, row_mask
     over ``vocab_axis``.
     """
     opt = _validate(logits, ref_logits, row_mask, temperature, direction)
-    world = _mesh_world(mesh, vocab_axis)
+    world = mesh_world(mesh, vocab_axis)
     shape = tuple(logits.shape) if isinstance(logits, jax.core.Tracer) else tuple(np.shape(logits))
     if shape[-1] % world:
         raise ValueError(f"logits: expected the vocab size V = logits.shape[-1] divisible by the size {world} "
                          f"of mesh axis {vocab_axis!r}, got shape {shape}")
     ndim = len(shape)
-    explicit = _is_explicit(mesh, mesh.axis_names)
+    explicit = is_explicit(mesh, mesh.axis_names)
     if explicit:
-        lead = _lead_spec(logits, mesh, vocab_axis, ndim)
-        logits = _place(logits, mesh, P(*lead, vocab_axis), True)
-        ref_logits = _place(ref_logits, mesh, P(*lead, vocab_axis), True)
-        row_mask = _place(row_mask, mesh, P(*lead), True)
+        lead = lead_spec(logits, mesh, vocab_axis, ndim)
+        logits = place_on_mesh(logits, mesh, P(*lead, vocab_axis), True)
+        ref_logits = place_on_mesh(ref_logits, mesh, P(*lead, vocab_axis), True)
+        row_mask = place_on_mesh(row_mask, mesh, P(*lead), True)
     else:
         lead = (None,) * (ndim - 1)
         logits, ref_logits = jnp.asarray(logits), jnp.asarray(ref_logits)

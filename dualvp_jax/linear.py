@@ -22,8 +22,8 @@ import jax.numpy as jnp
 from dualvp.validation import Options, check_linear_args
 
 from . import multiprocess
-from .function import _check_temperature_type, _describe, _describe_ids, check_ids_range, check_target_range
-from .linear_blocks import DEFAULT_MEMORY_BUDGET, _apply_jit, _Config, _world, plan
+from .function import check_temperature_type, describe, describe_ids, check_ids_range, check_target_range
+from .linear_blocks import DEFAULT_MEMORY_BUDGET, apply_jit, Config, axis_world, plan
 
 __all__ = ["linear_logprob_entropy", "sharded_linear_logprob_entropy", "DEFAULT_MEMORY_BUDGET"]
 
@@ -56,7 +56,7 @@ def _check_block(name: str, value) -> None:
 
 def _validate(hidden, weight, target, keep_mask, *, axis_name, temperature, ignore_index, with_entropy,
               entropy_grad, reduce_hidden_grad, sequence_parallel, token_block, vocab_block, memory_budget,
-              world: Optional[int] = None, keep_ids=None) -> _Config:
+              world: Optional[int] = None, keep_ids=None) -> Config:
     """Static checks; every error names the argument. Returns the static configuration.
 
     The checks shared with the torch op (shapes, dtypes, options, flags,
@@ -66,17 +66,17 @@ def _validate(hidden, weight, target, keep_mask, *, axis_name, temperature, igno
     an enclosing ``shard_map``, the varying types under it, and the block
     sizes.
     """
-    _check_temperature_type(temperature)
-    hs, hd = _describe("hidden", hidden, "a floating jax.Array or numpy array [..., H]")
-    ws, wd = _describe("weight", weight, "a floating jax.Array or numpy array [V_local, H]")
-    ts, td = _describe("target", target, "an integer jax.Array or numpy array [...]")
+    check_temperature_type(temperature)
+    hs, hd = describe("hidden", hidden, "a floating jax.Array or numpy array [..., H]")
+    ws, wd = describe("weight", weight, "a floating jax.Array or numpy array [V_local, H]")
+    ts, td = describe("target", target, "an integer jax.Array or numpy array [...]")
     ks = kd = None
     if keep_mask is not None:
-        ks, kd = _describe("keep_mask", keep_mask, "None or a bool jax.Array or numpy array [..., V_local]")
-    ids_shape, ids_dtype = _describe_ids(keep_ids)
+        ks, kd = describe("keep_mask", keep_mask, "None or a bool jax.Array or numpy array [..., V_local]")
+    ids_shape, ids_dtype = describe_ids(keep_ids)
     for name, value in (("token_block", token_block), ("vocab_block", vocab_block)):
         _check_block(name, value)
-    w = _world(axis_name) if world is None else world
+    w = axis_world(axis_name) if world is None else world
     if sequence_parallel is True and axis_name is None and world is None:
         raise ValueError("sequence_parallel: expected False without axis_name (nothing to gather), got True")
     opt = check_linear_args(
@@ -90,10 +90,10 @@ def _validate(hidden, weight, target, keep_mask, *, axis_name, temperature, igno
         _check_types(hidden, weight, axis_name, opt)
     n_rows = int(np.prod(ts, dtype=np.int64))
     tc, bv = plan(n_rows, ws[0], token_block, vocab_block, memory_budget)
-    return _Config(opt, tc, bv)
+    return Config(opt, tc, bv)
 
 
-def _record(cfg: _Config, **arrays) -> dict:
+def _record(cfg: Config, **arrays) -> dict:
     """What must agree across processes: options, block plan and global shapes and dtypes."""
     return {"options": dataclasses.asdict(cfg.opt), "blocks": [int(cfg.token_block), int(cfg.vocab_block)],
             "arrays": multiprocess.describe_arrays(**arrays)}
@@ -252,7 +252,7 @@ def linear_logprob_entropy(
         if validate and axis_name is None:
             check_target_range(target, vocab, ignore_index, processes=procs)
     # One "keep" argument: the mask, or the ids (cfg.opt.has_ids says which).
-    return _apply_jit(hidden, weight, target, keep_ids if cfg.opt.has_ids else keep_mask, axis_name=axis_name,
+    return apply_jit(hidden, weight, target, keep_ids if cfg.opt.has_ids else keep_mask, axis_name=axis_name,
                       cfg=cfg)
 
 
@@ -331,13 +331,13 @@ def sharded_linear_logprob_entropy(
     """
     from jax.sharding import PartitionSpec as P
 
-    from .sharded import _is_explicit, _lead_spec, _mesh_record, _mesh_world, _place, _processes
+    from .sharded import is_explicit, lead_spec, mesh_record, mesh_world, place_on_mesh, mesh_processes
 
     multiprocess.check_flag(validate)
     _not_yet(multi_target, with_sum_p2)
 
     def checks():
-        world = _mesh_world(mesh, vocab_axis)
+        world = mesh_world(mesh, vocab_axis)
         # The global shapes first (world=1: hidden and target have the same T, also with sequence_parallel).
         cfg = _validate(hidden, weight, target, keep_mask, axis_name=None, temperature=temperature,
                         ignore_index=ignore_index, with_entropy=with_entropy, entropy_grad=entropy_grad,
@@ -351,10 +351,10 @@ def sharded_linear_logprob_entropy(
                 f"weight: expected the vocab size V = weight.shape[0] divisible by the size {world} of mesh axis "
                 f"{vocab_axis!r}, got shape {ws}"
             )
-        explicit = _is_explicit(mesh, mesh.axis_names)
+        explicit = is_explicit(mesh, mesh.axis_names)
         # Explicit axes: the leading dims keep hidden's sharding over the other
         # axes (data parallelism); the vocab axis never splits them.
-        lead = _lead_spec(hidden, mesh, vocab_axis, len(hs)) if explicit else (None,) * (len(hs) - 1)
+        lead = lead_spec(hidden, mesh, vocab_axis, len(hs)) if explicit else (None,) * (len(hs) - 1)
         split = world * math.prod(int(mesh.shape[a]) for a in _axes(lead[0] if lead else None))
         if sequence_parallel and (len(hs) < 2 or hs[0] % split):
             raise ValueError(
@@ -363,13 +363,13 @@ def sharded_linear_logprob_entropy(
             )
         return (cfg, ws, hs, explicit, lead), ws[0]
 
-    procs = _processes(mesh, hidden, weight, target, keep_mask, keep_ids) if validate else ()
+    procs = mesh_processes(mesh, hidden, weight, target, keep_mask, keep_ids) if validate else ()
     if len(procs) > 1:
         _, ws, hs, explicit, lead = multiprocess.checked(
             procs, "sharded_linear_logprob_entropy", checks, target, ignore_index,
             lambda r: dict(_record(r[0], hidden=hidden, weight=weight, target=target, keep_mask=keep_mask,
                                    keep_ids=keep_ids),
-                           mesh=_mesh_record(mesh), vocab_axis=str(vocab_axis), lead=[str(e) for e in r[4]]))
+                           mesh=mesh_record(mesh), vocab_axis=str(vocab_axis), lead=[str(e) for e in r[4]]))
     else:
         (_, ws, hs, explicit, lead), vocab = checks()
         if validate:
@@ -385,7 +385,7 @@ def sharded_linear_logprob_entropy(
     # keep_ids: global ids, replicated over the vocab axis (every shard picks its own).
     specs = (h_spec, P(vocab_axis, None), P(*lead), P(*lead, None if has_ids else vocab_axis))
     args = [hidden, weight, target, keep_ids if has_ids else keep_mask]
-    args = [_place(a, mesh, s, explicit) if explicit else (None if a is None else jnp.asarray(a))
+    args = [place_on_mesh(a, mesh, s, explicit) if explicit else (None if a is None else jnp.asarray(a))
             for a, s in zip(args, specs)]
     static = dict(temperature=temperature, with_entropy=with_entropy, entropy_grad=entropy_grad, has_ids=has_ids,
                   ignore_index=ignore_index, sequence_parallel=sequence_parallel, token_block=token_block,

@@ -64,7 +64,8 @@ from dualvp import spec
 from dualvp.validation import Options
 
 from ._tuning import INDICATOR
-from .function import _compute_dtype, _gather, _int_dtype, _outputs, _shard_index, _shard_position
+from .function import op_outputs
+from .shards import compute_dtype, gather_stats, int_dtype, shard_index, shard_position
 
 __all__ = ["DEFAULT_MEMORY_BUDGET", "plan"]
 
@@ -79,7 +80,7 @@ _VOCAB_ALIGN = 128
 
 
 @dataclasses.dataclass(frozen=True)
-class _Config:
+class Config:
     """Static configuration of one call (hashable, a ``jit`` static argument).
 
     The shared :class:`~dualvp.validation.Options` (the same object the torch
@@ -91,7 +92,7 @@ class _Config:
     vocab_block: int
 
 
-def _world(axis_name) -> int:
+def axis_world(axis_name) -> int:
     if axis_name is None:
         return 1
     try:
@@ -193,7 +194,7 @@ def _over_blocks(n: int, size: int, step, carry, operands=(), lo: int = 0):
     return carry
 
 
-def _row_stats(h, w, keep, local, owns, cfg: _Config, cdt, kept=None):
+def _row_stats(h, w, keep, local, owns, cfg: Config, cdt, kept=None):
     """``[n, N_STATS]`` statistics of the rows ``h [n, H]`` over all columns of ``w [V_local, H]``.
 
     ``spec.block_stats`` needs a static ``start`` (it builds the block's
@@ -235,7 +236,7 @@ def _row_stats(h, w, keep, local, owns, cfg: _Config, cdt, kept=None):
     return spec.with_kept_pair(jnp, out, *spec.kept_pair(jnp, zk, kept[1], tau))
 
 
-def _all_stats(h, w, keep, local, owns, cfg: _Config, cdt, axis_name, kept=None):
+def _all_stats(h, w, keep, local, owns, cfg: Config, cdt, axis_name, kept=None):
     """``[T, N_STATS]`` statistics of every row, token chunk by token chunk."""
     T = h.shape[0]
     out = _vary(jnp.zeros((T, spec.N_STATS), cdt), axis_name, h, w)
@@ -255,7 +256,7 @@ def _all_stats(h, w, keep, local, owns, cfg: _Config, cdt, axis_name, kept=None)
 # --- the op -------------------------------------------------------------------
 
 
-def _gather_hidden(h, axis_name, cfg: _Config):
+def _gather_hidden(h, axis_name, cfg: Config):
     if not cfg.opt.sequence_parallel:
         return h
     # Sequence parallel: this shard's T/W rows -> all T rows, identical everywhere.
@@ -271,22 +272,22 @@ def _flat(h, target, keep):
     return h2, y, k
 
 
-def _kept(k, y, axis_name, cfg: _Config, v_local: int):
+def _kept(k, y, axis_name, cfg: Config, v_local: int):
     """``(mask, kept)``: with ``keep_ids`` (``k`` holds them) ``(None, spec.kept_columns(...))``, else ``(k, None)``."""
     if not cfg.opt.has_ids:
         return k, None
-    return None, spec.kept_columns(jnp, k, y, _shard_index(axis_name)[0], v_local, cfg.opt.ignore_index)
+    return None, spec.kept_columns(jnp, k, y, shard_index(axis_name)[0], v_local, cfg.opt.ignore_index)
 
 
-def _forward(hidden, weight, target, keep, axis_name, cfg: _Config):
+def _forward(hidden, weight, target, keep, axis_name, cfg: Config):
     opt = cfg.opt
-    cdt = _compute_dtype(hidden.dtype)
+    cdt = compute_dtype(hidden.dtype)
     tau = opt.temperature
     h2, y, k = _flat(_gather_hidden(hidden, axis_name, cfg), target, keep)
-    valid, owns, local, bad = _shard_position(axis_name, opt, y, weight.shape[0])
+    valid, owns, local, bad = shard_position(axis_name, opt, y, weight.shape[0])
     k, kept = _kept(k, y, axis_name, cfg, weight.shape[0])
     stats = _all_stats(h2, weight, k, local, owns, cfg, cdt, axis_name, kept)
-    comb = spec.finalize(jnp, spec.reduce_stats(jnp, _gather(axis_name, stats), axis=0, temperature=tau), tau)
+    comb = spec.finalize(jnp, spec.reduce_stats(jnp, gather_stats(axis_name, stats), axis=0, temperature=tau), tau)
     logprob, entropy = spec.outputs(jnp, comb, valid, tau)
     nan = jnp.full_like(logprob, jnp.nan)
     logprob = jnp.where(bad, nan, logprob).reshape(target.shape)
@@ -295,25 +296,25 @@ def _forward(hidden, weight, target, keep, axis_name, cfg: _Config):
 
 
 @partial(jax.custom_vjp, nondiff_argnums=(4, 5))
-def _op(hidden, weight, target, keep, axis_name, cfg: _Config):
+def _op(hidden, weight, target, keep, axis_name, cfg: Config):
     return _forward(hidden, weight, target, keep, axis_name, cfg)[0]
 
 
-def _op_fwd(hidden, weight, target, keep, axis_name, cfg: _Config):
+def _op_fwd(hidden, weight, target, keep, axis_name, cfg: Config):
     out, comb = _forward(hidden, weight, target, keep, axis_name, cfg)
     # Residuals: references to the inputs (this shard's rows of hidden under
     # sequence parallelism: gathered again in the backward) and O(T) statistics.
     return out, (hidden, weight, target, keep, comb)
 
 
-def _op_bwd(axis_name, cfg: _Config, res, cotangents):
+def _op_bwd(axis_name, cfg: Config, res, cotangents):
     hidden, weight, target, keep, comb = res
     opt = cfg.opt
     tau = opt.temperature
-    cdt = _compute_dtype(hidden.dtype)
+    cdt = compute_dtype(hidden.dtype)
     h2, y, k = _flat(_gather_hidden(hidden, axis_name, cfg), target, keep)
     T, H = h2.shape
-    valid, owns, local, bad = _shard_position(axis_name, opt, y, weight.shape[0])
+    valid, owns, local, bad = shard_position(axis_name, opt, y, weight.shape[0])
     k, kept = _kept(k, y, axis_name, cfg, weight.shape[0])
     gl = jnp.asarray(cotangents[0], cdt).reshape(-1)
     ge = jnp.asarray(cotangents[1], cdt).reshape(-1) if opt.need_entropy_grad else None
@@ -363,7 +364,7 @@ def _op_bwd(axis_name, cfg: _Config, res, cotangents):
         dh, dw = _over_blocks(weight.shape[0], cfg.vocab_block, vocab_block, (dh, dw), (h2, weight))
     if axis_name is not None:
         if cfg.opt.sequence_parallel:
-            full = (hidden.shape[0] * _world(axis_name),) + hidden.shape[1:]
+            full = (hidden.shape[0] * axis_world(axis_name),) + hidden.shape[1:]
             dh = lax.psum_scatter(dh.reshape(full), axis_name, scatter_dimension=0, tiled=True)
         elif cfg.opt.reduce_hidden_grad:
             dh = lax.psum(dh, axis_name)  # in float32: the partial sums of every shard
@@ -387,15 +388,15 @@ def _varying(x) -> frozenset:
 _op.defvjp(_op_fwd, _op_bwd)
 
 
-def _apply(hidden, weight, target, keep_mask, axis_name, cfg: _Config):
+def _apply(hidden, weight, target, keep_mask, axis_name, cfg: Config):
     """The op on validated arguments (per shard); ``keep_mask`` holds the ids when ``cfg.opt.has_ids``."""
     hidden = jnp.asarray(hidden)
     weight = jnp.asarray(weight)
-    target = jnp.asarray(target).astype(_int_dtype())
+    target = jnp.asarray(target).astype(int_dtype())
     keep = None if keep_mask is None else jnp.asarray(keep_mask)
     if cfg.opt.has_ids:
         keep = keep.astype(target.dtype)
-    return _outputs(*_op(hidden, weight, target, keep, axis_name, cfg), cfg.opt)
+    return op_outputs(*_op(hidden, weight, target, keep, axis_name, cfg), cfg.opt)
 
 
-_apply_jit = jax.jit(_apply, static_argnames=("axis_name", "cfg"))
+apply_jit = jax.jit(_apply, static_argnames=("axis_name", "cfg"))

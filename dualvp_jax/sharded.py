@@ -25,7 +25,9 @@ from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 
 from ._tuning import DEFAULT, Tuning
 from . import extended, multiprocess
-from .function import _apply, _record, _validate, check_ids_range, check_target_range, check_temperature_values
+from .function import (
+    apply_op, call_record, check_ids_range, check_target_range, check_temperature_values, validated_options,
+)
 
 __all__ = ["sharded_logprob_entropy"]
 
@@ -51,7 +53,7 @@ def _current_spec(x, mesh):
     return None
 
 
-def _lead_spec(logits, mesh, vocab_axis, ndim: int) -> tuple:
+def lead_spec(logits, mesh, vocab_axis, ndim: int) -> tuple:
     """Leading-dim spec entries: the logits' own, minus any use of ``vocab_axis``."""
     cur = _current_spec(logits, mesh)
     lead = [None] * (ndim - 1)
@@ -64,7 +66,7 @@ def _lead_spec(logits, mesh, vocab_axis, ndim: int) -> tuple:
     return tuple(lead)
 
 
-def _mesh_world(mesh, vocab_axis) -> int:
+def mesh_world(mesh, vocab_axis) -> int:
     """The size ``W`` of ``vocab_axis`` in ``mesh``; ``TypeError`` / ``ValueError`` naming the argument otherwise."""
     if not isinstance(mesh, Mesh):
         raise TypeError(f"mesh: expected a jax.sharding.Mesh, got {type(mesh).__name__}")
@@ -73,7 +75,7 @@ def _mesh_world(mesh, vocab_axis) -> int:
     return int(mesh.shape[vocab_axis])
 
 
-def _processes(mesh, *arrays) -> tuple:
+def mesh_processes(mesh, *arrays) -> tuple:
     """The JAX processes of ``mesh`` and the arrays (:func:`dualvp_jax.multiprocess.processes_of`).
 
     A ``mesh`` that is not a ``Mesh`` counts for nothing here: the local
@@ -82,18 +84,18 @@ def _processes(mesh, *arrays) -> tuple:
     return multiprocess.processes_of(*arrays, mesh=mesh if isinstance(mesh, Mesh) else None)
 
 
-def _mesh_record(mesh) -> dict:
+def mesh_record(mesh) -> dict:
     """The mesh as the processes must agree on it: axis names, sizes and types."""
     return {"axes": [str(a) for a in mesh.axis_names], "shape": [int(mesh.shape[a]) for a in mesh.axis_names],
             "types": [str(t) for t in (getattr(mesh, "axis_types", ()) or ())]}
 
 
-def _is_explicit(mesh, axes) -> bool:
+def is_explicit(mesh, axes) -> bool:
     types = dict(zip(mesh.axis_names, getattr(mesh, "axis_types", ()) or ()))
     return any(types.get(a) == AxisType.Explicit for a in axes)
 
 
-def _place(x, mesh, spec, explicit: bool):
+def place_on_mesh(x, mesh, spec, explicit: bool):
     """Give ``x`` the sharding ``spec`` (needed by shard_map on explicit axes)."""
     if x is None:
         return None
@@ -173,9 +175,9 @@ def _sharded_logprob_entropy(logits, target, mesh, vocab_axis, keep_mask, temper
     multiprocess.check_flag(validate)
 
     def checks():
-        opt = _validate(logits, target, keep_mask, temperature, ignore_index, with_entropy, entropy_grad,
+        opt = validated_options(logits, target, keep_mask, temperature, ignore_index, with_entropy, entropy_grad,
                         multi_target, with_sum_p2, keep_ids)
-        world = _mesh_world(mesh, vocab_axis)
+        world = mesh_world(mesh, vocab_axis)
         shape = tuple(np.shape(logits)) if not isinstance(logits, jax.core.Tracer) else tuple(logits.shape)
         if shape[-1] % world:
             raise ValueError(
@@ -187,12 +189,12 @@ def _sharded_logprob_entropy(logits, target, mesh, vocab_axis, keep_mask, temper
             check_temperature_values(temperature)
         return (opt, shape), shape[-1]
 
-    procs = _processes(mesh, logits, target, keep_mask, keep_ids, temperature) if validate else ()
+    procs = mesh_processes(mesh, logits, target, keep_mask, keep_ids, temperature) if validate else ()
     if len(procs) > 1:
         opt, shape = multiprocess.checked(
             procs, "sharded_logprob_entropy", checks, target, ignore_index,
-            lambda r: dict(_record(r[0], logits=logits, target=target, keep_mask=keep_mask, keep_ids=keep_ids),
-                           mesh=_mesh_record(mesh), vocab_axis=str(vocab_axis)))
+            lambda r: dict(call_record(r[0], logits=logits, target=target, keep_mask=keep_mask, keep_ids=keep_ids),
+                           mesh=mesh_record(mesh), vocab_axis=str(vocab_axis)))
     else:
         (opt, shape), vocab = checks()
         if validate:
@@ -202,16 +204,16 @@ def _sharded_logprob_entropy(logits, target, mesh, vocab_axis, keep_mask, temper
     tau = None
     if opt.row_temperature:
         tau = jnp.broadcast_to(jnp.asarray(temperature), shape[:-1])
-    explicit = _is_explicit(mesh, mesh.axis_names)
+    explicit = is_explicit(mesh, mesh.axis_names)
     if explicit:
         # Explicit axes: the leading dims' sharding is part of the type, even under
         # jit; the whole mesh goes manual and the inputs are resharded to the spec.
-        lead = _lead_spec(logits, mesh, vocab_axis, ndim)
-        logits = _place(logits, mesh, P(*lead, vocab_axis), True)
-        target = _place(target, mesh, P(*lead, None) if opt.n_targets else P(*lead), True)
-        keep_mask = _place(keep_mask, mesh, P(*lead, vocab_axis), True)
-        keep_ids = _place(keep_ids, mesh, P(*lead, None), True)
-        tau = _place(tau, mesh, P(*lead), True)
+        lead = lead_spec(logits, mesh, vocab_axis, ndim)
+        logits = place_on_mesh(logits, mesh, P(*lead, vocab_axis), True)
+        target = place_on_mesh(target, mesh, P(*lead, None) if opt.n_targets else P(*lead), True)
+        keep_mask = place_on_mesh(keep_mask, mesh, P(*lead, vocab_axis), True)
+        keep_ids = place_on_mesh(keep_ids, mesh, P(*lead, None), True)
+        tau = place_on_mesh(tau, mesh, P(*lead), True)
     else:
         # Auto axes: only the vocab axis goes manual; the compiler keeps the
         # leading dims sharded as they come over the other axes.
@@ -267,7 +269,7 @@ def _run(logits, target, keep_mask, *, mesh, axis_name, opt, lead, all_manual, t
     k_spec = P(*lead, None) if opt.has_ids else z_spec
 
     def body(z, y, *k):
-        lp, h = _apply(z, y, k[0] if has_mask else None, axis_name, opt, tuning)
+        lp, h = apply_op(z, y, k[0] if has_mask else None, axis_name, opt, tuning)
         return (lp, h) if opt.with_entropy else (lp,)
 
     in_specs = (z_spec, t_spec) + ((k_spec,) if has_mask else ())

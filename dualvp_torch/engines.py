@@ -295,8 +295,14 @@ def _spec_stages(compiled: bool) -> tuple:
     def stats(z, y, keep, call):
         rows = _rows_of(y, call)
         valid, owns, local = rows
-        st = shard_stats(z, local, owns, keep, _tau(call, z.device), with_entropy=call.opt.with_entropy,
-                         compiled=compiled, temperature=call.opt.temperature)
+        if compiled:
+            st = shard_stats(z, local, owns, keep, _tau(call, z.device), with_entropy=call.opt.with_entropy,
+                             temperature=call.opt.temperature)
+        elif z.shape[0]:  # shard_stats(compiled=False), without its frame: the eager path itself
+            t = call.opt.temperature
+            st = _eager_path.stats(z, local, owns, keep, 1 if t == 1 else _tau(call, z.device), call.opt.with_entropy)
+        else:
+            st = torch.zeros((0, spec.N_STATS), dtype=compute_dtype(call.dtype), device=z.device)
         return st, None, rows
 
     def merge_(all_stats, y, rows, call):

@@ -3,7 +3,7 @@
 One call, whatever the engine (``group`` with ``W`` ranks; ``T`` rows; shard ``V_local``)::
 
     DTensor logits           dtensor.logprob_entropy unwraps them and calls the local op below
-    library.run_op           arguments of the op's schema types (library.eligible): the op as is
+    the op as is             arguments of the op's schema types (library.eligible)
     library.logprob_entropy  other argument types: checks.logits_call first, then the op
     dualvp::logprob_entropy_fwd   the op (library): checks.logits_call (cached per call metadata), the
                              engine (engines.select); engine stats [T, V_local] -> [T, 6]; validate=True:
@@ -41,6 +41,9 @@ if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
 
 __all__ = ["logprob_entropy", "logprob_entropy_or_raise", "logprobs_k", "sum_pi_squared", "entropy_only"]
+
+#: The logits op (:mod:`dualvp_torch.library` registers it): an eligible call runs it as it is.
+_FWD = torch.ops.dualvp.logprob_entropy_fwd.default
 
 #: The ignore id of the calls below that fill a target (the op's default ``ignore_index``).
 IGNORE_INDEX = -100
@@ -158,11 +161,12 @@ def logprob_entropy(
             entropy_grad=entropy_grad, ignore_index=ignore_index, validate=validate, inplace_grad=inplace_grad,
             impl=impl, keep_ids=keep_ids):
         # the custom op as is, eagerly and as one node of a caller's graph alike; its body runs the checks
-        return library.run_op(
-            logits, target, group=group, keep_mask=keep_mask, temperature=temperature, with_entropy=with_entropy,
-            entropy_grad=entropy_grad, ignore_index=ignore_index, validate=validate, inplace_grad=inplace_grad,
-            impl=impl, keep_ids=keep_ids,
-        )
+        logprob, entropy, _ = _FWD(logits, target, keep_mask, "" if group is None else group.group_name,
+                                   float(temperature), with_entropy, entropy_grad, ignore_index, validate,
+                                   inplace_grad, impl or "", 0.0, keep_ids)
+        if not with_entropy:
+            return logprob, None
+        return logprob, (entropy if entropy_grad else entropy.detach())
     if multi_target is not False or with_sum_p2 is not False or checks.temperature_meta(temperature) is not None:
         run = torch.compiler.disable(_extended) if torch.compiler.is_compiling() else _extended
         return run(logits, target, group=group, keep_mask=keep_mask, temperature=temperature,

@@ -10,11 +10,12 @@ own its process so that the peak memory it reports is its own.
 from __future__ import annotations
 
 import os
+import pickle
 import subprocess
 import sys
 from typing import Mapping, Optional, Sequence
 
-__all__ = ["child_env", "start_python", "cuda_problem"]
+__all__ = ["child_env", "start_python", "cuda_problem", "finish_jax"]
 
 # The directory that holds this `dualvp` package: children import the same code
 # as the parent, also when the parent runs from a checkout via PYTHONPATH.
@@ -66,3 +67,18 @@ def cuda_problem(ranks: int = 1) -> Optional[str]:
         return (f"--device cuda: this machine has {n} GPU(s); --tp {ranks} needs {ranks} "
                 f"(one NCCL rank per GPU)")
     return None
+
+
+def finish_jax(started: tuple, timeout: float):
+    """Wait for the child of :func:`dualvp.tools.verify.start_jax` (or of its kin); the
+    :class:`dualvp.testing.Outputs` it wrote, or ``RuntimeError`` (failure, timeout)."""
+    proc, dst = started
+    try:
+        _, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        raise RuntimeError(f"JAX backend did not finish within {timeout:.0f} s") from None
+    if proc.returncode:
+        raise RuntimeError(f"JAX backend failed:\n{err[-4000:]}")
+    with open(dst, "rb") as f:
+        return pickle.load(f)

@@ -19,7 +19,7 @@ with the entropy's row) and torch against JAX (twice those). Exit status 1
 on any FAIL, 2 on bad options.
 
 ``--input FILE`` whose ``target`` is ``[..., K]`` or that holds a
-``temperature [...]`` per row (:func:`dualvp.tools.verify.load_input`) runs
+``temperature [...]`` per row (:func:`dualvp.tools.verify_input.load_input`) runs
 that one problem through the same check instead (``dualvp verify --input``
 sends such a file here), with ``with_sum_p2`` on and seeded random upstream
 gradients.
@@ -40,8 +40,8 @@ import numpy as np
 from dualvp.testing import extended as ext
 from dualvp.testing.metrics import max_errors, pair_tolerance, tolerance, within_tolerance
 
-from ._proc import child_env, start_python
-from .verify import finish_jax
+from ._proc import child_env, finish_jax, start_python
+from .verify_input import load_input
 
 __all__ = ["run_ext", "cases_for", "input_ext_problem"]
 
@@ -177,7 +177,7 @@ def _rows(name: str, x: ext.ExtOutputs, ref: ext.ExtOutputs, tol_of) -> list:
 
 
 def input_ext_problem(args, d: dict) -> ext.ExtProblem:
-    """The extended problem of a user's file (:func:`dualvp.tools.verify.load_input` result ``d``).
+    """The extended problem of a user's file (:func:`dualvp.tools.verify_input.load_input` result ``d``).
 
     Its K targets (or one per row), its per-row temperature (or
     ``--temperature``), its keep mask (or ``--mask`` built on its logits),
@@ -217,7 +217,7 @@ def input_ext_problem(args, d: dict) -> ext.ExtProblem:
 def run_ext(args, loaded: Optional[dict] = None) -> int:
     """``dualvp verify --op extended`` (or ``--input`` with K targets or a per-row temperature); the exit status.
 
-    ``loaded``: the ``--input`` file's :func:`dualvp.tools.verify.load_input`
+    ``loaded``: the ``--input`` file's :func:`dualvp.tools.verify_input.load_input`
     result, when the caller has read it.
     """
     world = args.tp or 2
@@ -229,8 +229,6 @@ def run_ext(args, loaded: Optional[dict] = None) -> int:
         print(f"dualvp verify: --tp must be >= 1, got {world}", file=sys.stderr)
         return 2
     if getattr(args, "input", None):
-        from .verify import load_input
-
         try:
             d = load_input(args.input, max_rows=args.tokens) if loaded is None else loaded
             problems = [input_ext_problem(args, d)]

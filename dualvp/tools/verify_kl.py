@@ -30,8 +30,7 @@ import numpy as np
 from dualvp.testing.kl import KLCase, kl_errors, make_kl, run_spec
 from dualvp.testing.metrics import max_errors, pair_tolerance, within_tolerance
 
-from ._proc import child_env, start_python
-from .verify import finish_jax
+from ._proc import child_env, finish_jax, start_python
 
 __all__ = ["run_kl"]
 
