@@ -48,6 +48,7 @@ _FWD = torch.ops.dualvp.logprob_entropy_fwd.default
 #: The ignore id of the calls below that fill a target (the op's default ``ignore_index``).
 IGNORE_INDEX = -100
 
+
 def logprob_entropy(
     logits: torch.Tensor,
     target: torch.Tensor,
