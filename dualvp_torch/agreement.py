@@ -66,6 +66,7 @@ __all__ = [
     "fingerprint",
     "check_fingerprints",
     "gather_checked",
+    "raise_on_every_rank",
 ]
 
 #: The modulus of every fingerprint term: the Mersenne prime ``2**31 - 1``.
@@ -210,3 +211,20 @@ def gather_checked(
     validation.check_agreement([r[:n] for r in table], rank=rank, local_error=local_error, vocab_size=vocab_size,
                                fields=fields)
     check_fingerprints([r[n:] for r in table], fused=fused)
+
+
+def raise_on_every_rank(error: BaseException, group, hint: Optional[torch.Tensor], *, fused: bool, rank: int) -> None:
+    """Raise ``error`` (a local check's) here and, with a ``group``, on every rank of it alike.
+
+    The error's record goes through the agreement all-gather that the other
+    ranks' checks enter (:func:`gather_checked`), so none waits in a
+    collective. ``hint``: a tensor on the op's device (the collective's
+    device), or ``None``; ``rank``: this rank's index in ``group``.
+    """
+    if group is not None:
+        record = validation.agreement_record(error=error, fused=fused)
+        device = collectives.comm_device(group, hint if isinstance(hint, torch.Tensor) else None)
+        fields = validation.LINEAR_RECORD_FIELDS if fused else validation.RECORD_FIELDS
+        gather_checked(record, None, group, device, target=None, fused=fused, rank=rank, local_error=error,
+                       fields=fields)
+    raise error

@@ -361,12 +361,8 @@ def _checked(local: Callable[[], Call], group, validate, impl, caller_error, hin
             error = exc
     if error is None:
         return call
-    if validate and group is not None:
-        record = validation.agreement_record(error=error, fused=fused)
-        device = collectives.comm_device(group, hint if isinstance(hint, torch.Tensor) else None)
-        fields = validation.LINEAR_RECORD_FIELDS if fused else validation.RECORD_FIELDS
-        agreement.gather_checked(record, None, group, device, target=None, fused=fused, rank=rank,
-                                 local_error=error, fields=fields)
+    if validate:
+        agreement.raise_on_every_rank(error, group, hint, fused=fused, rank=rank)
     raise error
 
 

@@ -38,6 +38,7 @@ import torch
 
 from dualvp import spec, validation
 
+from . import agreement
 from .stages import compute_dtype, xp
 
 __all__ = ["kept_columns", "stats_with_ids", "grad_with_ids", "ext_stats_with_ids", "count_bad_ids"]
@@ -130,18 +131,12 @@ def check_range(ids: torch.Tensor, call, group, hint: torch.Tensor) -> None:
     """``validate=True``: ids out of range raise ``ValueError`` naming ``keep_ids`` on every rank, or none does.
 
     A rank that finds bad ids goes through the agreement's error path
-    (:func:`dualvp_torch.checks._checked`), which meets the other ranks'
-    agreement all-gather: every rank raises (one host sync more, under
+    (:func:`dualvp_torch.agreement.raise_on_every_rank`), which meets the other
+    ranks' agreement all-gather: every rank raises (one host sync more, under
     ``validate=True`` only).
     """
-    from . import checks
-
     n, shown = count_bad_ids(ids, call.vocab)
     if not n:
         return
-    error = validation.bad_ids_error(n, shown, call.vocab)
-
-    def fail():
-        raise error
-
-    checks._checked(fail, group, True, call.engine, None, hint, fused=call.fields == validation.LINEAR_RECORD_FIELDS)
+    agreement.raise_on_every_rank(validation.bad_ids_error(n, shown, call.vocab), group, hint,
+                                  fused=call.fields == validation.LINEAR_RECORD_FIELDS, rank=call.rank)
