@@ -35,6 +35,22 @@ gradient's dense pass has no q-term (it lives on the kept columns only) and
 the kept and target columns are written over it as above. No ``[T,
 V_local]`` mask is built.
 
+The op is a ``torch.library`` custom-op pair on :mod:`dualvp_torch.library`'s
+fragment, registered the same way (schema, one kernel for every device,
+fake kernels, the forward's autograd kernel, the in-place op's version
+bump), and its only autograd path::
+
+    dualvp::logprob_entropy_ext_fwd(logits, target, keep_mask, temperature_tensor, options..., keep_ids)
+        -> logprob, entropy, sum_p2 (zeros without with_sum_p2), red [T, width] (the reduced statistics)
+    dualvp::logprob_entropy_ext_bwd(logits, target, keep_mask, temperature_tensor, red, grads..., options...)
+    dualvp::logprob_entropy_ext_bwd_(...)   the same written into the logits (inplace_grad=True)
+
+An eligible call (plain tensors, options of their schema types,
+:func:`eligible`) goes to the op as is, eagerly and as one node of a
+caller's ``torch.compile(fullgraph=True)`` graph; the op's body runs the
+checks. Other calls (DTensor, other argument types) are checked first
+(:func:`logprob_entropy`), then run the same op.
+
 Semantics: with a keep mask each target is kept for its own log-prob (target
 k's distribution is renormalised over the mask plus ``y_k``); the gradient is
 ``sum_k gL_k (1[v = y_k] - q^k_v) / tau`` plus the entropy's and, when
