@@ -419,10 +419,12 @@ def _check_fused_options(hidden: torch.Tensor, engine: str, allow_tf32: object) 
 def linear_call(
     hidden: object, weight: object, target: object, keep_mask: object, *, group: object, validate: object,
     impl: object, allow_tf32: object, kw: dict, keep_ids: object = None,
+    requires_grad: Optional[tuple] = None,
 ) -> Call:
     """The checked :class:`Call` of a fused-op call (see :func:`logits_call`; not cached).
 
-    ``kw``: the op's keyword arguments that :func:`validation.check_linear_args` takes.
+    ``kw``: the op's keyword arguments that :func:`validation.check_linear_args` takes;
+    ``requires_grad``: ``(hidden's, weight's)`` for the agreement record (default: grad mode and theirs).
     """
     rank, world = check_call(group, validate, impl)
 
@@ -451,6 +453,7 @@ def linear_call(
         record = None
         if validate and group is not None:
             grad_on = torch.is_grad_enabled()
+            hrg, wrg = requires_grad or (grad_on and hidden.requires_grad, grad_on and weight.requires_grad)
             record = tuple(validation.agreement_record(
                 error=None,
                 n_rows=target.numel(),
@@ -460,8 +463,8 @@ def linear_call(
                 fused=True,
                 hidden_size=hidden.shape[-1],
                 hidden_rows=hidden.numel() // max(1, hidden.shape[-1]),
-                hidden_requires_grad=grad_on and hidden.requires_grad,
-                weight_requires_grad=grad_on and weight.requires_grad,
+                hidden_requires_grad=hrg,
+                weight_requires_grad=wrg,
             ))
         return Call(opt, engine, rank, world, target.numel(), weight.shape[0], hidden.dtype, hidden.device.type,
                     validate, record, validation.LINEAR_RECORD_FIELDS)

@@ -35,6 +35,22 @@ gradient's dense pass has no q-term (it lives on the kept columns only) and
 the kept and target columns are written over it as above. No ``[T,
 V_local]`` mask is built.
 
+The op is a ``torch.library`` custom-op pair on :mod:`dualvp_torch.library`'s
+fragment, registered the same way (schema, one kernel for every device,
+fake kernels, the forward's autograd kernel, the in-place op's version
+bump), and its only autograd path::
+
+    dualvp::logprob_entropy_ext_fwd(logits, target, keep_mask, temperature_tensor, options..., keep_ids)
+        -> logprob, entropy, sum_p2 (zeros without with_sum_p2), red [T, width] (the reduced statistics)
+    dualvp::logprob_entropy_ext_bwd(logits, target, keep_mask, temperature_tensor, red, grads..., options...)
+    dualvp::logprob_entropy_ext_bwd_(...)   the same written into the logits (inplace_grad=True)
+
+An eligible call (plain tensors, options of their schema types,
+:func:`eligible`) goes to the op as is, eagerly and as one node of a
+caller's ``torch.compile(fullgraph=True)`` graph; the op's body runs the
+checks. Other calls (DTensor, other argument types) are checked first
+(:func:`logprob_entropy`), then run the same op.
+
 Semantics: with a keep mask each target is kept for its own log-prob (target
 k's distribution is renormalised over the mask plus ``y_k``); the gradient is
 ``sum_k gL_k (1[v = y_k] - q^k_v) / tau`` plus the entropy's and, when
@@ -46,13 +62,14 @@ tensor must be the same on every rank (like the target).
 from __future__ import annotations
 
 import math
+import threading
 from typing import Optional
 
 import torch
 
 from dualvp import spec
 
-from . import checks, collectives, engines
+from . import checks, collectives, engines, library
 from . import compiled as _compiled_path
 from . import keep_ids as _ids
 from .engines import accumulation_dtype
@@ -216,97 +233,351 @@ def _column_values(zk, kbits, cols, use, local, owns, ec, valid, gl, ge, gs, tau
     return g + torch.where(hit, w[:, None, :], 0.0).sum(-1)
 
 
-# --- autograd ------------------------------------------------------------------------------
+# --- the op's steps ------------------------------------------------------------------------
 
 
 def _positions(y, call):
     return spec.target_to_local(xp, y.to(torch.int64), call.rank, call.v_local, call.opt.ignore_index)
 
 
-class _ExtOp(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, logits, target, keep_mask, tau, keep_ids, call, group):
-        opt = call.opt
-        v = call.v_local
-        z = logits.detach().reshape(-1, v)
-        k = max(opt.n_targets, 1)
-        y = target.reshape(-1, k)
-        keep = None if keep_mask is None else keep_mask.reshape(-1, v)
-        ids = None if keep_ids is None else keep_ids.reshape(y.shape[0], keep_ids.shape[-1])
-        if ids is not None and call.validate:
-            _ids.check_range(ids, call, group, z)
-        valid, owns, local = _positions(y, call)
-        if call.engine == "triton":
-            stats = _triton_stats(z, local, owns, keep, tau, opt, call.plan)
-        else:
-            stats = _stats(z, local, owns, keep, tau, opt, engines.ENGINES[call.engine].compiled)
-        if ids is not None:
-            stats = _ids.ext_stats_with_ids(stats, z, y, owns, ids, tau, call)
-        if call.validate:
-            checks.agree(call, checks.count_bad_targets(y, opt.ignore_index, call.vocab), group, z, y)
-        all_stats = stats[None] if group is None else collectives.gather_stats(stats, group)
-        lay = _layout(opt)
-        red = spec.ext_reduce_stats(xp, all_stats, lay, axis=0, temperature=tau)
-        ec = spec.ext_finalize(xp, red, lay, tau)
-        lp, h, p2 = spec.ext_outputs(xp, ec, valid, tau)
-        if p2 is None:
-            p2 = torch.zeros_like(h)
-        ctx.save_for_backward(logits, y, keep_mask, tau, red, keep_ids)
-        ctx.call = call
-        ctx.mark_non_differentiable(red)
+def row_tau(temperature: Optional[torch.Tensor], target: torch.Tensor, call: checks.Call,
+            logits: torch.Tensor) -> torch.Tensor:
+    """The temperature as the steps take it: ``[T]`` in the compute dtype (a tensor), else a 0-d tensor."""
+    opt = call.opt
+    cdt = compute_dtype(logits.dtype)
+    if opt.row_temperature:
         lead = tuple(target.shape[:-1]) if opt.n_targets else tuple(target.shape)
-        lp = lp.reshape(lead + ((k,) if opt.n_targets else ()))
-        return lp, h.reshape(lead), p2.reshape(lead), red
+        return temperature.detach().to(cdt).broadcast_to(lead).reshape(-1).contiguous()
+    return torch.full((), opt.temperature, dtype=cdt, device=logits.device)
 
-    @staticmethod
-    def backward(ctx, g_logprob, g_entropy, g_sum_p2, _):
-        none = (None,) * 6
-        if not ctx.needs_input_grad[0]:
-            return (None,) + none
-        logits, y, keep_mask, tau, red, keep_ids = ctx.saved_tensors
-        call = ctx.call
-        opt = call.opt
-        v = call.v_local
-        z = logits.detach().reshape(-1, v)
-        k = max(opt.n_targets, 1)
-        keep = None if keep_mask is None else keep_mask.reshape(-1, v)
-        ids = None if keep_ids is None else keep_ids.reshape(y.shape[0], keep_ids.shape[-1])
-        valid, owns, local = _positions(y, call)
-        cdt = compute_dtype(z.dtype)
-        gl = (torch.zeros((z.shape[0], k), dtype=cdt, device=z.device) if g_logprob is None
-              else g_logprob.reshape(-1, k).to(cdt).contiguous())
-        ge = None
-        if opt.need_entropy_grad and g_entropy is not None:
-            ge = g_entropy.reshape(-1).to(cdt).contiguous()
-        gs = g_sum_p2.reshape(-1).to(cdt).contiguous() if opt.with_sum_p2 and g_sum_p2 is not None else None
-        out = z if opt.inplace_grad else None
-        # a dense pass without the targets' terms (with keep_ids: without the q-terms, which live on the kept
-        # columns only), then the host's columns written over it: the targets' and the kept set's, each from
-        # spec.ext_block_grad at the gathered logits (gathered first: the in-place gradient overwrites z), in
-        # the compute dtype and rounded once; at most K (+ K_ids) columns a row, no K compares over the shard
-        lay = _layout(opt)
-        ec = spec.ext_finalize(xp, red, lay, tau)
-        cols, use = _host_columns(y.to(torch.int64), owns, ids, call)
-        zk = spec.gather_columns(xp, z, cols, use, dtype=cdt)
-        if keep is not None:
-            kbits = keep.gather(1, cols)
-        elif ids is not None:
-            kbits = ((cols + call.rank * v)[:, :, None] == ids.to(torch.int64)[:, None, :]).any(-1)
-        else:
-            kbits = None
-        vals = _column_values(zk, kbits, cols, use, local, owns, ec, valid, gl, ge, gs, tau)
-        gl_dense = gl if ids is None else torch.zeros_like(gl)  # keep_ids: no q-term off the kept columns
-        if call.engine == "triton":
-            from . import logits_triton
 
-            zc, k8 = _unit_stride(z, keep)
-            coef = _triton_coef(ec, valid, gl_dense, ge, gs, tau, keep is not None, call.plan)
-            out = logits_triton.ext_grad(zc, k8, coef, ge is not None, gs is not None, call.plan, out=out)
+def forward(logits, target, keep_mask, tau, call: checks.Call, group, keep_ids=None):
+    """``(logprob, entropy, sum_p2 (zeros without with_sum_p2), red [T, width])`` of a checked call.
+
+    ``red``: the reduced statistics (:func:`_layout`), all that :func:`grad`
+    needs beside the inputs. Every rank enters the same collectives.
+    """
+    opt = call.opt
+    v = call.v_local
+    z = logits.reshape(-1, v)
+    k = max(opt.n_targets, 1)
+    y = target.reshape(-1, k)
+    keep = None if keep_mask is None else keep_mask.reshape(-1, v)
+    ids = None if keep_ids is None else keep_ids.reshape(y.shape[0], keep_ids.shape[-1])
+    if ids is not None and call.validate:
+        _ids.check_range(ids, call, group, z)
+    valid, owns, local = _positions(y, call)
+    if call.engine == "triton":
+        stats = _triton_stats(z, local, owns, keep, tau, opt, call.plan)
+    else:
+        stats = _stats(z, local, owns, keep, tau, opt, engines.ENGINES[call.engine].compiled)
+    if ids is not None:
+        stats = _ids.ext_stats_with_ids(stats, z, y, owns, ids, tau, call)
+    if call.validate:
+        checks.agree(call, checks.count_bad_targets(y, opt.ignore_index, call.vocab), group, z, y)
+    all_stats = stats[None] if group is None else collectives.gather_stats(stats, group)
+    lay = _layout(opt)
+    red = spec.ext_reduce_stats(xp, all_stats, lay, axis=0, temperature=tau)
+    ec = spec.ext_finalize(xp, red, lay, tau)
+    lp, h, p2 = spec.ext_outputs(xp, ec, valid, tau)
+    if p2 is None:
+        p2 = torch.zeros_like(h)
+    lead = tuple(target.shape[:-1]) if opt.n_targets else tuple(target.shape)
+    lp = lp.reshape(lead + ((k,) if opt.n_targets else ()))
+    return lp, h.reshape(lead), p2.reshape(lead), red
+
+
+def grad(logits, target, keep_mask, tau, red, g_logprob, g_entropy, g_sum_p2, call: checks.Call,
+         inplace: bool = False, keep_ids=None):
+    """The gradient w.r.t. the logits (their shape) from :func:`forward`'s ``red``; no collective.
+
+    A ``None`` upstream gradient is zero; ``inplace=True`` writes it into the
+    logits' storage and returns them.
+    """
+    opt = call.opt
+    v = call.v_local
+    z = logits.reshape(-1, v)
+    k = max(opt.n_targets, 1)
+    y = target.reshape(-1, k)
+    keep = None if keep_mask is None else keep_mask.reshape(-1, v)
+    ids = None if keep_ids is None else keep_ids.reshape(y.shape[0], keep_ids.shape[-1])
+    valid, owns, local = _positions(y, call)
+    cdt = compute_dtype(z.dtype)
+    gl = (torch.zeros((z.shape[0], k), dtype=cdt, device=z.device) if g_logprob is None
+          else g_logprob.reshape(-1, k).to(cdt).contiguous())
+    ge = None
+    if opt.need_entropy_grad and g_entropy is not None:
+        ge = g_entropy.reshape(-1).to(cdt).contiguous()
+    gs = g_sum_p2.reshape(-1).to(cdt).contiguous() if opt.with_sum_p2 and g_sum_p2 is not None else None
+    out = z if inplace else None
+    # a dense pass without the targets' terms (with keep_ids: without the q-terms, which live on the kept
+    # columns only), then the host's columns written over it: the targets' and the kept set's, each from
+    # spec.ext_block_grad at the gathered logits (gathered first: the in-place gradient overwrites z), in
+    # the compute dtype and rounded once; at most K (+ K_ids) columns a row, no K compares over the shard
+    lay = _layout(opt)
+    ec = spec.ext_finalize(xp, red, lay, tau)
+    cols, use = _host_columns(y.to(torch.int64), owns, ids, call)
+    zk = spec.gather_columns(xp, z, cols, use, dtype=cdt)
+    if keep is not None:
+        kbits = keep.gather(1, cols)
+    elif ids is not None:
+        kbits = ((cols + call.rank * v)[:, :, None] == ids.to(torch.int64)[:, None, :]).any(-1)
+    else:
+        kbits = None
+    vals = _column_values(zk, kbits, cols, use, local, owns, ec, valid, gl, ge, gs, tau)
+    gl_dense = gl if ids is None else torch.zeros_like(gl)  # keep_ids: no q-term off the kept columns
+    if call.engine == "triton":
+        from . import logits_triton
+
+        zc, k8 = _unit_stride(z, keep)
+        coef = _triton_coef(ec, valid, gl_dense, ge, gs, tau, keep is not None, call.plan)
+        out = logits_triton.ext_grad(zc, k8, coef, ge is not None, gs is not None, call.plan, out=out)
+    else:
+        out = _grad(z, local, owns, keep, red, valid, gl_dense, ge, gs, tau, opt,
+                    engines.ENGINES[call.engine].compiled, out)
+    spec.set_at_columns(xp, out, cols, vals, use)
+    return out.view(logits.shape)
+
+
+# --- the ops, registered with torch's dispatcher (as dualvp_torch.library's, and for the same host time) --
+#
+#   dualvp::logprob_entropy_ext_fwd(logits, target, keep_mask, temperature_tensor, group_name, options...,
+#                                   impl, ..., multi_target, with_sum_p2, keep_ids)
+#       -> logprob [..., K] or [...], entropy [...], sum_p2 [...] (zeros without with_sum_p2), red [T, width]
+#   dualvp::logprob_entropy_ext_bwd(logits, target, keep_mask, temperature_tensor, red, grad_logprob?,
+#                                   grad_entropy?, grad_sum_p2?, ...) -> the gradient of the logits
+#   dualvp::logprob_entropy_ext_bwd_(...)   the same written into the logits (inplace_grad=True)
+#
+# ``temperature_tensor``: the per-row temperature tensor (``temperature`` is then unused), else None.
+
+_LIB = library._LIB
+_OPTIONS = ("str group_name, float temperature, bool with_entropy, bool entropy_grad, SymInt ignore_index, "
+            "bool validate, bool inplace_grad, str impl, float label_smoothing, bool multi_target, bool with_sum_p2")
+_BWD_OPTIONS = ("str group_name, float temperature, bool with_entropy, bool entropy_grad, SymInt ignore_index, "
+                "str impl, bool multi_target, bool with_sum_p2")
+_BWD_ARGS = "Tensor target, Tensor? keep_mask, Tensor? temperature_tensor, Tensor red, Tensor? grad_logprob, " \
+            "Tensor? grad_entropy, Tensor? grad_sum_p2"
+_LIB.define(f"logprob_entropy_ext_fwd(Tensor logits, Tensor target, Tensor? keep_mask, Tensor? temperature_tensor, "
+            f"{_OPTIONS}, Tensor? keep_ids=None) -> (Tensor, Tensor, Tensor, Tensor)", tags=library._PT2)
+_LIB.define(f"logprob_entropy_ext_bwd(Tensor logits, {_BWD_ARGS}, {_BWD_OPTIONS}, Tensor? keep_ids=None) -> Tensor",
+            tags=library._PT2)
+_LIB.define(f"logprob_entropy_ext_bwd_(Tensor(a!) logits, {_BWD_ARGS}, {_BWD_OPTIONS}, Tensor? keep_ids=None) -> ()",
+            tags=library._PT2)
+_FWD = torch.ops.dualvp.logprob_entropy_ext_fwd.default
+_BWD = torch.ops.dualvp.logprob_entropy_ext_bwd.default
+_BWD_INPLACE = torch.ops.dualvp.logprob_entropy_ext_bwd_.default
+
+#: A call checked before the op (:func:`logprob_entropy`: ``(logits, call)``), which the op's body then takes
+#: as its own instead of checking again (a temperature tensor's value check is a host sync).
+_CHECKED = threading.local()
+
+
+def _call_of(logits, target, keep_mask, temperature_tensor, group_name, temperature, with_entropy, entropy_grad,
+             ignore_index, validate, inplace_grad, impl, label_smoothing, multi_target, with_sum_p2,
+             keep_ids=None) -> checks.Call:
+    pre = getattr(_CHECKED, "call", None)
+    if pre is not None and pre[0] is logits:
+        return pre[1]
+    return checks.logits_call(
+        logits, target, keep_mask, group=library._group(group_name) if group_name else None,
+        temperature=temperature if temperature_tensor is None else temperature_tensor, with_entropy=with_entropy,
+        entropy_grad=entropy_grad, ignore_index=ignore_index, validate=validate, inplace_grad=inplace_grad,
+        impl=impl or None, label_smoothing=label_smoothing, multi_target=multi_target, with_sum_p2=with_sum_p2,
+        keep_ids=keep_ids,
+    )
+
+
+def _run_forward(call, logits, target, keep_mask, temperature_tensor, group_name, keep_ids):
+    tau = row_tau(temperature_tensor, target, call, logits)
+    out = forward(logits, target, keep_mask, tau, call, library._group(group_name) if group_name else None,
+                  keep_ids)
+    return out, tau
+
+
+def _fwd_impl(logits, target, keep_mask, temperature_tensor, *options_and_ids):
+    call = _call_of(logits, target, keep_mask, temperature_tensor, *options_and_ids)
+    return _run_forward(call, logits, target, keep_mask, temperature_tensor, options_and_ids[0],
+                        options_and_ids[11] if len(options_and_ids) > 11 else None)[0]
+
+
+def _fwd_fake(logits, target, keep_mask, temperature_tensor, group_name, temperature, with_entropy, entropy_grad,
+              ignore_index, validate, inplace_grad, impl, label_smoothing, multi_target, with_sum_p2,
+              keep_ids=None):
+    cdt = compute_dtype(logits.dtype)
+    lead = tuple(target.shape[:-1]) if multi_target and target.dim() else tuple(target.shape)
+    k = target.shape[-1] if multi_target and target.dim() else 1
+    width = spec.ExtLayout(k, keep_mask is not None or keep_ids is not None, with_sum_p2).width
+    return (logits.new_empty(target.shape, dtype=cdt), logits.new_empty(lead, dtype=cdt),
+            logits.new_empty(lead, dtype=cdt), logits.new_empty((math.prod(lead), width), dtype=cdt))
+
+
+def _bwd_call(logits, target, keep_mask, temperature_tensor, group_name, temperature, with_entropy, entropy_grad,
+              ignore_index, impl, multi_target, with_sum_p2, keep_ids):
+    # the forward's call again (its options and engine; validate=False: no agreement, no sync)
+    return checks.logits_call(
+        logits, target, keep_mask, group=library._group(group_name) if group_name else None,
+        temperature=temperature if temperature_tensor is None else temperature_tensor, with_entropy=with_entropy,
+        entropy_grad=entropy_grad, ignore_index=ignore_index, validate=False, impl=impl or None,
+        multi_target=multi_target, with_sum_p2=with_sum_p2, keep_ids=keep_ids,
+    )
+
+
+def _bwd_run(logits, target, keep_mask, temperature_tensor, red, grad_logprob, grad_entropy, grad_sum_p2,
+             options, keep_ids, inplace):
+    call = _bwd_call(logits, target, keep_mask, temperature_tensor, *options, keep_ids)
+    tau = row_tau(temperature_tensor, target, call, logits)
+    return grad(logits, target, keep_mask, tau, red, grad_logprob, grad_entropy, grad_sum_p2, call,
+                inplace=inplace, keep_ids=keep_ids)
+
+
+def _bwd_impl(logits, target, keep_mask, temperature_tensor, red, grad_logprob, grad_entropy, grad_sum_p2,
+              *options, keep_ids=None):
+    if len(options) > 8:  # (keep_ids positionally)
+        options, keep_ids = options[:8], options[8]
+    return _bwd_run(logits, target, keep_mask, temperature_tensor, red, grad_logprob, grad_entropy, grad_sum_p2,
+                    options, keep_ids, False)
+
+
+def _bwd_fake(logits, *rest, **kw):
+    return torch.empty_like(logits, memory_format=torch.contiguous_format)
+
+
+def _bwd_inplace_impl(logits, target, keep_mask, temperature_tensor, red, grad_logprob, grad_entropy, grad_sum_p2,
+                      *options, keep_ids=None):
+    if len(options) > 8:
+        options, keep_ids = options[:8], options[8]
+    _bwd_run(logits, target, keep_mask, temperature_tensor, red, grad_logprob, grad_entropy, grad_sum_p2,
+             options, keep_ids, True)
+
+
+def _bwd_inplace_version(keyset, logits, *rest, **kw):
+    # ADInplaceOrView: the mutated logits' version counter moves, then the kernel below runs
+    torch.autograd.graph.increment_version(logits)
+    return _BWD_INPLACE.redispatch(keyset & torch._C._after_ADInplaceOrView_keyset, logits, *rest, **kw)
+
+
+def _bwd_inplace_fake(logits, *rest, **kw):
+    return None
+
+
+for _name, _impl, _fake in (("logprob_entropy_ext_fwd", _fwd_impl, _fwd_fake),
+                            ("logprob_entropy_ext_bwd", _bwd_impl, _bwd_fake),
+                            ("logprob_entropy_ext_bwd_", _bwd_inplace_impl, _bwd_inplace_fake)):
+    _LIB.impl(_name, _impl, "CompositeExplicitAutograd")  # every device: the engine is the call's
+    torch.library.register_fake(f"dualvp::{_name}", _fake, lib=_LIB)
+_LIB.impl("logprob_entropy_ext_bwd_", _bwd_inplace_version, "ADInplaceOrView", with_keyset=True)
+
+
+# --- autograd (as dualvp_torch.library's: one node; eagerly, with only a backend below it, the node runs the
+# kernels directly and keeps the checked call and the temperature for its backward) -----------------------
+
+
+def _backward(ctx, g_logprob, g_entropy, g_sum_p2):
+    if g_logprob is None and g_entropy is None and g_sum_p2 is None:
+        return None
+    logits, target, keep_mask, temperature_tensor, red, keep_ids = ctx.saved_tensors
+    if ctx.call is not None and torch._C._len_torch_dispatch_stack() == 0:
+        if ctx.inplace:
+            torch.autograd.graph.increment_version(logits)  # what the op's ADInplaceOrView kernel does
+        with torch._C._AutoDispatchBelowAutograd():
+            return grad(logits, target, keep_mask, ctx.tau, red, g_logprob, g_entropy, g_sum_p2, ctx.call,
+                        inplace=ctx.inplace, keep_ids=keep_ids)
+    args = (logits, target, keep_mask, temperature_tensor, red, g_logprob, g_entropy, g_sum_p2, *ctx.options,
+            keep_ids)
+    if ctx.inplace:
+        _BWD_INPLACE(*args)
+        return logits
+    return _BWD(*args)
+
+
+_backward_once = torch.autograd.function.once_differentiable(_backward)
+
+
+def _autograd_forward(ctx, below, logits, target, keep_mask, temperature_tensor, keep_ids, options):
+    # options: the op's 11 arguments between temperature_tensor and keep_ids
+    args = (logits, target, keep_mask, temperature_tensor, *options, keep_ids)
+    ctx.call = None
+    with torch._C._AutoDispatchBelowAutograd():
+        if below.highestPriorityTypeId() in library._DIRECT:
+            ctx.call = _call_of(*args)
+            out, ctx.tau = _run_forward(ctx.call, logits, target, keep_mask, temperature_tensor, options[0],
+                                        keep_ids)
         else:
-            out = _grad(z, local, owns, keep, red, valid, gl_dense, ge, gs, tau, opt,
-                        engines.ENGINES[call.engine].compiled, out)
-        spec.set_at_columns(xp, out, cols, vals, use)
-        return (out.view(logits.shape),) + none
+            out = _FWD.redispatch(below, *args)
+    (group_name, temperature, with_entropy, entropy_grad, ignore_index, _, inplace_grad, impl, _, multi_target,
+     with_sum_p2) = options
+    ctx.save_for_backward(logits, target, keep_mask, temperature_tensor, out[3], keep_ids)
+    ctx.options = (group_name, temperature, with_entropy, entropy_grad, ignore_index, impl, multi_target,
+                   with_sum_p2)
+    ctx.inplace = inplace_grad
+    ctx.mark_non_differentiable(out[3])
+    ctx.set_materialize_grads(False)  # an output that does not reach the loss: None (zero), no fill kernel
+    return out
+
+
+def _autograd_backward(ctx, g_logprob, g_entropy, g_sum_p2, _):
+    # create_graph=True: once_differentiable's wrapper (the backward ops have no derivative)
+    g = (_backward_once if torch.is_grad_enabled() else _backward)(ctx, g_logprob, g_entropy, g_sum_p2)
+    return None, g, None, None, None, None, None
+
+
+#: The forward op's autograd node (``grad_fn`` is a ``dualvp_logprob_entropy_ext_fwdBackward``).
+_Autograd = type("dualvp_logprob_entropy_ext_fwd", (torch.autograd.Function,), {
+    "forward": staticmethod(_autograd_forward), "backward": staticmethod(_autograd_backward)})
+
+
+def _fwd_autograd(keyset, logits, target, keep_mask, temperature_tensor, group_name, temperature, with_entropy,
+                  entropy_grad, ignore_index, validate, inplace_grad, impl, label_smoothing, multi_target,
+                  with_sum_p2, keep_ids=None):
+    below = keyset & library._AFTER_AUTOGRAD
+    options = (group_name, temperature, with_entropy, entropy_grad, ignore_index, validate, inplace_grad, impl,
+               label_smoothing, multi_target, with_sum_p2)
+    if logits.requires_grad and torch.is_grad_enabled():
+        return _Autograd.apply(below, logits, target, keep_mask, temperature_tensor, keep_ids, options)
+    with torch._C._AutoDispatchBelowAutograd():
+        if below.highestPriorityTypeId() in library._DIRECT:
+            return _fwd_impl(logits, target, keep_mask, temperature_tensor, *options, keep_ids)
+        return _FWD.redispatch(below, logits, target, keep_mask, temperature_tensor, *options, keep_ids)
+
+
+_LIB.impl("logprob_entropy_ext_fwd", _fwd_autograd, "Autograd", with_keyset=True)
+
+
+# --- the entry points ----------------------------------------------------------------------------------
+
+
+def eligible(logits: object, target: object, *, group: object = None, keep_mask: object = None,
+             temperature: object = 1.0, with_entropy: object = True, entropy_grad: object = True,
+             ignore_index: object = -100, validate: object = True, inplace_grad: object = False,
+             impl: object = None, keep_ids: object = None, multi_target: object = False,
+             with_sum_p2: object = False) -> bool:
+    """Whether an extended call's arguments fit the op's schema as they are (:func:`dualvp_torch.library.eligible`,
+    a temperature tensor ``[...]`` allowed): then :func:`run_op`, else :func:`logprob_entropy` after the checks."""
+    tensor_tau = type(temperature) is torch.Tensor and temperature.ndim > 0
+    return (type(multi_target) is bool and type(with_sum_p2) is bool and library.eligible(
+        logits, target, group=group, keep_mask=keep_mask, temperature=1.0 if tensor_tau else temperature,
+        with_entropy=with_entropy, entropy_grad=entropy_grad, ignore_index=ignore_index, validate=validate,
+        inplace_grad=inplace_grad, impl=impl, keep_ids=keep_ids))
+
+
+def _results(lp, h, p2, with_entropy: bool, entropy_grad: bool, with_sum_p2: bool):
+    if not with_entropy:
+        h = None
+    elif not entropy_grad:
+        h = h.detach()
+    return (lp, h, p2) if with_sum_p2 else (lp, h)
+
+
+def run_op(logits, target, *, group=None, keep_mask=None, temperature=1.0, with_entropy=True, entropy_grad=True,
+           ignore_index=-100, validate=True, inplace_grad=False, impl=None, keep_ids=None, multi_target=False,
+           with_sum_p2=False):
+    """An :func:`eligible` call, eagerly or in a caller's ``torch.compile`` (one node of its graph): the op as
+    is; its body runs the checks. ``(logprob, entropy or None)`` (``+ (sum_p2,)`` with ``with_sum_p2``)."""
+    tt = temperature if type(temperature) is torch.Tensor else None
+    lp, h, p2, _ = _FWD(logits, target, keep_mask, tt, "" if group is None else group.group_name,
+                        1.0 if tt is not None else float(temperature), with_entropy, entropy_grad, ignore_index,
+                        validate, inplace_grad, impl or "", 0.0, multi_target, with_sum_p2, keep_ids)
+    return _results(lp, h, p2, with_entropy, entropy_grad, with_sum_p2)
 
 
 def logprob_entropy(logits, target, keep_mask, temperature, call: checks.Call, group, keep_ids=None):
@@ -314,18 +585,18 @@ def logprob_entropy(logits, target, keep_mask, temperature, call: checks.Call, g
 
     ``target`` is ``[...]`` (``call.opt.n_targets == 0``) or ``[..., K]``;
     ``temperature`` the number of ``call.opt`` or a tensor broadcastable to
-    the rows. Outputs are float32 (float64 for float64 logits).
+    the rows. Outputs are float32 (float64 for float64 logits). The op's body
+    takes ``call`` as checked (:data:`_CHECKED`).
     """
     opt = call.opt
-    cdt = compute_dtype(logits.dtype)
-    if opt.row_temperature:
-        lead = tuple(target.shape[:-1]) if opt.n_targets else tuple(target.shape)
-        tau = temperature.detach().to(cdt).broadcast_to(lead).reshape(-1).contiguous()
-    else:
-        tau = torch.full((), opt.temperature, dtype=cdt, device=logits.device)
-    lp, h, p2, _ = _ExtOp.apply(logits, target, keep_mask, tau, keep_ids, call, group)
-    if not opt.with_entropy:
-        h = None
-    elif not opt.entropy_grad:
-        h = h.detach()
+    tt = temperature if opt.row_temperature else None
+    _CHECKED.call = (logits, call)
+    try:
+        lp, h, p2, _ = _FWD(logits, target, keep_mask, tt, "" if group is None else group.group_name,
+                            1.0 if tt is not None else opt.temperature, opt.with_entropy, opt.entropy_grad,
+                            opt.ignore_index, call.validate, opt.inplace_grad, call.engine, opt.label_smoothing,
+                            opt.n_targets > 0, opt.with_sum_p2, keep_ids)
+    finally:
+        _CHECKED.call = None
+    lp, h = _results(lp, h, p2, opt.with_entropy, opt.entropy_grad, True)[:2]
     return lp, h, (p2 if opt.with_sum_p2 else None)

@@ -169,6 +169,11 @@ def logprob_entropy(
             return logprob, None
         return logprob, (entropy if entropy_grad else entropy.detach())
     if multi_target is not False or with_sum_p2 is not False or checks.temperature_meta(temperature) is not None:
+        kw = dict(group=group, keep_mask=keep_mask, temperature=temperature, with_entropy=with_entropy,
+                  entropy_grad=entropy_grad, ignore_index=ignore_index, validate=validate, inplace_grad=inplace_grad,
+                  impl=impl, keep_ids=keep_ids, multi_target=multi_target, with_sum_p2=with_sum_p2)
+        if _extended_op.eligible(logits, target, **kw):  # the extended custom op as is (one node of a graph)
+            return _extended_op.run_op(logits, target, **kw)
         run = torch.compiler.disable(_extended) if torch.compiler.is_compiling() else _extended
         return run(logits, target, group=group, keep_mask=keep_mask, temperature=temperature,
                    with_entropy=with_entropy, entropy_grad=entropy_grad, ignore_index=ignore_index, validate=validate,

@@ -85,6 +85,21 @@ two fused kernels, the statistics in the forward GEMM's epilogue and ``G``
 formed in registers in the backward (``dualvp_torch/triton_kernels/linear_fwd.py``,
 ``linear_bwd.py``); the merge, the collectives and autograd are the same.
 
+The op is a ``torch.library`` custom-op pair on :mod:`dualvp_torch.library`'s
+fragment, registered as the logits op's (schema, one kernel for every device,
+fake kernels, the forward's autograd kernel) and its only autograd path::
+
+    dualvp::linear_logprob_entropy_fwd(hidden, weight, target, keep_mask, options..., keep_ids)
+        -> logprob, entropy, res [5, T]   (the body runs the checks and, validate=True, the agreement)
+    dualvp::linear_logprob_entropy_bwd(hidden, weight, target, keep_mask, res, grads, options...,
+                                       need_dh, need_dw, keep_ids) -> dh, dW (a [0] tensor when not needed)
+
+A call whose arguments have the schema's types goes to the op as is, eagerly
+and as one node of a caller's ``torch.compile(fullgraph=True)`` graph; other
+calls are checked first, then run the same op. The agreement record's
+"hidden / weight require grad" are op arguments (the caller's grad mode and
+flags, which the op's body no longer sees).
+
 Non-finite values, row by row: a NaN/inf in hidden row ``t`` makes that row's
 logits non-finite, so its log-prob, entropy and ``dh`` row are NaN (the other
 rows are unaffected); ``dW`` sums over all rows, so every entry of it that
@@ -94,18 +109,17 @@ weight row poisons every token's row.
 
 from __future__ import annotations
 
+import numbers
 from typing import TYPE_CHECKING, Optional
 
 import array_api_compat.torch as xp
 import torch
-from torch.autograd.function import once_differentiable
 
 from dualvp import spec, validation
 
-from . import checks, collectives, engines, linear_triton, tuning
+from . import checks, collectives, engines, library, linear_triton, tuning
 from . import keep_ids as _ids
 from .stages import xp as _sxp  # with take_along_axis (the kept columns of keep_ids)
-from .compiled import one_graph_break
 from .linear_tiles import (  # noqa: F401 (re-exported)
     BUDGET_FRACTION,
     CUDA_BUDGET_FRACTION,
@@ -425,142 +439,328 @@ _UNMATERIALISED = (
 )
 
 
-def _check_materialised(opt: validation.Options, grad_logprob, grad_entropy) -> None:
+def _check_materialised(need_entropy_grad: bool, grad_logprob, grad_entropy) -> None:
     if grad_logprob is None:
         raise RuntimeError(_UNMATERIALISED.format("log-prob"))
-    if opt.need_entropy_grad and grad_entropy is None:
+    if need_entropy_grad and grad_entropy is None:
         raise RuntimeError(_UNMATERIALISED.format("entropy"))
 
 
-class LinearLogProbEntropyFunction(torch.autograd.Function):
-    """``(hidden, weight, target, keep_mask, options, group, engine, budget, allow_tf32, keep_ids)
-    -> (logprob, entropy)``.
+def forward(hidden, weight, target, keep_mask, opt: validation.Options, group, engine: str, budget, allow_tf32,
+            keep_ids=None):
+    """``(logprob, entropy, res [5, T])`` of a checked call (every rank enters the same collectives).
 
     ``engine``: a name of :data:`dualvp_torch.engines.ENGINES`; its
     ``spec_stages`` run the tile loop here, else the fused Triton kernels.
+    ``budget``: :func:`_budgets`.
     """
+    rank, world = collectives.group_rank_world(group)
+    eng = engines.ENGINES[engine]
+    h = hidden
+    if opt.sequence_parallel and group is not None and world > 1:
+        h = collectives.all_gather_cat(hidden, group)
+    hsz, v = weight.shape[1], weight.shape[0]
+    h2 = h.reshape(-1, hsz)
+    n = h2.shape[0]
+    cdt = engines.compute_dtype(hidden.dtype)
+    valid, owns, local = spec.target_to_local(xp, target.reshape(-1).to(torch.int64), rank, v, opt.ignore_index)
+    keep = None if keep_mask is None else keep_mask.reshape(-1, v)
+    tau = torch.full((), opt.temperature, dtype=cdt, device=hidden.device)
+    fused = not eng.spec_stages
+    tile_budget, col_budget, _ = budget
+    tiles = tile_shape(max(n, MIN_ROWS), v, tile_budget, 4 + eng.tile_scratch_bytes, col_budget)
+    # Batch invariance: a call of fewer than MIN_ROWS rows runs as MIN_ROWS (its rows repeated)
+    pad = pad_rows(n)
+    hp, tp, vp, op, lp_, kp, idp = _padded(pad, h2, target.reshape(-1), valid, owns, local, keep, keep_ids)
+    kept = _kept(idp, tp, rank, v, opt)
+    if not n:
+        stats = torch.zeros((0, spec.N_STATS), dtype=cdt, device=hidden.device)
+    elif fused:
+        stats = linear_triton.stats(hp, weight, _ycol(lp_, op, vp), kp, tau, opt.temperature, allow_tf32)
+        if kept is not None:  # the kept pair from the logits at the kept columns (O(T K H) products)
+            zk = linear_triton.kept_logits(hp, weight, *kept, tile_budget)
+            stats = spec.with_kept_pair(_sxp, stats, *spec.kept_pair(_sxp, zk, kept[1], tau))
+    else:
+        with linear_triton.matmul_precision(h2, allow_tf32):
+            stats = _stats(hp, weight, lp_, op, kp, tau, tiles, eng.compiled, kept)
+    if pad is not None:
+        stats = stats[:n]
+    all_stats = collectives.gather_stats(stats, group) if group is not None else stats[None]
+    # (the fused Triton kernels: the O(T) merge runs as impl=None would run it)
+    merge_compiled = engines.ENGINES[engine if eng.spec_stages else engines.select(None)].compiled
+    res, logprob, entropy = engines.merge(all_stats, valid, tau, compiled=merge_compiled)
+    return logprob.reshape(target.shape), entropy.reshape(target.shape), res
 
-    @staticmethod
-    def forward(ctx, hidden, weight, target, keep_mask, opt: validation.Options, group, engine, budget, allow_tf32,
-                keep_ids=None):
-        rank, world = collectives.group_rank_world(group)
-        eng = engines.ENGINES[engine]
-        h = hidden
-        if opt.sequence_parallel and group is not None and world > 1:
-            h = collectives.all_gather_cat(hidden, group)
-        hsz, v = weight.shape[1], weight.shape[0]
-        h2 = h.reshape(-1, hsz)
-        n = h2.shape[0]
-        cdt = engines.compute_dtype(hidden.dtype)
-        valid, owns, local = spec.target_to_local(xp, target.reshape(-1).to(torch.int64), rank, v, opt.ignore_index)
-        keep = None if keep_mask is None else keep_mask.reshape(-1, v)
-        tau = torch.full((), opt.temperature, dtype=cdt, device=hidden.device)
-        fused = not eng.spec_stages
-        tile_budget, col_budget, _ = budget
-        tiles = tile_shape(max(n, MIN_ROWS), v, tile_budget, 4 + eng.tile_scratch_bytes, col_budget)
-        # Batch invariance: a call of fewer than MIN_ROWS rows runs as MIN_ROWS (its rows repeated)
-        pad = pad_rows(n)
-        hp, tp, vp, op, lp_, kp, idp = _padded(pad, h2, target.reshape(-1), valid, owns, local, keep, keep_ids)
-        kept = _kept(idp, tp, rank, v, opt)
-        if not n:
-            stats = torch.zeros((0, spec.N_STATS), dtype=cdt, device=hidden.device)
-        elif fused:
-            stats = linear_triton.stats(hp, weight, _ycol(lp_, op, vp), kp, tau, opt.temperature, allow_tf32)
-            if kept is not None:  # the kept pair from the logits at the kept columns (O(T K H) products)
-                zk = linear_triton.kept_logits(hp, weight, *kept, tile_budget)
-                stats = spec.with_kept_pair(_sxp, stats, *spec.kept_pair(_sxp, zk, kept[1], tau))
-        else:
-            with linear_triton.matmul_precision(h2, allow_tf32):
-                stats = _stats(hp, weight, lp_, op, kp, tau, tiles, eng.compiled, kept)
-        if pad is not None:
-            stats = stats[:n]
-        all_stats = collectives.gather_stats(stats, group) if group is not None else stats[None]
-        # (the fused Triton kernels: the O(T) merge runs as impl=None would run it)
-        merge_compiled = engines.ENGINES[engine if eng.spec_stages else engines.select(None)].compiled
-        res, logprob, entropy = engines.merge(all_stats, valid, tau, compiled=merge_compiled)
-        logprob, entropy = logprob.reshape(target.shape), entropy.reshape(target.shape)
-        ctx.opt, ctx.group, ctx.engine, ctx.tiles = opt, group, engine, tiles
-        ctx.budget, ctx.tile_budget, ctx.allow_tf32 = budget[2], tile_budget, allow_tf32
-        # (keep_ids: the target too, for the kept columns again in the backward; O(T))
-        ctx.save_for_backward(hidden, weight, keep_mask, local, owns, valid, res, keep_ids,
-                              None if keep_ids is None else target)
-        ctx.rank = rank
-        if not opt.need_entropy_grad:
-            ctx.mark_non_differentiable(entropy)
-        return logprob, entropy
 
-    @staticmethod
-    @once_differentiable
-    def backward(ctx, grad_logprob, grad_entropy):
-        opt, group = ctx.opt, ctx.group
-        _check_materialised(opt, grad_logprob, grad_entropy)
-        need_dh, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-        none = (None,) * 8
-        if not (need_dh or need_dw):
-            return (None, None) + none
-        hidden, weight, keep_mask, local, owns, valid, res, keep_ids, target = ctx.saved_tensors
-        eng = engines.ENGINES[ctx.engine]
-        _, world = collectives.group_rank_world(group)
-        sp = opt.sequence_parallel and group is not None and world > 1
-        # Gathered again rather than kept from the forward: [T, H] less between the two.
-        h = collectives.all_gather_cat(hidden, group) if sp else hidden
-        hsz, v = weight.shape[1], weight.shape[0]
-        h2 = h.reshape(-1, hsz)
-        cdt = engines.compute_dtype(hidden.dtype)
-        keep = None if keep_mask is None else keep_mask.reshape(-1, v)
-        # Contiguous O(T) vectors (upstream gradients often arrive expanded).
-        gl = grad_logprob.reshape(-1).to(cdt).contiguous()
-        ge = grad_entropy.reshape(-1).to(cdt).contiguous() if opt.need_entropy_grad else None
-        tau = torch.full((), opt.temperature, dtype=cdt, device=hidden.device)
-        n = h2.shape[0]
-        pad = pad_rows(n)
-        h2_in = h2
-        if pad is not None:  # as in the forward; the repeats' upstream gradients are 0 (no dW term)
-            h2, _, valid, owns, local, keep, keep_ids = _padded(pad, h2, None, valid, owns, local, keep, keep_ids)
-            target = None if target is None else target.reshape(-1)[pad]
-            res = res[:, pad]
-            first = torch.arange(MIN_ROWS, device=h2.device) < n
-            gl = torch.where(first, gl[pad], torch.zeros((), dtype=cdt, device=h2.device))
-            ge = None if ge is None else torch.where(first, ge[pad], torch.zeros((), dtype=cdt, device=h2.device))
-        if not eng.spec_stages and n:
-            M, log_s, c, mk, log_sk = res.unbind(0)
-            kept, kept_vals = _kept(keep_ids, target, ctx.rank, v, opt), None
-            if kept is not None:
-                # keep_ids: the kernel forms the gradient without its log-prob term (a zero log-prob
-                # cotangent: the entropy's, NaN rows carried in it), the kept columns' full values
-                # (spec.kept_grad) are written over it in each G chunk (linear_triton.grads)
-                zk = linear_triton.kept_logits(h2, weight, *kept, ctx.tile_budget)
-                comb = spec.Combined(*res.unbind(0), None)
-                kept_vals = spec.kept_grad(_sxp, zk, kept[0], kept[1], local, owns, comb, valid, gl, ge, tau)
-                nan_rows = torch.where(valid, 0.0 * comb.log_sk, torch.zeros_like(comb.log_sk))
-                gl = torch.zeros_like(gl)
-                ge = nan_rows if ge is None else ge + nan_rows
-                c = res[2]
-                kept_vals = (kept[0], kept[1], kept_vals)
-            dh, dw = linear_triton.grads(
-                h2, weight, _ycol(local, owns, valid), keep, (M, log_s, c if ge is not None else None, mk, log_sk),
-                gl, ge, opt.temperature,
-                need_dh, need_dw, ctx.allow_tf32, tuning.current().gradient_rounding, ctx.budget, kept_vals,
+def grads(hidden, weight, target, keep_mask, res, grad_logprob, grad_entropy, opt: validation.Options, group,
+          engine: str, budget, allow_tf32, keep_ids, need_dh: bool, need_dw: bool):
+    """``(dh in hidden's shape and dtype or None, dW or None)`` from :func:`forward`'s ``res`` (``dh`` reduced over
+    the group as the options say)."""
+    _check_materialised(opt.need_entropy_grad, grad_logprob, grad_entropy)
+    rank, world = collectives.group_rank_world(group)
+    eng = engines.ENGINES[engine]
+    sp = opt.sequence_parallel and group is not None and world > 1
+    # Gathered again rather than kept from the forward: [T, H] less between the two.
+    h = collectives.all_gather_cat(hidden, group) if sp else hidden
+    hsz, v = weight.shape[1], weight.shape[0]
+    h2 = h.reshape(-1, hsz)
+    cdt = engines.compute_dtype(hidden.dtype)
+    valid, owns, local = spec.target_to_local(xp, target.reshape(-1).to(torch.int64), rank, v, opt.ignore_index)
+    keep = None if keep_mask is None else keep_mask.reshape(-1, v)
+    # Contiguous O(T) vectors (upstream gradients often arrive expanded).
+    gl = grad_logprob.reshape(-1).to(cdt).contiguous()
+    ge = grad_entropy.reshape(-1).to(cdt).contiguous() if opt.need_entropy_grad else None
+    tau = torch.full((), opt.temperature, dtype=cdt, device=hidden.device)
+    n = h2.shape[0]
+    tile_budget = budget[0]
+    tiles = tile_shape(max(n, MIN_ROWS), v, tile_budget, 4 + eng.tile_scratch_bytes, budget[1])
+    pad = pad_rows(n)
+    if pad is not None:  # as in the forward; the repeats' upstream gradients are 0 (no dW term)
+        h2, _, valid, owns, local, keep, keep_ids = _padded(pad, h2, None, valid, owns, local, keep, keep_ids)
+        target = target.reshape(-1)[pad]
+        res = res[:, pad]
+        first = torch.arange(MIN_ROWS, device=h2.device) < n
+        gl = torch.where(first, gl[pad], torch.zeros((), dtype=cdt, device=h2.device))
+        ge = None if ge is None else torch.where(first, ge[pad], torch.zeros((), dtype=cdt, device=h2.device))
+    if not eng.spec_stages and n:
+        M, log_s, c, mk, log_sk = res.unbind(0)
+        kept, kept_vals = _kept(keep_ids, target, rank, v, opt), None
+        if kept is not None:
+            # keep_ids: the kernel forms the gradient without its log-prob term (a zero log-prob
+            # cotangent: the entropy's, NaN rows carried in it), the kept columns' full values
+            # (spec.kept_grad) are written over it in each G chunk (linear_triton.grads)
+            zk = linear_triton.kept_logits(h2, weight, *kept, tile_budget)
+            comb = spec.Combined(*res.unbind(0), None)
+            kept_vals = spec.kept_grad(_sxp, zk, kept[0], kept[1], local, owns, comb, valid, gl, ge, tau)
+            nan_rows = torch.where(valid, 0.0 * comb.log_sk, torch.zeros_like(comb.log_sk))
+            gl = torch.zeros_like(gl)
+            ge = nan_rows if ge is None else ge + nan_rows
+            c = res[2]
+            kept_vals = (kept[0], kept[1], kept_vals)
+        dh, dw = linear_triton.grads(
+            h2, weight, _ycol(local, owns, valid), keep, (M, log_s, c if ge is not None else None, mk, log_sk),
+            gl, ge, opt.temperature,
+            need_dh, need_dw, allow_tf32, tuning.current().gradient_rounding, budget[2], kept_vals,
+        )
+    else:
+        with linear_triton.matmul_precision(h2, allow_tf32):
+            dh, dw = _grads(
+                h2, weight, local, owns, keep, res, valid, gl, ge, tau, tiles, need_dh, need_dw, eng.compiled,
+                _kept(keep_ids, target, rank, v, opt),
             )
+    if pad is not None and dh is not None:
+        dh = dh[:n]
+    if need_dh:
+        if sp:
+            dh = collectives.reduce_scatter_rows(dh, group)
+        elif opt.reduce_hidden_grad and group is not None and world > 1:
+            collectives.all_reduce_sum_(dh, group)
+        dh = dh.to(hidden.dtype).reshape(hidden.shape)
+    return dh, dw
+
+
+def _budgets(memory_budget, n_rows: int, weight, hidden, engine: str) -> tuple:
+    # (tile budget, the budget that sizes the columns, the Triton backward's): an explicit
+    # memory_budget is all three; by default the columns' comes from V_local alone (batch invariance)
+    if memory_budget is not None:
+        return (memory_budget,) * 3
+    tile_loop = engines.ENGINES[engine].spec_stages
+    return (
+        default_budget(n_rows, weight.shape[0], hidden.element_size(), hidden.device.type, tile_loop),
+        column_budget(weight.shape[0], hidden.element_size(), hidden.device.type if tile_loop else "cpu",
+                      engines.ENGINES[engine].tile_scratch_bytes > 0),
+        None,
+    )
+
+
+# --- the ops, registered with torch's dispatcher (as dualvp_torch.library's) ------------------------------
+#
+#   dualvp::linear_logprob_entropy_fwd(hidden, weight, target, keep_mask, group_name, options..., impl,
+#                                      allow_tf32, hidden_requires_grad, weight_requires_grad, keep_ids)
+#       -> logprob, entropy, res [5, T]
+#   dualvp::linear_logprob_entropy_bwd(hidden, weight, target, keep_mask, res, grad_logprob, grad_entropy?,
+#                                      ..., need_dh, need_dw, keep_ids) -> dh (or [0]), dW (or [0])
+#
+# The forward's body runs the checks (checks.linear_call; with validate=True the agreement, whose record
+# takes hidden's and weight's requires_grad from the arguments: the caller's, which the body no longer sees).
+
+_LIB = library._LIB
+_OPTIONS = ("str group_name, float temperature, bool with_entropy, bool entropy_grad, SymInt ignore_index, "
+            "bool reduce_hidden_grad, bool sequence_parallel, SymInt? memory_budget, str impl, bool allow_tf32")
+_LIB.define(f"linear_logprob_entropy_fwd(Tensor hidden, Tensor weight, Tensor target, Tensor? keep_mask, {_OPTIONS}, "
+            "bool validate, bool hidden_requires_grad, bool weight_requires_grad, Tensor? keep_ids=None) "
+            "-> (Tensor, Tensor, Tensor)", tags=library._PT2)
+_LIB.define(f"linear_logprob_entropy_bwd(Tensor hidden, Tensor weight, Tensor target, Tensor? keep_mask, Tensor res, "
+            f"Tensor grad_logprob, Tensor? grad_entropy, {_OPTIONS}, bool need_dh, bool need_dw, "
+            "Tensor? keep_ids=None) -> (Tensor, Tensor)", tags=library._PT2)
+_FWD = torch.ops.dualvp.linear_logprob_entropy_fwd.default
+_BWD = torch.ops.dualvp.linear_logprob_entropy_bwd.default
+
+
+def _checked_call(hidden, weight, target, keep_mask, group_name, temperature, with_entropy, entropy_grad,
+                  ignore_index, reduce_hidden_grad, sequence_parallel, memory_budget, impl, allow_tf32, validate,
+                  requires_grad, keep_ids):
+    """``(call, group, budgets)``: the checks (every rank returns or raises alike) and, with ``validate``, the
+    agreement (one host sync)."""
+    group = library._group(group_name) if group_name else None
+    kw = dict(
+        temperature=temperature, ignore_index=ignore_index, with_entropy=with_entropy, entropy_grad=entropy_grad,
+        reduce_hidden_grad=reduce_hidden_grad, sequence_parallel=sequence_parallel, memory_budget=memory_budget,
+    )
+    call = checks.linear_call(
+        hidden, weight, target, keep_mask, group=group, validate=validate, impl=impl or None, allow_tf32=allow_tf32,
+        kw=kw, keep_ids=keep_ids, requires_grad=requires_grad,
+    )
+    if validate and keep_ids is not None:
+        _ids.check_range(keep_ids, call, group, hidden)
+    if validate:
+        checks.agree(call, checks.count_bad_targets(target, ignore_index, call.vocab), group, hidden, target, hidden)
+    return call, group, _budgets(memory_budget, target.numel(), weight, hidden, call.engine)
+
+
+def _fwd_body(hidden, weight, target, keep_mask, group_name, temperature, with_entropy, entropy_grad, ignore_index,
+              reduce_hidden_grad, sequence_parallel, memory_budget, impl, allow_tf32, validate, hidden_requires_grad,
+              weight_requires_grad, keep_ids=None):
+    call, group, budget = _checked_call(
+        hidden, weight, target, keep_mask, group_name, temperature, with_entropy, entropy_grad, ignore_index,
+        reduce_hidden_grad, sequence_parallel, memory_budget, impl, allow_tf32, validate,
+        (hidden_requires_grad, weight_requires_grad), keep_ids)
+    out = forward(hidden, weight, target, keep_mask, call.opt, group, call.engine, budget, allow_tf32, keep_ids)
+    return out, call, group, budget
+
+
+def _fwd_impl(*args):
+    return _fwd_body(*args)[0]
+
+
+def _fwd_fake(hidden, weight, target, *rest):
+    cdt = engines.compute_dtype(hidden.dtype)
+    return (hidden.new_empty(target.shape, dtype=cdt), hidden.new_empty(target.shape, dtype=cdt),
+            hidden.new_empty((5, target.numel()), dtype=cdt))
+
+
+def _bwd_impl(hidden, weight, target, keep_mask, res, grad_logprob, grad_entropy, group_name, temperature,
+              with_entropy, entropy_grad, ignore_index, reduce_hidden_grad, sequence_parallel, memory_budget, impl,
+              allow_tf32, need_dh, need_dw, keep_ids=None):
+    # the forward's call again (validate=False: no agreement, no sync)
+    call, group, budget = _checked_call(
+        hidden, weight, target, keep_mask, group_name, temperature, with_entropy, entropy_grad, ignore_index,
+        reduce_hidden_grad, sequence_parallel, memory_budget, impl, allow_tf32, False, None, keep_ids)
+    dh, dw = grads(hidden, weight, target, keep_mask, res, grad_logprob, grad_entropy, call.opt, group, call.engine,
+                   budget, allow_tf32, keep_ids, need_dh, need_dw)
+    return _or_empty(dh, hidden), _or_empty(dw, weight)
+
+
+def _or_empty(g, like):
+    return like.new_empty((0,)) if g is None else g
+
+
+def _bwd_fake(hidden, weight, target, keep_mask, res, grad_logprob, grad_entropy, *options_and_ids):
+    need_dh, need_dw = options_and_ids[10], options_and_ids[11]
+    return (torch.empty_like(hidden, memory_format=torch.contiguous_format) if need_dh else hidden.new_empty((0,)),
+            torch.empty_like(weight, memory_format=torch.contiguous_format) if need_dw else weight.new_empty((0,)))
+
+
+for _name, _impl, _fake in (("linear_logprob_entropy_fwd", _fwd_impl, _fwd_fake),
+                            ("linear_logprob_entropy_bwd", _bwd_impl, _bwd_fake)):
+    _LIB.impl(_name, _impl, "CompositeExplicitAutograd")  # every device: the engine is the call's
+    torch.library.register_fake(f"dualvp::{_name}", _fake, lib=_LIB)
+
+
+# --- autograd (one node; eagerly, with only a backend below it, the node runs the kernels directly and keeps
+# the checked call for its backward, as dualvp_torch.library's) ---------------------------------------------
+
+
+def _backward(ctx, grad_logprob, grad_entropy):
+    need_dh, need_dw = ctx.needs_input_grad[1], ctx.needs_input_grad[2]
+    if not (need_dh or need_dw):
+        return None, None
+    hidden, weight, target, keep_mask, res, keep_ids = ctx.saved_tensors
+    if ctx.call is not None and torch._C._len_torch_dispatch_stack() == 0:
+        with torch._C._AutoDispatchBelowAutograd():
+            return grads(hidden, weight, target, keep_mask, res, grad_logprob, grad_entropy, ctx.call.opt, ctx.group,
+                         ctx.call.engine, ctx.budget, ctx.options[-1], keep_ids, need_dh, need_dw)
+    if not ctx.need_entropy_grad:
+        grad_entropy = None
+    _check_materialised(ctx.need_entropy_grad, grad_logprob, grad_entropy)
+    dh, dw = _BWD(hidden, weight, target, keep_mask, res, grad_logprob, grad_entropy, *ctx.options, need_dh, need_dw,
+                  keep_ids)
+    return (dh if need_dh else None), (dw if need_dw else None)
+
+
+def _autograd_forward(ctx, below, hidden, weight, target, keep_mask, keep_ids, options, tail):
+    # options: the op's 10 arguments between keep_mask and validate; tail: validate and the requires_grad flags
+    args = (hidden, weight, target, keep_mask, *options, *tail, keep_ids)
+    ctx.call = None
+    with torch._C._AutoDispatchBelowAutograd():
+        if below.highestPriorityTypeId() in library._DIRECT:
+            out, ctx.call, ctx.group, ctx.budget = _fwd_body(*args)
         else:
-            with linear_triton.matmul_precision(h2, ctx.allow_tf32):
-                dh, dw = _grads(
-                    h2, weight, local, owns, keep, res, valid, gl, ge, tau, ctx.tiles, need_dh, need_dw, eng.compiled,
-                    _kept(keep_ids, target, ctx.rank, v, opt),
-                )
-        if pad is not None and dh is not None:
-            dh = dh[:n]
-        h2 = h2_in
-        if need_dh:
-            if sp:
-                dh = collectives.reduce_scatter_rows(dh, group)
-            elif opt.reduce_hidden_grad and group is not None and world > 1:
-                collectives.all_reduce_sum_(dh, group)
-            dh = dh.to(hidden.dtype).reshape(hidden.shape)
-        return (dh, dw) + none
+            out = _FWD.redispatch(below, *args)
+    ctx.save_for_backward(hidden, weight, target, keep_mask, out[2], keep_ids)
+    ctx.options = options
+    with_entropy, entropy_grad = options[2], options[3]
+    ctx.need_entropy_grad = with_entropy and entropy_grad
+    ctx.mark_non_differentiable(out[2])
+    if not ctx.need_entropy_grad:
+        ctx.mark_non_differentiable(out[1])
+    return out
 
 
-@one_graph_break
+def _autograd_backward(ctx, grad_logprob, grad_entropy, grad_res):
+    g = (_backward_once if torch.is_grad_enabled() else _backward)(ctx, grad_logprob, grad_entropy)
+    return (None,) + tuple(g) + (None,) * 5
+
+
+_backward_once = torch.autograd.function.once_differentiable(_backward)
+
+#: The forward op's autograd node (``grad_fn`` is a ``dualvp_linear_logprob_entropy_fwdBackward``).
+_Autograd = type("dualvp_linear_logprob_entropy_fwd", (torch.autograd.Function,), {
+    "forward": staticmethod(_autograd_forward), "backward": staticmethod(_autograd_backward)})
+
+
+def _fwd_autograd(keyset, hidden, weight, target, keep_mask, group_name, temperature, with_entropy, entropy_grad,
+                  ignore_index, reduce_hidden_grad, sequence_parallel, memory_budget, impl, allow_tf32, validate,
+                  hidden_requires_grad, weight_requires_grad, keep_ids=None):
+    below = keyset & library._AFTER_AUTOGRAD
+    options = (group_name, temperature, with_entropy, entropy_grad, ignore_index, reduce_hidden_grad,
+               sequence_parallel, memory_budget, impl, allow_tf32)
+    tail = (validate, hidden_requires_grad, weight_requires_grad)
+    if (hidden.requires_grad or weight.requires_grad) and torch.is_grad_enabled():
+        return _Autograd.apply(below, hidden, weight, target, keep_mask, keep_ids, options, tail)
+    with torch._C._AutoDispatchBelowAutograd():
+        return _FWD.redispatch(below, hidden, weight, target, keep_mask, *options, *tail, keep_ids)
+
+
+_LIB.impl("linear_logprob_entropy_fwd", _fwd_autograd, "Autograd", with_keyset=True)
+
+
+def _eligible(hidden, weight, target, keep_mask, group, temperature, with_entropy, entropy_grad, ignore_index,
+              reduce_hidden_grad, sequence_parallel, validate, memory_budget, impl, allow_tf32, keep_ids) -> bool:
+    # the arguments fit the op's schema as they are (else checked first, and one graph break in a caller's graph)
+    return (
+        type(hidden) is torch.Tensor and type(weight) is torch.Tensor and type(target) is torch.Tensor
+        and (keep_mask is None or type(keep_mask) is torch.Tensor)
+        and (keep_ids is None or type(keep_ids) is torch.Tensor)
+        and type(with_entropy) is bool and type(entropy_grad) is bool and type(validate) is bool
+        and (type(temperature) is float or isinstance(temperature, numbers.Real) and not isinstance(temperature, bool))
+        and (type(ignore_index) is int or isinstance(ignore_index, int) and not isinstance(ignore_index, bool))
+        and (impl is None or isinstance(impl, str)) and (group is None or collectives.is_process_group(group))
+        and type(reduce_hidden_grad) is bool and type(sequence_parallel) is bool and type(allow_tf32) is bool
+        and (memory_budget is None or type(memory_budget) is int)
+    )
+
+
+def _run_op(hidden, weight, target, keep_mask, group, temperature, with_entropy, entropy_grad, ignore_index,
+            reduce_hidden_grad, sequence_parallel, validate, memory_budget, impl, allow_tf32, keep_ids):
+    grad_on = torch.is_grad_enabled()
+    logprob, entropy, _ = _FWD(
+        hidden, weight, target, keep_mask, "" if group is None else group.group_name, float(temperature), with_entropy,
+        entropy_grad, ignore_index, reduce_hidden_grad, sequence_parallel, memory_budget, impl or "", allow_tf32,
+        validate, grad_on and hidden.requires_grad, grad_on and weight.requires_grad, keep_ids)
+    return logprob, (entropy if with_entropy else None)
+
+
 def linear_logprob_entropy(
     hidden: torch.Tensor,
     weight: torch.Tensor,
@@ -673,6 +873,16 @@ def linear_logprob_entropy(
                 f"{name}: the fused LM-head op does not take it yet, got {on!r}; form the logits and call "
                 "dualvp_torch.logprob_entropy, which does"
             )
+    args = (hidden, weight, target, keep_mask, group, temperature, with_entropy, entropy_grad, ignore_index,
+            reduce_hidden_grad, sequence_parallel, validate, memory_budget, impl, allow_tf32, keep_ids)
+    if _eligible(*args):  # the custom op as is, eagerly and as one node of a caller's graph; its body checks
+        return _run_op(*args)
+    # arguments of other types: checked here (every rank raises alike), then the op with the checked values
+    return (torch.compiler.disable(_checked_run) if torch.compiler.is_compiling() else _checked_run)(*args)
+
+
+def _checked_run(hidden, weight, target, keep_mask, group, temperature, with_entropy, entropy_grad, ignore_index,
+                 reduce_hidden_grad, sequence_parallel, validate, memory_budget, impl, allow_tf32, keep_ids):
     kw = dict(
         temperature=temperature, ignore_index=ignore_index, with_entropy=with_entropy, entropy_grad=entropy_grad,
         reduce_hidden_grad=reduce_hidden_grad, sequence_parallel=sequence_parallel, memory_budget=memory_budget,
@@ -681,21 +891,7 @@ def linear_logprob_entropy(
         hidden, weight, target, keep_mask, group=group, validate=validate, impl=impl, allow_tf32=allow_tf32, kw=kw,
         keep_ids=keep_ids,
     )
-    if validate and keep_ids is not None:
-        _ids.check_range(keep_ids, call, group, hidden)
-    if validate:
-        checks.agree(call, checks.count_bad_targets(target, ignore_index, call.vocab), group, hidden, target, hidden)
-    n_rows = target.numel()
-    tile_loop = engines.ENGINES[call.engine].spec_stages
-    # (tile budget, the budget that sizes the columns, the Triton backward's): an explicit
-    # memory_budget is all three; by default the columns' comes from V_local alone (batch invariance)
-    budget = (memory_budget,) * 3 if memory_budget is not None else (
-        default_budget(n_rows, weight.shape[0], hidden.element_size(), hidden.device.type, tile_loop),
-        column_budget(weight.shape[0], hidden.element_size(), hidden.device.type if tile_loop else "cpu",
-                      engines.ENGINES[call.engine].tile_scratch_bytes > 0),
-        None,
-    )
-    logprob, entropy = LinearLogProbEntropyFunction.apply(
-        hidden, weight, target, keep_mask, call.opt, group, call.engine, budget, allow_tf32, keep_ids
-    )
-    return logprob, (entropy if with_entropy else None)
+    opt = call.opt
+    return _run_op(hidden, weight, target, keep_mask, group, opt.temperature, opt.with_entropy, opt.entropy_grad,
+                   opt.ignore_index, opt.reduce_hidden_grad, opt.sequence_parallel, validate,
+                   None if memory_budget is None else int(memory_budget), call.engine, allow_tf32, keep_ids)
