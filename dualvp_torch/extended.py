@@ -69,7 +69,7 @@ import torch
 
 from dualvp import spec
 
-from . import checks, collectives, engines, library
+from . import checks, collectives, engines, op_library
 from . import compiled as _compiled_path
 from . import keep_ids as _ids
 from .engines import accumulation_dtype
@@ -350,7 +350,7 @@ def grad(logits, target, keep_mask, tau, red, g_logprob, g_entropy, g_sum_p2, ca
 #
 # ``temperature_tensor``: the per-row temperature tensor (``temperature`` is then unused), else None.
 
-_LIB = library._LIB
+_LIB = op_library.LIB
 _OPTIONS = ("str group_name, float temperature, bool with_entropy, bool entropy_grad, SymInt ignore_index, "
             "bool validate, bool inplace_grad, str impl, float label_smoothing, bool multi_target, bool with_sum_p2")
 _BWD_OPTIONS = ("str group_name, float temperature, bool with_entropy, bool entropy_grad, SymInt ignore_index, "
@@ -358,11 +358,11 @@ _BWD_OPTIONS = ("str group_name, float temperature, bool with_entropy, bool entr
 _BWD_ARGS = "Tensor target, Tensor? keep_mask, Tensor? temperature_tensor, Tensor red, Tensor? grad_logprob, " \
             "Tensor? grad_entropy, Tensor? grad_sum_p2"
 _LIB.define(f"logprob_entropy_ext_fwd(Tensor logits, Tensor target, Tensor? keep_mask, Tensor? temperature_tensor, "
-            f"{_OPTIONS}, Tensor? keep_ids=None) -> (Tensor, Tensor, Tensor, Tensor)", tags=library._PT2)
+            f"{_OPTIONS}, Tensor? keep_ids=None) -> (Tensor, Tensor, Tensor, Tensor)", tags=op_library.PT2)
 _LIB.define(f"logprob_entropy_ext_bwd(Tensor logits, {_BWD_ARGS}, {_BWD_OPTIONS}, Tensor? keep_ids=None) -> Tensor",
-            tags=library._PT2)
+            tags=op_library.PT2)
 _LIB.define(f"logprob_entropy_ext_bwd_(Tensor(a!) logits, {_BWD_ARGS}, {_BWD_OPTIONS}, Tensor? keep_ids=None) -> ()",
-            tags=library._PT2)
+            tags=op_library.PT2)
 _FWD = torch.ops.dualvp.logprob_entropy_ext_fwd.default
 _BWD = torch.ops.dualvp.logprob_entropy_ext_bwd.default
 _BWD_INPLACE = torch.ops.dualvp.logprob_entropy_ext_bwd_.default
@@ -379,7 +379,7 @@ def _call_of(logits, target, keep_mask, temperature_tensor, group_name, temperat
     if pre is not None and pre[0] is logits:
         return pre[1]
     return checks.logits_call(
-        logits, target, keep_mask, group=library._group(group_name) if group_name else None,
+        logits, target, keep_mask, group=op_library.group_of(group_name),
         temperature=temperature if temperature_tensor is None else temperature_tensor, with_entropy=with_entropy,
         entropy_grad=entropy_grad, ignore_index=ignore_index, validate=validate, inplace_grad=inplace_grad,
         impl=impl or None, label_smoothing=label_smoothing, multi_target=multi_target, with_sum_p2=with_sum_p2,
@@ -389,7 +389,7 @@ def _call_of(logits, target, keep_mask, temperature_tensor, group_name, temperat
 
 def _run_forward(call, logits, target, keep_mask, temperature_tensor, group_name, keep_ids):
     tau = row_tau(temperature_tensor, target, call, logits)
-    out = forward(logits, target, keep_mask, tau, call, library._group(group_name) if group_name else None,
+    out = forward(logits, target, keep_mask, tau, call, op_library.group_of(group_name),
                   keep_ids)
     return out, tau
 
@@ -415,7 +415,7 @@ def _bwd_call(logits, target, keep_mask, temperature_tensor, group_name, tempera
               ignore_index, impl, multi_target, with_sum_p2, keep_ids):
     # the forward's call again (its options and engine; validate=False: no agreement, no sync)
     return checks.logits_call(
-        logits, target, keep_mask, group=library._group(group_name) if group_name else None,
+        logits, target, keep_mask, group=op_library.group_of(group_name),
         temperature=temperature if temperature_tensor is None else temperature_tensor, with_entropy=with_entropy,
         entropy_grad=entropy_grad, ignore_index=ignore_index, validate=False, impl=impl or None,
         multi_target=multi_target, with_sum_p2=with_sum_p2, keep_ids=keep_ids,
@@ -498,7 +498,7 @@ def _autograd_forward(ctx, below, logits, target, keep_mask, temperature_tensor,
     args = (logits, target, keep_mask, temperature_tensor, *options, keep_ids)
     ctx.call = None
     with torch._C._AutoDispatchBelowAutograd():
-        if below.highestPriorityTypeId() in library._DIRECT:
+        if below.highestPriorityTypeId() in op_library.DIRECT:
             ctx.call = _call_of(*args)
             out, ctx.tau = _run_forward(ctx.call, logits, target, keep_mask, temperature_tensor, options[0],
                                         keep_ids)
@@ -529,13 +529,13 @@ _Autograd = type("dualvp_logprob_entropy_ext_fwd", (torch.autograd.Function,), {
 def _fwd_autograd(keyset, logits, target, keep_mask, temperature_tensor, group_name, temperature, with_entropy,
                   entropy_grad, ignore_index, validate, inplace_grad, impl, label_smoothing, multi_target,
                   with_sum_p2, keep_ids=None):
-    below = keyset & library._AFTER_AUTOGRAD
+    below = keyset & op_library.AFTER_AUTOGRAD
     options = (group_name, temperature, with_entropy, entropy_grad, ignore_index, validate, inplace_grad, impl,
                label_smoothing, multi_target, with_sum_p2)
     if logits.requires_grad and torch.is_grad_enabled():
         return _Autograd.apply(below, logits, target, keep_mask, temperature_tensor, keep_ids, options)
     with torch._C._AutoDispatchBelowAutograd():
-        if below.highestPriorityTypeId() in library._DIRECT:
+        if below.highestPriorityTypeId() in op_library.DIRECT:
             return _fwd_impl(logits, target, keep_mask, temperature_tensor, *options, keep_ids)
         return _FWD.redispatch(below, logits, target, keep_mask, temperature_tensor, *options, keep_ids)
 
@@ -551,10 +551,10 @@ def eligible(logits: object, target: object, *, group: object = None, keep_mask:
              ignore_index: object = -100, validate: object = True, inplace_grad: object = False,
              impl: object = None, keep_ids: object = None, multi_target: object = False,
              with_sum_p2: object = False) -> bool:
-    """Whether an extended call's arguments fit the op's schema as they are (:func:`dualvp_torch.library.eligible`,
+    """Whether an extended call's arguments fit the op's schema as they are (:func:`dualvp_torch.op_library.eligible`,
     a temperature tensor ``[...]`` allowed): then :func:`run_op`, else :func:`logprob_entropy` after the checks."""
     tensor_tau = type(temperature) is torch.Tensor and temperature.ndim > 0
-    return (type(multi_target) is bool and type(with_sum_p2) is bool and library.eligible(
+    return (type(multi_target) is bool and type(with_sum_p2) is bool and op_library.eligible(
         logits, target, group=group, keep_mask=keep_mask, temperature=1.0 if tensor_tau else temperature,
         with_entropy=with_entropy, entropy_grad=entropy_grad, ignore_index=ignore_index, validate=validate,
         inplace_grad=inplace_grad, impl=impl, keep_ids=keep_ids))

@@ -3,7 +3,7 @@
 One call, whatever the engine (``group`` with ``W`` ranks; ``T`` rows; shard ``V_local``)::
 
     DTensor logits           dtensor.logprob_entropy unwraps them and calls the local op below
-    the op as is             arguments of the op's schema types (library.eligible)
+    the op as is             arguments of the op's schema types (op_library.eligible)
     library.logprob_entropy  other argument types: checks.logits_call first, then the op
     dualvp::logprob_entropy_fwd   the op (library): checks.logits_call (cached per call metadata), the
                              engine (engines.select); engine stats [T, V_local] -> [T, 6]; validate=True:
@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING, Optional
 import torch
 
 
-from . import checks, library
+from . import checks, library, op_library
 from . import dtensor as _dtensor
 from . import extended as _extended_op
 from .checks import argument_names, kind
@@ -157,7 +157,7 @@ def logprob_entropy(
       >>> [round(v, 4) for v in lp.tolist()], [round(v, 4) for v in h.tolist()]
       ([-1.3863, -0.3408], [1.3863, 0.9183])
     """
-    if multi_target is False and with_sum_p2 is False and library.eligible(
+    if multi_target is False and with_sum_p2 is False and op_library.eligible(
             logits, target, group=group, keep_mask=keep_mask, temperature=temperature, with_entropy=with_entropy,
             entropy_grad=entropy_grad, ignore_index=ignore_index, validate=validate, inplace_grad=inplace_grad,
             impl=impl, keep_ids=keep_ids):

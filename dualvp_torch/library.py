@@ -40,7 +40,6 @@ the saved logits' storage instead.
 
 from __future__ import annotations
 
-import numbers
 from typing import Optional
 
 import torch
@@ -48,13 +47,14 @@ from torch import Tensor
 
 from . import checks, collectives, engines
 from . import keep_ids as _ids
+from .op_library import AFTER_AUTOGRAD as _AFTER_AUTOGRAD
+from .op_library import DIRECT as _DIRECT
+from .op_library import LIB as _LIB
+from .op_library import PT2 as _PT2
+from .op_library import eligible, group_of
 from .stages import compute_dtype
 
 __all__ = ["eligible", "logprob_entropy", "forward", "grad"]
-
-
-def _group(name: str):
-    return torch.distributed.distributed_c10d._resolve_process_group(name)
 
 
 def forward(logits: Tensor, target: Tensor, keep_mask: Optional[Tensor], call: checks.Call,
@@ -126,11 +126,9 @@ def grad(logits: Tensor, target: Tensor, keep_mask: Optional[Tensor], res: Tenso
 # autograd.Function with a metadata object), 2.5x the whole op's host time in the launch-stubbed benchmark
 # (benchmarks/host_overhead.py; docs/decisions.md, "Host time and the eager engine").
 
-_LIB = torch.library.Library("dualvp", "FRAGMENT")
 _OPTIONS = ("str group_name, float temperature, bool with_entropy, bool entropy_grad, SymInt ignore_index, "
             "bool validate, bool inplace_grad, str impl, float label_smoothing")
 _BWD_OPTIONS = "str group_name, float temperature, bool with_entropy, bool entropy_grad, SymInt ignore_index, str impl"
-_PT2 = (torch.Tag.pt2_compliant_tag,)
 _LIB.define(f"logprob_entropy_fwd(Tensor logits, Tensor target, Tensor? keep_mask, {_OPTIONS}, Tensor? keep_ids=None) "
             "-> (Tensor, Tensor, Tensor)", tags=_PT2)
 _LIB.define("logprob_entropy_bwd(Tensor logits, Tensor target, Tensor? keep_mask, Tensor res, Tensor grad_logprob, "
@@ -145,7 +143,7 @@ _BWD_INPLACE = torch.ops.dualvp.logprob_entropy_bwd_.default
 def _call_of(logits, target, keep_mask, group_name, temperature, with_entropy, entropy_grad, ignore_index, validate,
              inplace_grad, impl, label_smoothing, keep_ids=None) -> checks.Call:
     return checks.logits_call(
-        logits, target, keep_mask, group=_group(group_name) if group_name else None, temperature=temperature,
+        logits, target, keep_mask, group=group_of(group_name), temperature=temperature,
         with_entropy=with_entropy,
         entropy_grad=entropy_grad, ignore_index=ignore_index, validate=validate, inplace_grad=inplace_grad,
         impl=impl or None, label_smoothing=label_smoothing, keep_ids=keep_ids,
@@ -157,7 +155,7 @@ def _fwd_impl(logits, target, keep_mask, group_name, temperature, with_entropy, 
     # (the dispatcher leaves out a trailing argument equal to its default: keep_ids=None)
     call = _call_of(logits, target, keep_mask, group_name, temperature, with_entropy, entropy_grad, ignore_index,
                     validate, inplace_grad, impl, label_smoothing, keep_ids)
-    return forward(logits, target, keep_mask, call, _group(group_name) if group_name else None, keep_ids)
+    return forward(logits, target, keep_mask, call, group_of(group_name), keep_ids)
 
 
 def _fwd_fake(logits, target, keep_mask, group_name, temperature, with_entropy, entropy_grad, ignore_index,
@@ -171,7 +169,7 @@ def _bwd_call(logits, target, keep_mask, group_name, temperature, with_entropy, 
               keep_ids):
     # the forward's call again (its options and engine), from the cache: no agreement, no sync
     return checks.logits_call(
-        logits, target, keep_mask, group=_group(group_name) if group_name else None, temperature=temperature,
+        logits, target, keep_mask, group=group_of(group_name), temperature=temperature,
         with_entropy=with_entropy, entropy_grad=entropy_grad, ignore_index=ignore_index, validate=False,
         impl=impl or None, keep_ids=keep_ids,
     )
@@ -224,8 +222,6 @@ _LIB.impl("logprob_entropy_bwd_", _bwd_inplace_version, "ADInplaceOrView", with_
 # dispatch mode is active by then. Anything else goes through the dispatcher: a caller's torch.compile
 # traces the ops (their fake kernels), never their bodies.
 
-_AFTER_AUTOGRAD = torch._C._after_autograd_keyset
-_DIRECT = frozenset({torch._C.DispatchKey.CPU, torch._C.DispatchKey.CUDA})
 
 
 def _backward(ctx, grad_logprob, grad_entropy):
@@ -264,7 +260,7 @@ def _autograd_forward(ctx, below, logits, target, keep_mask, keep_ids, options):
     with torch._C._AutoDispatchBelowAutograd():
         if below.highestPriorityTypeId() in _DIRECT:
             ctx.call = _call_of(*args)
-            out = forward(logits, target, keep_mask, ctx.call, _group(options[0]) if options[0] else None, keep_ids)
+            out = forward(logits, target, keep_mask, ctx.call, group_of(options[0]), keep_ids)
         else:
             out = _FWD.redispatch(below, *args)
     group_name, temperature, with_entropy, entropy_grad, ignore_index, _, inplace_grad, impl, _ = options
@@ -308,26 +304,6 @@ def _fwd_autograd(keyset, logits, target, keep_mask, group_name, temperature, wi
 _LIB.impl("logprob_entropy_fwd", _fwd_autograd, "Autograd", with_keyset=True)
 
 
-def eligible(logits: object, target: object, *, group: object = None, keep_mask: object = None,
-             temperature: object = 1.0, with_entropy: object = True, entropy_grad: object = True,
-             ignore_index: object = -100, validate: object = True, inplace_grad: object = False,
-             impl: object = None, keep_ids: object = None) -> bool:
-    """Whether a call's arguments fit the custom op's schema as they are (plain tensors, options of their
-    documented Python types): then :func:`run_op`; else the checks convert them first
-    (:func:`logprob_entropy`), and in a caller's ``torch.compile`` the call is one graph break."""
-    # (written out, no generator: this runs on every call)
-    return (
-        type(logits) is Tensor and type(target) is Tensor and (keep_mask is None or type(keep_mask) is Tensor)
-        and (keep_ids is None or type(keep_ids) is Tensor)
-        and type(with_entropy) is bool and type(entropy_grad) is bool and type(validate) is bool
-        and type(inplace_grad) is bool
-        and (type(temperature) is float or isinstance(temperature, numbers.Real) and not isinstance(temperature, bool))
-        and (type(ignore_index) is int or isinstance(ignore_index, int) and not isinstance(ignore_index, bool))
-        and (impl is None or isinstance(impl, str))
-        and (group is None or collectives.is_process_group(group))
-    )
-
-
 def logprob_entropy(
     logits: Tensor, target: Tensor, *, group: object = None, keep_mask: Optional[Tensor] = None,
     temperature: object = 1.0, with_entropy: object = True, entropy_grad: object = True, ignore_index: object = -100,
@@ -353,19 +329,3 @@ def logprob_entropy(
         return logprob, None
     return logprob, (entropy if opt.entropy_grad else entropy.detach())
 
-
-def run_op(
-    logits: Tensor, target: Tensor, *, group=None, keep_mask: Optional[Tensor] = None, temperature: float = 1.0,
-    with_entropy: bool = True, entropy_grad: bool = True, ignore_index: int = -100, validate: bool = True,
-    inplace_grad: bool = False, impl: Optional[str] = None, keep_ids: Optional[Tensor] = None,
-) -> tuple[Tensor, Optional[Tensor]]:
-    """An :func:`eligible` call, eagerly or in a caller's ``torch.compile``: the custom op as is.
-
-    Its body runs the checks (from the cache; errors are the same either way).
-    """
-    logprob, entropy, _ = _FWD(logits, target, keep_mask, "" if group is None else group.group_name,
-                               float(temperature), with_entropy, entropy_grad, ignore_index, validate, inplace_grad,
-                               impl or "", 0.0, keep_ids)
-    if not with_entropy:
-        return logprob, None
-    return logprob, (entropy if entropy_grad else entropy.detach())

@@ -117,7 +117,7 @@ import torch
 
 from dualvp import spec, validation
 
-from . import checks, collectives, engines, library, linear_triton, tuning
+from . import checks, collectives, engines, linear_triton, op_library, tuning
 from . import keep_ids as _ids
 from .stages import xp as _sxp  # with take_along_axis (the kept columns of keep_ids)
 from .linear_tiles import (  # noqa: F401 (re-exported)
@@ -584,15 +584,15 @@ def _budgets(memory_budget, n_rows: int, weight, hidden, engine: str) -> tuple:
 # The forward's body runs the checks (checks.linear_call; with validate=True the agreement, whose record
 # takes hidden's and weight's requires_grad from the arguments: the caller's, which the body no longer sees).
 
-_LIB = library._LIB
+_LIB = op_library.LIB
 _OPTIONS = ("str group_name, float temperature, bool with_entropy, bool entropy_grad, SymInt ignore_index, "
             "bool reduce_hidden_grad, bool sequence_parallel, SymInt? memory_budget, str impl, bool allow_tf32")
 _LIB.define(f"linear_logprob_entropy_fwd(Tensor hidden, Tensor weight, Tensor target, Tensor? keep_mask, {_OPTIONS}, "
             "bool validate, bool hidden_requires_grad, bool weight_requires_grad, Tensor? keep_ids=None) "
-            "-> (Tensor, Tensor, Tensor)", tags=library._PT2)
+            "-> (Tensor, Tensor, Tensor)", tags=op_library.PT2)
 _LIB.define(f"linear_logprob_entropy_bwd(Tensor hidden, Tensor weight, Tensor target, Tensor? keep_mask, Tensor res, "
             f"Tensor grad_logprob, Tensor? grad_entropy, {_OPTIONS}, bool need_dh, bool need_dw, "
-            "Tensor? keep_ids=None) -> (Tensor, Tensor)", tags=library._PT2)
+            "Tensor? keep_ids=None) -> (Tensor, Tensor)", tags=op_library.PT2)
 _FWD = torch.ops.dualvp.linear_logprob_entropy_fwd.default
 _BWD = torch.ops.dualvp.linear_logprob_entropy_bwd.default
 
@@ -602,7 +602,7 @@ def _checked_call(hidden, weight, target, keep_mask, group_name, temperature, wi
                   requires_grad, keep_ids):
     """``(call, group, budgets)``: the checks (every rank returns or raises alike) and, with ``validate``, the
     agreement (one host sync)."""
-    group = library._group(group_name) if group_name else None
+    group = op_library.group_of(group_name)
     kw = dict(
         temperature=temperature, ignore_index=ignore_index, with_entropy=with_entropy, entropy_grad=entropy_grad,
         reduce_hidden_grad=reduce_hidden_grad, sequence_parallel=sequence_parallel, memory_budget=memory_budget,
@@ -693,7 +693,7 @@ def _autograd_forward(ctx, below, hidden, weight, target, keep_mask, keep_ids, o
     args = (hidden, weight, target, keep_mask, *options, *tail, keep_ids)
     ctx.call = None
     with torch._C._AutoDispatchBelowAutograd():
-        if below.highestPriorityTypeId() in library._DIRECT:
+        if below.highestPriorityTypeId() in op_library.DIRECT:
             out, ctx.call, ctx.group, ctx.budget = _fwd_body(*args)
         else:
             out = _FWD.redispatch(below, *args)
@@ -722,7 +722,7 @@ _Autograd = type("dualvp_linear_logprob_entropy_fwd", (torch.autograd.Function,)
 def _fwd_autograd(keyset, hidden, weight, target, keep_mask, group_name, temperature, with_entropy, entropy_grad,
                   ignore_index, reduce_hidden_grad, sequence_parallel, memory_budget, impl, allow_tf32, validate,
                   hidden_requires_grad, weight_requires_grad, keep_ids=None):
-    below = keyset & library._AFTER_AUTOGRAD
+    below = keyset & op_library.AFTER_AUTOGRAD
     options = (group_name, temperature, with_entropy, entropy_grad, ignore_index, reduce_hidden_grad,
                sequence_parallel, memory_budget, impl, allow_tf32)
     tail = (validate, hidden_requires_grad, weight_requires_grad)
