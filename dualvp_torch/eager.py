@@ -27,7 +27,7 @@ import torch
 
 from dualvp import spec
 
-from . import host_memory, stages, tuning
+from . import eager_forms, host_memory, stages, tuning
 
 __all__ = [
     "STATS_SCRATCH_BYTES",
@@ -174,8 +174,10 @@ def _split_rows_possible(z: torch.Tensor, setting: tuning.Tuning) -> bool:
 
 def _map_chunks(
     fn: Callable, z: torch.Tensor, fraction: float, scratch_bytes: int, setting: tuning.Tuning,
-    release: bool = False,
+    release: bool = False, bufs: bool = False,
 ) -> list:
+    """``fn(i, j)`` over the row chunks ``[i, j)``; with ``bufs``, ``fn(i, j, b)`` where ``b`` is two scratch
+    buffers of a chunk's size shared by the chunks in the calling thread, or None on the workers."""
     n, v = z.shape
     workers = _workers(z, n, setting)
     glibc = setting.glibc_heap and z.device.type == "cpu"
@@ -190,7 +192,12 @@ def _map_chunks(
 
     try:
         if not _split_rows_possible(z, setting):
+            if bufs:
+                b = eager_forms.scratch(min(n, step), v, stages.compute_dtype(z.dtype), z.device)
+                return [fn(i, j, b) for i, j in chunks]
             return [fn(i, j) for i, j in chunks]
+        if bufs:
+            return list(_executor(min(workers, len(chunks))).map(run, [c + (None,) for c in chunks]))
         return list(_executor(min(workers, len(chunks))).map(run, chunks))
     finally:
         if release and glibc and len(chunks) > 1:
@@ -207,6 +214,8 @@ def _rows(x, i, j):
 def stats(z, local, owns, keep, tau, with_entropy: bool = True) -> torch.Tensor:
     """``[T, 6]`` statistics of the shard, chunk by chunk (``tau``: a 0-d tensor or the number 1)."""
     setting = tuning.current()
+    if keep is None:
+        return _stats_unmasked(z, local, owns, tau, with_entropy, setting)
     shift = stages.kept_shift(z, keep)
     n, v = z.shape
     if n <= chunk_rows(n, v, z.element_size(), STATS_FRACTION, STATS_SCRATCH_BYTES, _workers(z, n, setting),
@@ -240,6 +249,36 @@ def stats(z, local, owns, keep, tau, with_entropy: bool = True) -> torch.Tensor:
     return out[0]
 
 
+def _stats_unmasked(z, local, owns, tau, with_entropy: bool, setting: tuning.Tuning) -> torch.Tensor:
+    # spec.block_stats without a mask in its torch form (dualvp_torch.eager_forms): bit for bit the same
+    out = torch.empty((z.shape[0], spec.N_STATS), dtype=stages.compute_dtype(z.dtype), device=z.device)
+
+    def chunk(i, j, bufs):
+        eager_forms.stats_rows(z[i:j], out[i:j], tau, with_entropy, bufs)
+
+    _map_chunks(chunk, z, STATS_FRACTION, STATS_SCRATCH_BYTES, setting, release=True, bufs=True)
+    return eager_forms.finish_stats(out, z, local, owns)
+
+
+def _grad_unmasked(z, out, local, owns, M, log_s, c, valid, gl, ge, tau, setting: tuning.Tuning) -> torch.Tensor:
+    # spec.block_grad without a mask in its torch form (dualvp_torch.eager_forms)
+    coef = eager_forms.grad_coefficients(M, log_s, c, valid, owns, gl, ge, tau)
+    inplace = out is not None and out.data_ptr() == z.data_ptr()
+    fraction = INPLACE_FRACTION if inplace else GRAD_FRACTION
+    n, v = z.shape
+    if out is None and n <= chunk_rows(n, v, z.element_size(), fraction, GRAD_SCRATCH_BYTES, _workers(z, n, setting),
+                                       _cap(z, setting)) and not _split_rows_possible(z, setting):
+        return eager_forms.grad_rows(z, None, local, valid, coef, tau)  # one chunk: its own output
+    if out is None:
+        out = torch.empty(z.shape, dtype=z.dtype, device=z.device)
+
+    def chunk(i, j, bufs):
+        eager_forms.grad_rows(z[i:j], out[i:j], local[i:j], valid[i:j], [_rows(x, i, j) for x in coef], tau, bufs)
+
+    _map_chunks(chunk, z, fraction, GRAD_SCRATCH_BYTES, setting, bufs=True)
+    return out
+
+
 def grad(z, out, local, owns, keep, *row_args) -> torch.Tensor:
     """The shard's gradient, chunk by chunk, written into ``out`` (``z`` itself for the in-place gradient).
 
@@ -249,6 +288,9 @@ def grad(z, out, local, owns, keep, *row_args) -> torch.Tensor:
     """
     setting = tuning.current()
     *per_row, tau = row_args
+    if keep is None:
+        M, log_s, c, mk, log_sk, valid, gl, ge = per_row
+        return _grad_unmasked(z, out, local, owns, M, log_s, c, valid, gl, ge, tau, setting)
     inplace = out is not None and out.data_ptr() == z.data_ptr()
     fraction = INPLACE_FRACTION if inplace else GRAD_FRACTION
     n, v = z.shape
