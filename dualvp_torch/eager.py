@@ -38,6 +38,7 @@ __all__ = [
     "MIN_CHUNK_ELEMENTS",
     "SMALL_SHARD_ELEMENTS",
     "SMALL_CHUNK_ELEMENTS",
+    "FORM_SMALL_CHUNK_ELEMENTS",
     "chunk_rows",
     "stats",
     "grad",
@@ -72,11 +73,15 @@ ATEN_GRAIN = 32768
 #: ... chunks whose temporaries (256 KiB in float32) glibc recycles
 #: without faulting their pages in again, where a whole-shard chunk's did.
 SMALL_CHUNK_ELEMENTS = 1 << 16
+#: ... but the torch forms of the unmasked stages (:mod:`dualvp_torch.eager_forms`) run such a shard as one
+#: chunk: their two scratch buffers are made once per stage, and a chunk costs ~20 aten ops.
+FORM_SMALL_CHUNK_ELEMENTS = SMALL_SHARD_ELEMENTS
 
 
 def chunk_rows(
     n_rows: int, v_local: int, itemsize: int = 4, fraction: float = STATS_FRACTION,
     scratch_bytes: int = STATS_SCRATCH_BYTES, workers: int = 1, cap_bytes: Optional[int] = None,
+    small_chunk: int = SMALL_CHUNK_ELEMENTS,
 ) -> int:
     """Rows per chunk (at least 1, at most ``n_rows``).
 
@@ -86,11 +91,11 @@ def chunk_rows(
     ``Tuning.cpu_chunk_scratch_bytes``), ``scratch_bytes * rows * v_local <=
     cap_bytes``; but at least :data:`MIN_CHUNK_ELEMENTS` elements per chunk;
     for a shard of at most :data:`SMALL_SHARD_ELEMENTS` elements,
-    :data:`SMALL_CHUNK_ELEMENTS` per chunk instead.
+    ``small_chunk`` (:data:`SMALL_CHUNK_ELEMENTS`) per chunk instead.
     """
     v = max(1, v_local)
     if n_rows * v <= SMALL_SHARD_ELEMENTS:
-        return max(1, min(n_rows, SMALL_CHUNK_ELEMENTS // v))
+        return max(1, min(n_rows, small_chunk // v))
     budget = int(fraction * n_rows * itemsize / (scratch_bytes * max(1, workers)))
     if cap_bytes is not None:
         budget = min(budget, cap_bytes // (scratch_bytes * v))
@@ -174,7 +179,7 @@ def _split_rows_possible(z: torch.Tensor, setting: tuning.Tuning) -> bool:
 
 def _map_chunks(
     fn: Callable, z: torch.Tensor, fraction: float, scratch_bytes: int, setting: tuning.Tuning,
-    release: bool = False, bufs: bool = False,
+    release: bool = False, bufs: bool = False, small_chunk: int = SMALL_CHUNK_ELEMENTS,
 ) -> list:
     """``fn(i, j)`` over the row chunks ``[i, j)``; with ``bufs``, ``fn(i, j, b)`` where ``b`` is two scratch
     buffers of a chunk's size shared by the chunks in the calling thread, or None on the workers."""
@@ -183,7 +188,7 @@ def _map_chunks(
     glibc = setting.glibc_heap and z.device.type == "cpu"
     if glibc:
         host_memory.keep_chunk_scratch_mapped(setting.cpu_chunk_scratch_bytes)
-    step = chunk_rows(n, v, z.element_size(), fraction, scratch_bytes, workers, _cap(z, setting))
+    step = chunk_rows(n, v, z.element_size(), fraction, scratch_bytes, workers, _cap(z, setting), small_chunk)
     chunks = [(i, min(n, i + step)) for i in range(0, n, step)]
 
     def run(c):
@@ -256,7 +261,8 @@ def _stats_unmasked(z, local, owns, tau, with_entropy: bool, setting: tuning.Tun
     def chunk(i, j, bufs):
         eager_forms.stats_rows(z[i:j], out[i:j], tau, with_entropy, bufs)
 
-    _map_chunks(chunk, z, STATS_FRACTION, STATS_SCRATCH_BYTES, setting, release=True, bufs=True)
+    _map_chunks(chunk, z, STATS_FRACTION, STATS_SCRATCH_BYTES, setting, release=True, bufs=True,
+                small_chunk=FORM_SMALL_CHUNK_ELEMENTS)
     return eager_forms.finish_stats(out, z, local, owns)
 
 
@@ -266,8 +272,9 @@ def _grad_unmasked(z, out, local, owns, M, log_s, c, valid, gl, ge, tau, setting
     inplace = out is not None and out.data_ptr() == z.data_ptr()
     fraction = INPLACE_FRACTION if inplace else GRAD_FRACTION
     n, v = z.shape
-    if out is None and n <= chunk_rows(n, v, z.element_size(), fraction, GRAD_SCRATCH_BYTES, _workers(z, n, setting),
-                                       _cap(z, setting)) and not _split_rows_possible(z, setting):
+    step = chunk_rows(n, v, z.element_size(), fraction, GRAD_SCRATCH_BYTES, _workers(z, n, setting), _cap(z, setting),
+                      FORM_SMALL_CHUNK_ELEMENTS)
+    if out is None and n <= step and not _split_rows_possible(z, setting):
         return eager_forms.grad_rows(z, None, local, valid, coef, tau)  # one chunk: its own output
     if out is None:
         out = torch.empty(z.shape, dtype=z.dtype, device=z.device)
@@ -275,7 +282,7 @@ def _grad_unmasked(z, out, local, owns, M, log_s, c, valid, gl, ge, tau, setting
     def chunk(i, j, bufs):
         eager_forms.grad_rows(z[i:j], out[i:j], local[i:j], valid[i:j], [_rows(x, i, j) for x in coef], tau, bufs)
 
-    _map_chunks(chunk, z, fraction, GRAD_SCRATCH_BYTES, setting, bufs=True)
+    _map_chunks(chunk, z, fraction, GRAD_SCRATCH_BYTES, setting, bufs=True, small_chunk=FORM_SMALL_CHUNK_ELEMENTS)
     return out
 
 
