@@ -256,7 +256,14 @@ def stats(z, local, owns, keep, tau, with_entropy: bool = True) -> torch.Tensor:
 
 def _stats_unmasked(z, local, owns, tau, with_entropy: bool, setting: tuning.Tuning) -> torch.Tensor:
     # spec.block_stats without a mask in its torch form (dualvp_torch.eager_forms): bit for bit the same
-    out = torch.empty((z.shape[0], spec.N_STATS), dtype=stages.compute_dtype(z.dtype), device=z.device)
+    n, v = z.shape
+    out = torch.empty((n, spec.N_STATS), dtype=stages.compute_dtype(z.dtype), device=z.device)
+    glibc = setting.glibc_heap and z.device.type == "cpu"
+    if not glibc and not _split_rows_possible(z, setting) and n <= chunk_rows(
+            n, v, z.element_size(), STATS_FRACTION, STATS_SCRATCH_BYTES, _workers(z, n, setting), _cap(z, setting),
+            FORM_SMALL_CHUNK_ELEMENTS):  # one chunk in the calling thread (as _map_chunks would run it)
+        eager_forms.stats_rows(z, out, tau, with_entropy)
+        return eager_forms.finish_stats(out, z, local, owns)
 
     def chunk(i, j, bufs):
         eager_forms.stats_rows(z[i:j], out[i:j], tau, with_entropy, bufs)
