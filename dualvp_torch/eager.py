@@ -1,5 +1,9 @@
 """The eager path: the spec stages run op by op over row chunks, for environments without a compiler.
 
+Without a keep mask the stages run in their torch forms (:mod:`dualvp_torch.eager_forms`: the same
+spec functions in fewer aten ops, two scratch buffers per stage shared by the chunks); with one, the
+spec's own functions over torch (:mod:`dualvp_torch.stages`).
+
 A chunk holds :func:`chunk_rows` rows, sized from a memory budget: the
 temporaries of the chunks in flight (at most :data:`STATS_SCRATCH_BYTES` /
 :data:`GRAD_SCRATCH_BYTES` bytes per chunk element) stay within a fraction of
