@@ -183,10 +183,10 @@ def _split_rows_possible(z: torch.Tensor, setting: tuning.Tuning) -> bool:
 
 def _map_chunks(
     fn: Callable, z: torch.Tensor, fraction: float, scratch_bytes: int, setting: tuning.Tuning,
-    release: bool = False, bufs: bool = False, small_chunk: int = SMALL_CHUNK_ELEMENTS,
+    release: bool = False, bufs: int = 0, small_chunk: int = SMALL_CHUNK_ELEMENTS,
 ) -> list:
-    """``fn(i, j)`` over the row chunks ``[i, j)``; with ``bufs``, ``fn(i, j, b)`` where ``b`` is two scratch
-    buffers of a chunk's size shared by the chunks in the calling thread, or None on the workers."""
+    """``fn(i, j)`` over the row chunks ``[i, j)``; with ``bufs > 0``, ``fn(i, j, b)`` where ``b`` is that many
+    scratch buffers of a chunk's size shared by the chunks in the calling thread, or None on the workers."""
     n, v = z.shape
     workers = _workers(z, n, setting)
     glibc = setting.glibc_heap and z.device.type == "cpu"
@@ -202,7 +202,7 @@ def _map_chunks(
     try:
         if not _split_rows_possible(z, setting):
             if bufs:
-                b = eager_forms.scratch(min(n, step), v, stages.compute_dtype(z.dtype), z.device)
+                b = eager_forms.scratch(min(n, step), v, stages.compute_dtype(z.dtype), z.device, bufs)
                 return [fn(i, j, b) for i, j in chunks]
             return [fn(i, j) for i, j in chunks]
         if bufs:
@@ -272,7 +272,7 @@ def _stats_unmasked(z, local, owns, tau, with_entropy: bool, setting: tuning.Tun
     def chunk(i, j, bufs):
         eager_forms.stats_rows(z[i:j], out[i:j], tau, with_entropy, bufs)
 
-    _map_chunks(chunk, z, STATS_FRACTION, STATS_SCRATCH_BYTES, setting, release=True, bufs=True,
+    _map_chunks(chunk, z, STATS_FRACTION, STATS_SCRATCH_BYTES, setting, release=True, bufs=2,
                 small_chunk=FORM_SMALL_CHUNK_ELEMENTS)
     return eager_forms.finish_stats(out, z, local, owns)
 
@@ -293,7 +293,8 @@ def _grad_unmasked(z, out, local, owns, M, log_s, c, valid, gl, ge, tau, setting
     def chunk(i, j, bufs):
         eager_forms.grad_rows(z[i:j], out[i:j], local[i:j], valid[i:j], [_rows(x, i, j) for x in coef], tau, bufs)
 
-    _map_chunks(chunk, z, fraction, GRAD_SCRATCH_BYTES, setting, bufs=True, small_chunk=FORM_SMALL_CHUNK_ELEMENTS)
+    _map_chunks(chunk, z, fraction, GRAD_SCRATCH_BYTES, setting, bufs=eager_forms.grad_buffers(z.dtype, log_s.dtype),
+                small_chunk=FORM_SMALL_CHUNK_ELEMENTS)
     return out
 
 

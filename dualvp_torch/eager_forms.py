@@ -42,7 +42,7 @@ from typing import Optional
 
 import torch
 
-__all__ = ["GRAD_D_FLOOR", "scratch", "stats_rows", "finish_stats", "grad_coefficients", "grad_rows"]
+__all__ = ["GRAD_D_FLOOR", "scratch", "stats_rows", "finish_stats", "grad_coefficients", "grad_buffers", "grad_rows"]
 
 
 #: The gradient's floor for ``d`` (``spec._shifted`` clamps to the dtype's lowest value): ``p = e^(d - log S)``
@@ -121,12 +121,19 @@ def grad_coefficients(M, log_s, c, valid, owns, gl, ge, tau) -> tuple:
     return shift, log_s[:, None], k0, -b[:, None], a, a_y
 
 
+def grad_buffers(z_dtype: torch.dtype, compute_dtype: torch.dtype) -> int:
+    """Scratch buffers :func:`grad_rows` takes when it writes into a ``dst`` of ``z_dtype``: the
+    compute dtype's ``d`` and ``p``, one of which is ``dst`` itself (``z`` in place: ``d``) where
+    the dtypes are the same."""
+    return 1 if z_dtype == compute_dtype else 2
+
+
 def grad_rows(z, dst, local, valid, coef, tau, bufs: Optional[list] = None) -> torch.Tensor:
     """``spec.block_grad`` (``keep=None``) of the rows ``z [n, V]`` (``coef``: their :func:`grad_coefficients`).
 
     Written into ``dst`` (``z`` itself for the in-place gradient; in ``z``'s
     dtype) or, with ``dst=None``, returned as a new tensor (then ``bufs`` must
-    be None). ``bufs``: two buffers of at least ``n`` rows, or None.
+    be None). ``bufs``: :func:`grad_buffers` buffers of at least ``n`` rows, or None.
     """
     shift, log_s, k0, nb, a, a_y = coef
     n = z.shape[0]
@@ -134,14 +141,16 @@ def grad_rows(z, dst, local, valid, coef, tau, bufs: Optional[list] = None) -> t
     inplace = dst is not None and dst.data_ptr() == z.data_ptr()
     direct = dst is not None and dst.dtype == cd  # the gradient written straight into dst
 
-    def buf(k):
-        return torch.empty((n, z.shape[1]), dtype=cd, device=z.device) if bufs is None else bufs[k][:n]
+    pool = list(bufs or ())
+
+    def buf():  # the next scratch buffer (grad_buffers of them in all), or a new one
+        return pool.pop(0)[:n] if pool else torch.empty((n, z.shape[1]), dtype=cd, device=z.device)
 
     # d = (z - M) / tau; in place where the gradient is written over z in its own dtype
-    d = z.sub_(shift) if inplace and direct else torch.sub(z, shift, out=buf(0))
+    d = z.sub_(shift) if inplace and direct else torch.sub(z, shift, out=buf())
     if not _is_one(tau):
         d.div_(tau)
-    p = torch.sub(d, log_s, out=dst if direct and not inplace else buf(1))
+    p = torch.sub(d, log_s, out=dst if direct and not inplace else buf())
     p.exp_()  # p = q = e^(d - log S)
     if k0 is not None:
         d.clamp_(min=GRAD_D_FLOOR)  # as spec._shifted(products=True): p (c - d) = 0 on -inf columns
