@@ -183,9 +183,9 @@ def _split_rows_possible(z: torch.Tensor, setting: tuning.Tuning) -> bool:
 
 def _map_chunks(
     fn: Callable, z: torch.Tensor, fraction: float, scratch_bytes: int, setting: tuning.Tuning,
-    release: bool = False, bufs: int = 0, small_chunk: int = SMALL_CHUNK_ELEMENTS,
+    release: bool = False, bufs: Optional[int] = None, small_chunk: int = SMALL_CHUNK_ELEMENTS,
 ) -> list:
-    """``fn(i, j)`` over the row chunks ``[i, j)``; with ``bufs > 0``, ``fn(i, j, b)`` where ``b`` is that many
+    """``fn(i, j)`` over the row chunks ``[i, j)``; with ``bufs`` given, ``fn(i, j, b)`` where ``b`` is that many
     scratch buffers of a chunk's size shared by the chunks in the calling thread, or None on the workers."""
     n, v = z.shape
     workers = _workers(z, n, setting)
@@ -201,11 +201,11 @@ def _map_chunks(
 
     try:
         if not _split_rows_possible(z, setting):
-            if bufs:
+            if bufs is not None:
                 b = eager_forms.scratch(min(n, step), v, stages.compute_dtype(z.dtype), z.device, bufs)
                 return [fn(i, j, b) for i, j in chunks]
             return [fn(i, j) for i, j in chunks]
-        if bufs:
+        if bufs is not None:
             return list(_executor(min(workers, len(chunks))).map(run, [c + (None,) for c in chunks]))
         return list(_executor(min(workers, len(chunks))).map(run, chunks))
     finally:
@@ -293,7 +293,8 @@ def _grad_unmasked(z, out, local, owns, M, log_s, c, valid, gl, ge, tau, setting
     def chunk(i, j, bufs):
         eager_forms.grad_rows(z[i:j], out[i:j], local[i:j], valid[i:j], [_rows(x, i, j) for x in coef], tau, bufs)
 
-    _map_chunks(chunk, z, fraction, GRAD_SCRATCH_BYTES, setting, bufs=eager_forms.grad_buffers(z.dtype, log_s.dtype),
+    nbuf = eager_forms.grad_buffers(z.dtype, log_s.dtype, ge is not None)
+    _map_chunks(chunk, z, fraction, GRAD_SCRATCH_BYTES, setting, bufs=nbuf,
                 small_chunk=FORM_SMALL_CHUNK_ELEMENTS)
     return out
 

@@ -121,11 +121,11 @@ def grad_coefficients(M, log_s, c, valid, owns, gl, ge, tau) -> tuple:
     return shift, log_s[:, None], k0, -b[:, None], a, a_y
 
 
-def grad_buffers(z_dtype: torch.dtype, compute_dtype: torch.dtype) -> int:
+def grad_buffers(z_dtype: torch.dtype, compute_dtype: torch.dtype, with_entropy: bool = True) -> int:
     """Scratch buffers :func:`grad_rows` takes when it writes into a ``dst`` of ``z_dtype``: the
     compute dtype's ``d`` and ``p``, one of which is ``dst`` itself (``z`` in place: ``d``) where
-    the dtypes are the same."""
-    return 1 if z_dtype == compute_dtype else 2
+    the dtypes are the same; without the entropy term one array holds ``d``, ``p`` and ``g`` in turn."""
+    return (1 if z_dtype == compute_dtype else 2) - (0 if with_entropy else 1)
 
 
 def grad_rows(z, dst, local, valid, coef, tau, bufs: Optional[list] = None) -> torch.Tensor:
@@ -146,20 +146,27 @@ def grad_rows(z, dst, local, valid, coef, tau, bufs: Optional[list] = None) -> t
     def buf():  # the next scratch buffer (grad_buffers of them in all), or a new one
         return pool.pop(0)[:n] if pool else torch.empty((n, z.shape[1]), dtype=cd, device=z.device)
 
+    if k0 is None:  # log-prob only: one array holds d, p and the gradient in turn
+        g = (z.sub_(shift) if inplace else torch.sub(z, shift, out=dst)) if direct else torch.sub(z, shift, out=buf())
+        if not _is_one(tau):
+            g.div_(tau)
+        g.sub_(log_s).exp_()  # p = q = e^(d - log S)
+        # rows that are not valid: 0, as the spec's where (a NaN row's p included)
+        torch.where(valid[:, None], g.mul_(-a), g.new_zeros(()), out=g)
+        return _finish(g.scatter_add_(1, local[:, None], a_y), z, dst)
     # d = (z - M) / tau; in place where the gradient is written over z in its own dtype
     d = z.sub_(shift) if inplace and direct else torch.sub(z, shift, out=buf())
     if not _is_one(tau):
         d.div_(tau)
     p = torch.sub(d, log_s, out=dst if direct and not inplace else buf())
-    p.exp_()  # p = q = e^(d - log S)
-    if k0 is not None:
-        d.clamp_(min=GRAD_D_FLOOR)  # as spec._shifted(products=True): p (c - d) = 0 on -inf columns
-        torch.addcmul(k0, d, nb, out=d)  # b (c - d) - a
-        g = torch.mul(p, d, out=d) if inplace and direct else p.mul_(d)
-    else:  # rows that are not valid: 0, as the spec's where (a NaN row's p included)
-        g = d if inplace and direct else p
-        torch.where(valid[:, None], p.mul_(-a), g.new_zeros(()), out=g)
-    g.scatter_add_(1, local[:, None], a_y)  # + a 1[v = y]
+    p.exp_()  # p = e^(d - log S)
+    d.clamp_(min=GRAD_D_FLOOR)  # as spec._shifted(products=True): p (c - d) = 0 on -inf columns
+    torch.addcmul(k0, d, nb, out=d)  # b (c - d) - a
+    g = torch.mul(p, d, out=d) if inplace and direct else p.mul_(d)
+    return _finish(g.scatter_add_(1, local[:, None], a_y), z, dst)  # + a 1[v = y]
+
+
+def _finish(g, z, dst):
     if dst is None:
         return g if g.dtype == z.dtype else g.to(z.dtype)
     if g.data_ptr() != dst.data_ptr():
