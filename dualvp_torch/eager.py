@@ -1,5 +1,9 @@
 """The eager path: the spec stages run op by op over row chunks, for environments without a compiler.
 
+Without a keep mask the stages run in their torch forms (:mod:`dualvp_torch.eager_forms`: the same
+spec functions in fewer aten ops, two scratch buffers per stage shared by the chunks); with one, the
+spec's own functions over torch (:mod:`dualvp_torch.stages`).
+
 A chunk holds :func:`chunk_rows` rows, sized from a memory budget: the
 temporaries of the chunks in flight (at most :data:`STATS_SCRATCH_BYTES` /
 :data:`GRAD_SCRATCH_BYTES` bytes per chunk element) stay within a fraction of
@@ -27,7 +31,7 @@ import torch
 
 from dualvp import spec
 
-from . import host_memory, stages, tuning
+from . import eager_forms, host_memory, stages, tuning
 
 __all__ = [
     "STATS_SCRATCH_BYTES",
@@ -38,6 +42,7 @@ __all__ = [
     "MIN_CHUNK_ELEMENTS",
     "SMALL_SHARD_ELEMENTS",
     "SMALL_CHUNK_ELEMENTS",
+    "FORM_SMALL_CHUNK_ELEMENTS",
     "chunk_rows",
     "stats",
     "grad",
@@ -72,11 +77,15 @@ ATEN_GRAIN = 32768
 #: ... chunks whose temporaries (256 KiB in float32) glibc recycles
 #: without faulting their pages in again, where a whole-shard chunk's did.
 SMALL_CHUNK_ELEMENTS = 1 << 16
+#: ... but the torch forms of the unmasked stages (:mod:`dualvp_torch.eager_forms`) run such a shard as one
+#: chunk: their two scratch buffers are made once per stage, and a chunk costs ~20 aten ops.
+FORM_SMALL_CHUNK_ELEMENTS = SMALL_SHARD_ELEMENTS
 
 
 def chunk_rows(
     n_rows: int, v_local: int, itemsize: int = 4, fraction: float = STATS_FRACTION,
     scratch_bytes: int = STATS_SCRATCH_BYTES, workers: int = 1, cap_bytes: Optional[int] = None,
+    small_chunk: int = SMALL_CHUNK_ELEMENTS,
 ) -> int:
     """Rows per chunk (at least 1, at most ``n_rows``).
 
@@ -86,11 +95,11 @@ def chunk_rows(
     ``Tuning.cpu_chunk_scratch_bytes``), ``scratch_bytes * rows * v_local <=
     cap_bytes``; but at least :data:`MIN_CHUNK_ELEMENTS` elements per chunk;
     for a shard of at most :data:`SMALL_SHARD_ELEMENTS` elements,
-    :data:`SMALL_CHUNK_ELEMENTS` per chunk instead.
+    ``small_chunk`` (:data:`SMALL_CHUNK_ELEMENTS`) per chunk instead.
     """
     v = max(1, v_local)
     if n_rows * v <= SMALL_SHARD_ELEMENTS:
-        return max(1, min(n_rows, SMALL_CHUNK_ELEMENTS // v))
+        return max(1, min(n_rows, small_chunk // v))
     budget = int(fraction * n_rows * itemsize / (scratch_bytes * max(1, workers)))
     if cap_bytes is not None:
         budget = min(budget, cap_bytes // (scratch_bytes * v))
@@ -174,14 +183,16 @@ def _split_rows_possible(z: torch.Tensor, setting: tuning.Tuning) -> bool:
 
 def _map_chunks(
     fn: Callable, z: torch.Tensor, fraction: float, scratch_bytes: int, setting: tuning.Tuning,
-    release: bool = False,
+    release: bool = False, bufs: Optional[int] = None, small_chunk: int = SMALL_CHUNK_ELEMENTS,
 ) -> list:
+    """``fn(i, j)`` over the row chunks ``[i, j)``; with ``bufs`` given, ``fn(i, j, b)`` where ``b`` is that many
+    scratch buffers of a chunk's size shared by the chunks in the calling thread, or None on the workers."""
     n, v = z.shape
     workers = _workers(z, n, setting)
     glibc = setting.glibc_heap and z.device.type == "cpu"
     if glibc:
         host_memory.keep_chunk_scratch_mapped(setting.cpu_chunk_scratch_bytes)
-    step = chunk_rows(n, v, z.element_size(), fraction, scratch_bytes, workers, _cap(z, setting))
+    step = chunk_rows(n, v, z.element_size(), fraction, scratch_bytes, workers, _cap(z, setting), small_chunk)
     chunks = [(i, min(n, i + step)) for i in range(0, n, step)]
 
     def run(c):
@@ -190,7 +201,12 @@ def _map_chunks(
 
     try:
         if not _split_rows_possible(z, setting):
+            if bufs is not None:
+                b = eager_forms.scratch(min(n, step), v, stages.compute_dtype(z.dtype), z.device, bufs)
+                return [fn(i, j, b) for i, j in chunks]
             return [fn(i, j) for i, j in chunks]
+        if bufs is not None:
+            return list(_executor(min(workers, len(chunks))).map(run, [c + (None,) for c in chunks]))
         return list(_executor(min(workers, len(chunks))).map(run, chunks))
     finally:
         if release and glibc and len(chunks) > 1:
@@ -207,6 +223,8 @@ def _rows(x, i, j):
 def stats(z, local, owns, keep, tau, with_entropy: bool = True) -> torch.Tensor:
     """``[T, 6]`` statistics of the shard, chunk by chunk (``tau``: a 0-d tensor or the number 1)."""
     setting = tuning.current()
+    if keep is None:
+        return _stats_unmasked(z, local, owns, tau, with_entropy, setting)
     shift = stages.kept_shift(z, keep)
     n, v = z.shape
     if n <= chunk_rows(n, v, z.element_size(), STATS_FRACTION, STATS_SCRATCH_BYTES, _workers(z, n, setting),
@@ -240,6 +258,47 @@ def stats(z, local, owns, keep, tau, with_entropy: bool = True) -> torch.Tensor:
     return out[0]
 
 
+def _stats_unmasked(z, local, owns, tau, with_entropy: bool, setting: tuning.Tuning) -> torch.Tensor:
+    # spec.block_stats without a mask in its torch form (dualvp_torch.eager_forms): bit for bit the same
+    n, v = z.shape
+    out = torch.empty((n, spec.N_STATS), dtype=stages.compute_dtype(z.dtype), device=z.device)
+    glibc = setting.glibc_heap and z.device.type == "cpu"
+    if not glibc and not _split_rows_possible(z, setting) and n <= chunk_rows(
+            n, v, z.element_size(), STATS_FRACTION, STATS_SCRATCH_BYTES, _workers(z, n, setting), _cap(z, setting),
+            FORM_SMALL_CHUNK_ELEMENTS):  # one chunk in the calling thread (as _map_chunks would run it)
+        eager_forms.stats_rows(z, out, tau, with_entropy)
+        return eager_forms.finish_stats(out, z, local, owns)
+
+    def chunk(i, j, bufs):
+        eager_forms.stats_rows(z[i:j], out[i:j], tau, with_entropy, bufs)
+
+    _map_chunks(chunk, z, STATS_FRACTION, STATS_SCRATCH_BYTES, setting, release=True, bufs=2,
+                small_chunk=FORM_SMALL_CHUNK_ELEMENTS)
+    return eager_forms.finish_stats(out, z, local, owns)
+
+
+def _grad_unmasked(z, out, local, owns, M, log_s, c, valid, gl, ge, tau, setting: tuning.Tuning) -> torch.Tensor:
+    # spec.block_grad without a mask in its torch form (dualvp_torch.eager_forms)
+    coef = eager_forms.grad_coefficients(M, log_s, c, valid, owns, gl, ge, tau)
+    inplace = out is not None and out.data_ptr() == z.data_ptr()
+    fraction = INPLACE_FRACTION if inplace else GRAD_FRACTION
+    n, v = z.shape
+    step = chunk_rows(n, v, z.element_size(), fraction, GRAD_SCRATCH_BYTES, _workers(z, n, setting), _cap(z, setting),
+                      FORM_SMALL_CHUNK_ELEMENTS)
+    if out is None and n <= step and not _split_rows_possible(z, setting):
+        return eager_forms.grad_rows(z, None, local, valid, coef, tau)  # one chunk: its own output
+    if out is None:
+        out = torch.empty(z.shape, dtype=z.dtype, device=z.device)
+
+    def chunk(i, j, bufs):
+        eager_forms.grad_rows(z[i:j], out[i:j], local[i:j], valid[i:j], [_rows(x, i, j) for x in coef], tau, bufs)
+
+    nbuf = eager_forms.grad_buffers(z.dtype, log_s.dtype, ge is not None)
+    _map_chunks(chunk, z, fraction, GRAD_SCRATCH_BYTES, setting, bufs=nbuf,
+                small_chunk=FORM_SMALL_CHUNK_ELEMENTS)
+    return out
+
+
 def grad(z, out, local, owns, keep, *row_args) -> torch.Tensor:
     """The shard's gradient, chunk by chunk, written into ``out`` (``z`` itself for the in-place gradient).
 
@@ -249,6 +308,9 @@ def grad(z, out, local, owns, keep, *row_args) -> torch.Tensor:
     """
     setting = tuning.current()
     *per_row, tau = row_args
+    if keep is None:
+        M, log_s, c, mk, log_sk, valid, gl, ge = per_row
+        return _grad_unmasked(z, out, local, owns, M, log_s, c, valid, gl, ge, tau, setting)
     inplace = out is not None and out.data_ptr() == z.data_ptr()
     fraction = INPLACE_FRACTION if inplace else GRAD_FRACTION
     n, v = z.shape
