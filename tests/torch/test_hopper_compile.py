@@ -63,8 +63,9 @@ with static.hopper_target() as launches:
         if dt != "float32":  # the in-kernel products with atomics: the 16-bit backward's option
             with tuning.using(tuning.Tuning(triton_linear_backward="atomic")):
                 static.drive_fused(launches, *FUSED[0], dt, "lp+ent")
-            # G rounded once + the residual slots, and the kernel adding their dW terms (option "fixed")
-            with tuning.using(tuning.Tuning(gradient_rounding="fixed")):
+            # the default "fixed" (G rounded once + the residual slots, the kernel adding their dW terms)
+            # ran above; the hi + lo split of G (option "split")
+            with tuning.using(tuning.Tuning(gradient_rounding="split")):
                 static.drive_fused(launches, *FUSED[0], dt, "lp+ent")
     # V_local = 8192: two vocabulary splits of the forward, merged by linear_merge_splits_kernel
     static.drive_fused(launches, 128, 256, 8192, "bfloat16", "lp+ent")
@@ -172,5 +173,6 @@ def test_fused_backward_adds_without_fences(compiled):
         least = 0.75 if r["constexprs"].get("FIX_G") == "True" else 1.0
         assert r["atomic16"] is None and r["store16_whole"] >= least, ("G chunk in 16-byte stores", r)
     assert any(r["constexprs"].get("FIX_G") == "True" for r in store_g), "the fixed rounding's backward compiled"
+    assert any(r["constexprs"].get("SPLIT_G") == "True" for r in store_g), "the split option's backward compiled"
     for r in atomic:
         assert r["atomic16"] == 1.0, ("16-byte atomics", r)

@@ -20,7 +20,7 @@ pytest.importorskip("triton")
 from dualvp import reference
 from dualvp.testing import cases, oracle_linear
 from dualvp.testing.cases import round_to_dtype
-from dualvp.testing.metrics import max_errors, tolerance, within_tolerance
+from dualvp.testing.metrics import max_errors, rounding_ratio, tolerance, within_rounding, within_tolerance
 from dualvp.testing.modes import MODES
 from dualvp_torch import linear_logprob_entropy, linear_triton, triton_kernels
 from dualvp_torch.testing import run_ranks
@@ -50,7 +50,22 @@ def _run(case_kw, H=20, *, logit_scale=3.0, nan_at=None, impl="triton", **run_kw
     return P, out
 
 
-def _check(out, ref, dtype, *, entropy=True, dh=True, dw=True):
+def _grad_ok(x, r, dtype, name, rounding="fixed", backward="gemm"):
+    """``(ok, detail)`` of a ``dh`` / ``dW`` against the float64 oracle's ``r``.
+
+    16-bit at ``gradient_rounding="fixed"`` / ``"once"`` (``"fixed"``, the
+    default): issue 45's rule, max |error| <= 2 x that of ``r`` rounded once
+    (:func:`~dualvp.testing.metrics.within_rounding`); ``"split"`` (and
+    ``"fixed"`` on the ``"atomic"`` backward, which runs it as ``"split"``)
+    and float32: the stricter element-wise tolerance.
+    """
+    if dtype != "float32" and rounding != "split" and not (rounding == "fixed" and backward == "atomic"):
+        return within_rounding(x, r, dtype), f"{name}: {rounding_ratio(x, r, dtype):.2f}x the rounding of float64"
+    tol = tolerance(dtype, name, r)
+    return within_tolerance(x, r, tol), f"{name}: max errors {max_errors(x, r)} > {tol}"
+
+
+def _check(out, ref, dtype, *, entropy=True, dh=True, dw=True, rounding="fixed", backward="gemm"):
     lp, en, gh, gw = out
     checks = [("logprob", lp, ref.logprob)]
     if entropy:
@@ -62,6 +77,10 @@ def _check(out, ref, dtype, *, entropy=True, dh=True, dw=True):
         checks.append(("dW", gw, ref.dW))
     assert (gw is None) == (not dw)
     for name, x, r in checks:
+        if name in ("dh", "dW"):
+            ok, detail = _grad_ok(x, r, dtype, name, rounding, backward)
+            assert ok, detail
+            continue
         tol = tolerance(dtype, name, r)
         assert within_tolerance(x, r, tol), f"{name}: max errors {max_errors(x, r)} > {tol}"
 
@@ -69,17 +88,20 @@ def _check(out, ref, dtype, *, entropy=True, dh=True, dw=True):
 # --- fast subset: one run per operand dtype, masked and not ---------------------------
 
 
-@pytest.mark.parametrize("dtype,mask", [("float32", "none"), ("float16", "drop_target")])
-def test_vs_oracle(dtype, mask):
-    P, out = _run(_case(dtype, mask=mask))
-    _check(out, oracle_linear(P), dtype)
+@pytest.mark.parametrize("dtype,mask,rounding", [("float32", "none", "fixed"), ("float16", "drop_target", "fixed"),
+                                                   ("float16", "drop_target", "split")])
+def test_vs_oracle(dtype, mask, rounding):
+    # the default "fixed" G rounding by issue 45's rule, "split" pinned to the element-wise tolerance
+    P, out = _run(_case(dtype, mask=mask), gradient_rounding=rounding)
+    _check(out, oracle_linear(P), dtype, rounding=rounding)
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("dtype,mask", [("bfloat16", "nucleus"), ("float32", "random"), ("float16", "none")])
-def test_vs_oracle_larger(dtype, mask):
-    P, out = _run(_case(dtype, T=70, V=230, mask=mask, seed=11), 48)
-    _check(out, oracle_linear(P), dtype)
+@pytest.mark.parametrize("dtype,mask,rounding", [("bfloat16", "nucleus", "fixed"), ("bfloat16", "nucleus", "split"),
+                                                   ("float32", "random", "fixed"), ("float16", "none", "fixed")])
+def test_vs_oracle_larger(dtype, mask, rounding):
+    P, out = _run(_case(dtype, T=70, V=230, mask=mask, seed=11), 48, gradient_rounding=rounding)
+    _check(out, oracle_linear(P), dtype, rounding=rounding)
 
 
 def test_bad_inputs_name_their_argument(monkeypatch):
@@ -112,6 +134,7 @@ def test_unavailable_without_the_interpreter(monkeypatch):
 @pytest.mark.parametrize("mode", list(MODES))
 @pytest.mark.parametrize("dtype", ["float32", "float16"])
 def test_every_mode(mode, dtype):
+    # at the default G rounding ("fixed": 16-bit dh / dW by issue 45's rule)
     m = MODES[mode]
     P, out = _run(_case(dtype, mask="random" if m.masked else "none", T=37, V=130, seed=5), **m.options())
     ref = oracle_linear(P, entropy_grad=m.entropy_grad)
@@ -128,16 +151,47 @@ def test_frozen_input(frozen):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("backward", ["gemm", "atomic"])
+@pytest.mark.parametrize("backward,rounding", [("gemm", "fixed"), ("gemm", "split"), ("atomic", "fixed")])
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
-def test_16bit_dw_in_vocabulary_chunks(dtype, backward):
+def test_16bit_dw_in_vocabulary_chunks(dtype, backward, rounding):
     # memory_budget: chunks of 64 columns (2 blocks of 32); V = 150 -> 3 chunks, the last ragged.
-    # "atomic": one float32 dW chunk of 64 rows; "gemm": G_hi and G_lo [T, 64] in the dtype plus the
-    # float32 dW chunk of the split
+    # "atomic": one float32 dW chunk of 64 rows (it runs "fixed" as "split": the element-wise check);
+    # "gemm": G_hi and G_lo [T, 64] in the dtype plus the float32 dW chunk of the split (the same budget
+    # gives "fixed" 64-column chunks too: G rounded once, its float32 dW chunk)
     budget = 64 * 48 * 4 if backward == "atomic" else 64 * (20 * 2 * 2 + 4 * 48)
     P, out = _run(_case(dtype, V=150, mask="all_but_target", seed=3), 48, memory_budget=budget,
-                  triton_linear_backward=backward)
-    _check(out, oracle_linear(P), dtype)
+                  triton_linear_backward=backward, gradient_rounding=rounding)
+    ref = oracle_linear(P)
+    if (dtype, backward, rounding) == ("float16", "gemm", "fixed"):
+        # this case is outside issue 45's rule for "fixed" (test_fixed_outside_the_rule_on_a_float16_case):
+        # the chunks' dh and dW against the independent NumPy formulation of "fixed", within one rounding
+        # unit (the bfloat16 case meets the rule; the interpreter truncates float32 to bfloat16, so its
+        # G rounded once is not the model's there)
+        for name, x, r in (("logprob", out[0], ref.logprob), ("entropy", out[1], ref.entropy)):
+            assert within_tolerance(x, r, tolerance(dtype, name)), (name, max_errors(x, r))
+        # one ulp of the largest entry: the kernel accumulates in float32, the model in float64, and a value
+        # next to a rounding boundary of the one final rounding lands one ulp apart
+        fixed = _g_fixed(P, dtype)
+        for name, x, o, r in (("dh", out[2], fixed[0], ref.dh), ("dW", out[3], fixed[1], ref.dW)):
+            ulp = 2.0 ** (np.floor(np.log2(np.abs(r).max())) - 10)  # float16: 11 significant bits
+            assert np.abs(x - o).max() <= ulp, (name, np.abs(x - o).max() / ulp)
+        return
+    _check(out, ref, dtype, rounding=rounding, backward=backward)
+
+
+@pytest.mark.slow
+@pytest.mark.xfail(strict=True, reason="a known case outside issue 45's rule for the default 'fixed' rounding")
+def test_fixed_outside_the_rule_on_a_float16_case():
+    # float16, every column but the target masked, logits x 3 at temperature 0.7: G rounded once + the
+    # rank-1 terms at the target and p > 1/2 columns is 2.65x (dh) / 2.25x (dW) the rounding of the
+    # float64 result (the NumPy model of "fixed" gives the same; the split 1.0x; fixing every column
+    # with p > 1/3 too 1.0x): a row's second column (1/3 < p <= 1/2) keeps its rounding error. Strict:
+    # passes (and so fails here) once the default meets the rule on it.
+    dtype = "float16"
+    P, (_, _, dh, dw) = _run(_case(dtype, V=150, mask="all_but_target", seed=3), 48)
+    ref = oracle_linear(P)
+    for name, x, r in (("dh", dh, ref.dh), ("dW", dw, ref.dW)):
+        assert within_rounding(x, r, dtype), (name, rounding_ratio(x, r, dtype))
 
 
 @pytest.mark.slow
@@ -194,9 +248,12 @@ def test_two_ranks(dtype, two_ranks):
     g = reference.logprob_entropy_grad(p["hidden"] @ p["weight"].T, p["target"], p["gl"], p["ge"], **kw)
     v, n = _linear_ranks.V_LOCAL, _linear_ranks.T // world
 
-    def close(x, ref, what):
-        tol = tolerance(dtype, what, ref) if what in ("dh", "dW") else tolerance(dtype, what)
-        assert within_tolerance(x, ref, tol), (what, max_errors(x, ref))
+    def close(x, ref, what):  # the ranks run the default G rounding ("fixed")
+        if what in ("dh", "dW"):
+            ok, detail = _grad_ok(x, ref, dtype, what)
+            assert ok, detail
+            return
+        assert within_tolerance(x, ref, tolerance(dtype, what)), (what, max_errors(x, ref))
 
     for r, out in enumerate(res):
         for mode in ("plain", "partial", "sp"):
