@@ -135,3 +135,40 @@ def test_fixed_gradient_keep_ids(emulated, rounding):
                                                                                     p.grad_entropy)])
     out = testing.LinearOutputs(*(x.detach().double().numpy() for x in (lp, en, h.grad, w.grad)))
     assert bool(testing.failures(p, {"torch": out})) == (rounding == "once")
+
+
+@pytest.mark.parametrize("rounding", ["fixed", "split"])
+def test_batch_invariant(emulated, rounding):
+    # the tile path's 16-bit GEMMs (emulated) at the default "fixed" rounding (its dh residual terms
+    # per row) and the "split" option: a row's log-prob, entropy and dh bitwise the same alone and in
+    # larger calls; tau 0.3: rows with p > 1/2
+    from dualvp_torch import tuning
+
+    from .test_linear_batch_invariance import check_invariance, fused_runner, make_fused_table
+
+    table = make_fused_table(v=301, h=16, dtype="bfloat16", tau=0.3, n_other=200)
+    setting = tuning.DEFAULT if rounding == "fixed" else tuning.Tuning(gradient_rounding=rounding)
+    assert setting.gradient_rounding == rounding
+    with tuning.using(setting):
+        check_invariance(fused_runner(table, "eager"), table, (7, 64, 200))
+    assert emulated
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
+def test_residual_rows_added_in_row_order(device):
+    # the "fixed" dW residual terms (linear._add_rows_): rows sharing a column summed in row order, so
+    # bitwise the same run to run (on CUDA: not index_add_'s atomics) and equal to a sequential loop
+    if device == "cuda" and not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    g = torch.Generator().manual_seed(5)
+    n, v, h = 2000, 7, 64  # ~286 rows per column
+    col = torch.randint(0, v, (n,), generator=g).to(device)
+    rows = (torch.randn(n, h, generator=g) * torch.logspace(-6, 2, n)[:, None]).to(device)
+    acc0 = torch.randn(v, h, generator=g).to(device)
+    want = acc0.clone()
+    for t, c in enumerate(col.tolist()):  # float32, one row after another
+        want[c] += rows[t]
+    for _ in range(3):
+        acc = acc0.clone()
+        linear_mod._add_rows_(acc, col, rows)
+        assert torch.equal(acc, want)
