@@ -32,7 +32,8 @@ ratio is at least this.
 Fused LM-head op: ``flop_per_8thv`` = executed FLOP / the credited ``8 T H V``
 (forward 2, recompute 2, ``dh`` 2 and ``dW`` 2; each product twice with the
 hi/lo split of ``G``, the option ``gradient_rounding="split"``): with the
-backward writing ``G`` (``STORE_G``, the 16-bit default) the products are the host's cuBLAS matmuls, recorded by the harness
+backward writing ``G`` (``STORE_G``, the 16-bit default) the products are the
+host's cuBLAS matmuls, recorded by the harness
 (``matmuls``: their count) and summed as ``2 m n k``, plus ``8 T H`` for the
 default ``gradient_rounding="fixed"``'s rank-1 residual terms (``FIX_G``); with in-kernel products
 from the launch's constexprs, and ``mma_flop_ratio`` the same from the SASS
