@@ -194,9 +194,9 @@ _PRECISION = {"bfloat16": (8, 2.0**-133), "float16": (11, 2.0**-24), "float32": 
 def rounding_unit(ref, dtype: str) -> float:
     """max |rnd(ref) - ref| over the finite entries of the float64 ``ref``, ``rnd`` rounding to ``dtype``.
 
-    Floored at ``2^-(p+1) max |ref|`` (``p`` significant bits: between a
-    quarter and a half of the largest entry's ulp, at most its worst rounding
-    error) and at the dtype's smallest subnormal: a result whose entries all
+    Floored at ``2^-(p+2) max |ref|`` (``p`` significant bits: between a
+    quarter and a half of the largest entry's worst rounding error, half an
+    ulp) and at the dtype's smallest subnormal: a result whose entries all
     happen to be representable (a unit of 0) or are subnormal-tiny still gets
     a unit of its own size instead of demanding exact (or exactly-subnormal) values.
     """
@@ -208,7 +208,7 @@ def rounding_unit(ref, dtype: str) -> float:
         return 0.0
     bits, sub = _PRECISION[dtype]
     err = float(np.abs(round_to_dtype(r, dtype) - r).max())
-    return max(err, 2.0 ** -(bits + 1) * float(np.abs(r).max()), sub)
+    return max(err, 2.0 ** -(bits + 2) * float(np.abs(r).max()), sub)
 
 
 def rounding_ratio(x, ref, dtype: str) -> float:
