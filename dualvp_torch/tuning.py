@@ -76,7 +76,8 @@ class Tuning:
         rounded once, and the rounding residual ``G - rnd(G)`` at two
         columns per row (the target's and the one with ``p_v > 1/2``) added
         back as rank-1 terms (8 T H V + O(T H) FLOP; dh/dW within 2x of the
-        float64 result rounded once on the measured cases; the Triton
+        float64 result rounded once on the measured cases but one float16
+        case, 2.65x; the Triton
         ``"gemm"`` backward and the tile path's 16-bit GEMMs on CUDA; the
         ``"atomic"`` backward runs it as ``"split"``); ``"split"`` a high and
         a low 16-bit part, two products each (12 T H V FLOP; within the
