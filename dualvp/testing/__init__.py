@@ -46,8 +46,9 @@ def failures(problem: Union[cases.Problem, cases.LinearProblem], results: dict, 
 
     ``rounding_rule=True``: a 16-bit fused op's ``dh`` / ``dW`` against the
     oracle are judged by issue 45's rule (:func:`within_rounding`: max |error|
-    <= 2 x that of the float64 result rounded once), as its default
-    ``gradient_rounding="fixed"`` is, instead of element-wise.
+    <= 2 x that of the float64 result rounded once) instead of element-wise,
+    as its option ``gradient_rounding="fixed"`` is (the default ``"split"``
+    meets the element-wise tolerance).
     """
     ref = oracle(problem)
     dtype = problem.case.dtype

@@ -181,7 +181,7 @@ def within_tolerance(x, ref, tol: Tolerance) -> bool:
     return bool(np.all(np.abs(xf - rf) <= tol.atol + tol.rtol * np.abs(rf)))
 
 
-#: The fused op's 16-bit ``dh`` / ``dW`` at the default ``gradient_rounding="fixed"``
+#: The fused op's 16-bit ``dh`` / ``dW`` at the option ``gradient_rounding="fixed"``
 #: (``dualvp_torch.tuning``): max |error| within this many times the max |error| of the
 #: float64 result rounded once to the dtype (issue 45's rule; :func:`within_rounding`).
 ROUNDING_FACTOR = 2.0
