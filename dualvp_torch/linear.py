@@ -73,9 +73,14 @@ Precision: every logits block and every gradient block ``G`` is float32
 tiles and ranks; each gradient is rounded once to the input dtype at the end.
 16-bit inputs on CUDA: the blocks are ``torch.mm(..., out_dtype=float32)`` of
 the 16-bit operands, and the backward products take ``G`` as a high and a low
-16-bit part (``tuning.Tuning.gradient_rounding``; the option ``"fixed"`` rounds
-once and adds two rank-1 residual terms per row), each multiplied on tensor cores with float32
-accumulation; no float32 copy of a weight or hidden row is made. On the CPU
+16-bit part, two products each (``tuning.Tuning.gradient_rounding`` ``"split"``,
+the default; the option ``"fixed"`` rounds ``G`` once to the input dtype and adds
+its rounding residual at the target's and the ``p_v > 1/2`` column back as two
+rank-1 terms per row: 1.0x the credited FLOP against 1.5x, but 2.65x the error of
+the float64 result rounded once on one float16 case), multiplied on tensor cores
+with float32 accumulation; no float32 copy of a weight or hidden row is made.
+``"fixed"`` adds the residual terms of ``dW`` in row order (:func:`_add_rows_`),
+``dh``'s per row. On the CPU
 (torch has no 16-bit matmul with float32 output there) the operands are
 upcast to float32 (exact) and ``G`` multiplies them as it is. float32 inputs
 multiply in IEEE float32 unless ``allow_tf32=True``.
@@ -314,6 +319,22 @@ def _tile_fixes(g, dtype, found=None, kept_cols=None):
     return out
 
 
+def _add_rows_(acc: torch.Tensor, col: torch.Tensor, rows: torch.Tensor) -> None:
+    """``acc[col[t]] += rows[t]`` for every ``t``, rows sharing a column summed in ``t`` order, run to run.
+
+    CUDA: ``index_put_(accumulate=True)``, ATen's sort-based kernel (a stable
+    sort of the indices, then each index's run summed in order by one warp:
+    no atomics, no host sync; the path ``index_add_`` itself takes under
+    ``torch.use_deterministic_algorithms``), not ``index_add_``, whose CUDA
+    kernel adds with atomics in no fixed order. Elsewhere ``index_add_``
+    (the CPU adds the rows one after another).
+    """
+    if acc.device.type == "cuda":
+        acc.index_put_((col,), rows, accumulate=True)
+    else:
+        acc.index_add_(0, col, rows)
+
+
 def _grads(h2, weight, local, owns, keep, res, valid, gl, ge, tau, tiles, need_dh, need_dw, compiled: bool,
            kept=None):
     """``(dh [T, H] float32 or None, dW [V_local, H] in weight's dtype or None)``: the local partial sums.
@@ -411,7 +432,7 @@ def _grads(h2, weight, local, owns, keep, res, valid, gl, ge, tau, tiles, need_d
                     if need_dh:
                         dh[i0:i1].addcmul_(r[:, None], w_j[col].to(cdt))
                     if need_dw:
-                        acc.index_add_(0, col, r[:, None] * h_i.to(cdt))
+                        _add_rows_(acc, col, r[:, None] * h_i.to(cdt))
             else:  # float32 G times float32 (or upcast) rows
                 if need_dh:
                     dh[i0:i1].addmm_(z, w_j)

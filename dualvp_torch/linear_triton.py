@@ -210,8 +210,8 @@ def grads(h2, weight, ycol, keep, comb, gl, ge, temperature: float, need_dh: boo
     ``G`` and adds with float32 atomics.
 
     ``rounding`` (``Tuning.gradient_rounding``, 16-bit weights): ``"split"``
-    ``G_hi + G_lo``; ``"once"`` ``G`` rounded once; ``"fixed"`` (the
-    ``"gemm"`` backward; ``"atomic"`` runs it as ``"once"``) rounded once,
+    (the default) ``G_hi + G_lo``; ``"once"`` ``G`` rounded once; ``"fixed"``
+    (the ``"gemm"`` backward, ``"atomic"`` runs it as ``"split"``) rounded once,
     and the kernel records per row the residual ``d = G - rnd(G)`` at the
     target column and at the column with ``p_v > 1/2`` (``FIX_G``); the host
     adds ``d W[c]`` to ``dh`` (after the chunks, per row, slot 0 then 1) and

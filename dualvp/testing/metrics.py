@@ -21,6 +21,10 @@ __all__ = [
     "pair_tolerance",
     "max_errors",
     "within_tolerance",
+    "ROUNDING_FACTOR",
+    "rounding_unit",
+    "rounding_ratio",
+    "within_rounding",
     "Row",
     "compare",
     "QUANTITIES",
@@ -175,6 +179,55 @@ def within_tolerance(x, ref, tol: Tolerance) -> bool:
         return False
     xf, rf = part
     return bool(np.all(np.abs(xf - rf) <= tol.atol + tol.rtol * np.abs(rf)))
+
+
+#: The fused op's 16-bit ``dh`` / ``dW`` at the option ``gradient_rounding="fixed"``
+#: (``dualvp_torch.tuning``): max |error| within this many times the max |error| of the
+#: float64 result rounded once to the dtype (issue 45's rule; :func:`within_rounding`).
+ROUNDING_FACTOR = 2.0
+
+# significant bits (with the implicit one) and the smallest subnormal of each dtype
+_PRECISION = {"bfloat16": (8, 2.0**-133), "float16": (11, 2.0**-24), "float32": (24, 2.0**-149),
+              "float64": (53, 2.0**-1074)}
+
+
+def rounding_unit(ref, dtype: str) -> float:
+    """max |rnd(ref) - ref| over the finite entries of the float64 ``ref``, ``rnd`` rounding to ``dtype``.
+
+    Floored at ``2^-(p+2) max |ref|`` (``p`` significant bits: between a
+    quarter and a half of the largest entry's worst rounding error, half an
+    ulp) and at the dtype's smallest subnormal: a result whose entries all
+    happen to be representable (a unit of 0) or are subnormal-tiny still gets
+    a unit of its own size instead of demanding exact (or exactly-subnormal) values.
+    """
+    from .cases import round_to_dtype  # (cases imports this module)
+
+    r = np.asarray(ref, dtype=np.float64)
+    r = r[np.isfinite(r)]
+    if not r.size:
+        return 0.0
+    bits, sub = _PRECISION[dtype]
+    err = float(np.abs(round_to_dtype(r, dtype) - r).max())
+    return max(err, 2.0 ** -(bits + 2) * float(np.abs(r).max()), sub)
+
+
+def rounding_ratio(x, ref, dtype: str) -> float:
+    """max |x - ref| / :func:`rounding_unit` ``(ref, dtype)``; ``inf`` where non-finite entries disagree."""
+    a, _ = max_errors(x, ref)
+    unit = rounding_unit(ref, dtype)
+    return a / unit if unit else (0.0 if a == 0 else float("inf"))
+
+
+def within_rounding(x, ref, dtype: str, factor: float = ROUNDING_FACTOR) -> bool:
+    """Issue 45's rule for a fused 16-bit gradient: max |x - ref| <= ``factor`` x :func:`rounding_unit`.
+
+    ``ref`` is the float64 oracle's ``dh`` or ``dW`` (an independent
+    formulation); non-finite entries must match exactly, as in
+    :func:`within_tolerance`. Weaker than :data:`TOLERANCES` element-wise on
+    the small entries (one bound for the whole array), stricter on the
+    largest ones (2x one rounding instead of ``rtol``).
+    """
+    return rounding_ratio(x, ref, dtype) <= factor
 
 
 class Row(NamedTuple):

@@ -20,8 +20,9 @@ is added with ``tl.atomic_add`` into float32 ``dh [T, H]`` and ``dW [V, H]``
 buffers, which the host rounds once to the input dtype. The adds are relaxed
 (``sem="relaxed"``: fire-and-forget reductions, no fence per add): nothing in
 the kernel reads them back, and the kernel's end orders them before the host's
-next use. The default is ``SPLIT_G=False``: ``G`` rounded once, as every peer
-does (8 T H V executed FLOP per credited 8 T H V; the split executes 12). Columns at or past
+next use. ``SPLIT_G=False`` (``gradient_rounding="once"``): ``G`` rounded once,
+as every peer does (8 T H V executed FLOP per credited 8 T H V); the split (this
+path's ``"split"``, the default, and ``"fixed"``, which it runs as the split) executes 12. Columns at or past
 ``V`` and rows at or past ``T`` get ``G = 0``. Float32 operands multiply in
 IEEE float32 or TF32 (``PRECISION``); ``UPCAST`` converts 16-bit operands to
 float32 after loading (the CPU interpreter mis-computes ``tl.dot`` on
@@ -143,16 +144,25 @@ def linear_grad_kernel(
             tl.store(g_lo_ptr + g_off, g_lo, mask=g_ok)
         if FIX_G:  # the rounding residuals at the target column and at the column with p > 1/2, per row
             # packed (shard column << 32 | float32 bits of G - rnd(G)): one 64-bit store per slot, so a
-            # reader never pairs one column with another column's residual (two columns of a row with
-            # p > 1/2 in float32 rounding: the larger packed value, whole). (Reducing the residual and
-            # the column separately compiled to more registers: 177-211 against 167, sm_90.)
-            res_bits = (g - g_hi.to(tl.float32)).to(tl.uint32, bitcast=True).to(tl.int64)
-            packed = ((cols + col0)[None, :] << 32) | res_bits
+            # reader never pairs one column with another column's residual. The column and the residual
+            # reduced separately, over an int32 column tile (one [BLOCK_T, BLOCK_V] int64 tile of packed
+            # values instead: 255 registers and a 104-byte stack with a keep mask, sm_90, Triton 3.6;
+            # this form 224-226, without the mask 177-194 against 167-171)
+            res = g - g_hi.to(tl.float32)
             live = g_ok & valid[:, None]
-            at_y = tl.max(tl.where(live & is_y, packed, -1), axis=1)  # the target: one column per row
-            peak = tl.max(tl.where(live & (e_all > 0.5) & (~is_y), packed, -1), axis=1)  # p_v > 1/2: at most one
-            tl.store(fix_ptr + rows, at_y, mask=at_y >= 0)
-            tl.store(fix_ptr + T + rows, peak, mask=peak >= 0)
+            lcol = tl.arange(0, BLOCK_V)  # the tile's columns, int32
+            # the target: one column per row, known from ycol; its residual the tile's one entry there
+            first = col0 + pid_v * BLOCK_V
+            has_y = row_ok & (ycol >= first) & (ycol < first + BLOCK_V) & (ycol < col0 + V)
+            res_y = tl.sum(tl.where(live & is_y, res, 0.0), axis=1)
+            at_y = (ycol << 32) | res_y.to(tl.uint32, bitcast=True).to(tl.int64)
+            # p_v > 1/2 (not the target): at most one column per row (two in float32 rounding: the last)
+            is_pk = live & (e_all > 0.5) & (~is_y)
+            pk = tl.max(tl.where(is_pk, lcol[None, :], -1), axis=1)
+            res_pk = tl.sum(tl.where(is_pk & (lcol[None, :] == pk[:, None]), res, 0.0), axis=1)
+            peak = ((first + pk.to(tl.int64)) << 32) | res_pk.to(tl.uint32, bitcast=True).to(tl.int64)
+            tl.store(fix_ptr + rows, at_y, mask=has_y)
+            tl.store(fix_ptr + T + rows, peak, mask=row_ok & (pk >= 0))
     else:  # (no early return: Triton's code generator would compile the statements after it too)
         # the products in the kernel: float32 accumulation, added to dh and dW
         if UPCAST:

@@ -38,6 +38,31 @@ def test_within_tolerance_detects_errors():
     assert not cases.within_tolerance(np.array([1.0, 2.0]), np.array([1.0]), cases.Tolerance(1, 1))
 
 
+def test_within_rounding_detects_errors():
+    # issue 45's rule for the fused op's 16-bit dh / dW: max |x - ref| <= 2 x max |rnd(ref) - ref|
+    from dualvp.testing import metrics
+
+    rng = np.random.default_rng(0)
+    ref = rng.standard_normal((64, 32))
+    once = cases.round_to_dtype(ref, "bfloat16")
+    unit = np.abs(once - ref).max()
+    assert metrics.rounding_unit(ref, "bfloat16") == unit
+    assert metrics.within_rounding(once, ref, "bfloat16")  # the float64 result rounded once: 1x
+    bad = ref.copy()
+    bad[3, 4] += 2.5 * unit  # one entry 2.5 units off
+    assert not metrics.within_rounding(bad, ref, "bfloat16")
+    assert metrics.rounding_ratio(bad, ref, "bfloat16") == pytest.approx(2.5)
+    nan = once.copy()
+    nan[0, 0] = np.nan
+    assert not metrics.within_rounding(nan, ref, "bfloat16")
+    # representable values (a unit of 0): floored at 2^-(p+2) max |ref|, not a demand for exact results
+    exact = np.array([1.0, -0.5, 0.25])
+    assert metrics.rounding_unit(exact, "float16") == 2.0 ** -13
+    assert metrics.within_rounding(exact + 2.0 ** -12, exact, "float16")
+    assert not metrics.within_rounding(exact + 2.0 ** -11, exact, "float16")
+    assert metrics.rounding_unit(np.zeros(3), "float16") == 2.0 ** -24  # the smallest subnormal
+
+
 def test_oracle_is_exported_only_as_reference():
     import dualvp
 

@@ -46,9 +46,19 @@ def rank_suite(rank: int, world: int, dtype: str = "float32") -> dict:
     }
 
 
-def rank_suites(rank: int, world: int, dtypes: tuple) -> dict:
-    """:func:`rank_suite` for each of ``dtypes`` in one spawn of the ranks (one start-up for all)."""
-    return {dt: rank_suite(rank, world, dt) for dt in dtypes}
+def rank_suites(rank: int, world: int, suites: tuple) -> dict:
+    """:func:`rank_suite` for each ``(dtype, gradient_rounding)`` of ``suites`` in one spawn of the ranks.
+
+    One start-up for all; ``gradient_rounding`` ``None``: the default.
+    """
+    from dualvp_torch import tuning
+
+    out = {}
+    for dt, rounding in suites:
+        setting = tuning.current() if rounding is None else tuning.Tuning(gradient_rounding=rounding)
+        with tuning.using(setting):
+            out[dt, rounding] = rank_suite(rank, world, dt)
+    return out
 
 
 # --- one-rank runs under the interpreter (tests/torch/test_linear_triton.py) --------------

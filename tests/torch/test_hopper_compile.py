@@ -57,14 +57,16 @@ with static.hopper_target() as launches:
                 static.drive_logits_ext(launches, T, V, dt, mode)
     for dt in DTYPES:
         modes = list(static.FUSED_MODES) if dt == "bfloat16" else ["lp+ent"]
-        for mode in modes:
-            for T, H, V in FUSED:
-                static.drive_fused(launches, T, H, V, dt, mode)
+        # the default G rounding (the hi + lo split) and, 16-bit, the option "fixed" in the same modes (G
+        # rounded once + the residual slots, the kernel adding their dW terms; with a keep mask its most
+        # registers)
+        for setting in [tuning.DEFAULT] + ([tuning.Tuning(gradient_rounding="fixed")] if dt != "float32" else []):
+            with tuning.using(setting):
+                for mode in modes:
+                    for T, H, V in FUSED:
+                        static.drive_fused(launches, T, H, V, dt, mode)
         if dt != "float32":  # the in-kernel products with atomics: the 16-bit backward's option
             with tuning.using(tuning.Tuning(triton_linear_backward="atomic")):
-                static.drive_fused(launches, *FUSED[0], dt, "lp+ent")
-            # G rounded once + the residual slots, and the kernel adding their dW terms (option "fixed")
-            with tuning.using(tuning.Tuning(gradient_rounding="fixed")):
                 static.drive_fused(launches, *FUSED[0], dt, "lp+ent")
     # V_local = 8192: two vocabulary splits of the forward, merged by linear_merge_splits_kernel
     static.drive_fused(launches, 128, 256, 8192, "bfloat16", "lp+ent")
@@ -171,6 +173,9 @@ def test_fused_backward_adds_without_fences(compiled):
         # 2 x 8 B per thread beside the tile's 64 B of G per thread at the CUDA tile: >= 0.75 of the bytes)
         least = 0.75 if r["constexprs"].get("FIX_G") == "True" else 1.0
         assert r["atomic16"] is None and r["store16_whole"] >= least, ("G chunk in 16-byte stores", r)
-    assert any(r["constexprs"].get("FIX_G") == "True" for r in store_g), "the fixed rounding's backward compiled"
+    assert any(r["constexprs"].get("SPLIT_G") == "True" for r in store_g), "the default split's backward compiled"
+    fixed = [r for r in store_g if r["constexprs"].get("FIX_G") == "True"]
+    assert fixed, "the fixed rounding's backward compiled"
+    assert any(r["constexprs"].get("HAS_KEEP") == "True" for r in fixed), "the fixed rounding with a keep mask"
     for r in atomic:
         assert r["atomic16"] == 1.0, ("16-byte atomics", r)

@@ -136,12 +136,16 @@ def _interpreting():
      pytest.param("V200-H24-f32", (1000,), id="f32-T1000", marks=pytest.mark.slow),
      pytest.param("V200-H24-bf16", (7, 64), id="bf16-fixed-T7-64", marks=pytest.mark.slow)])
 def test_triton_batch_invariant(table_id, ts):
+    # 16-bit tables: the masked one at the default G rounding ("split": G_hi + G_lo), "V200-H24-bf16" under
+    # the option "fixed" (G rounded once + the rank-1 residual terms, dh adds its row's own; tau 0.3 gives
+    # rows with p > 1/2)
+    from dualvp_torch import tuning
+
     _interpreting()
     table = make_fused_table(**TRITON_TABLES[table_id])
-    if table_id == "V200-H24-bf16":  # G rounded once + the rank-1 residual terms (dh adds its row's own)
-        from dualvp_torch import tuning
-
+    if table_id == "V200-H24-bf16":
         with tuning.using(tuning.Tuning(gradient_rounding="fixed")):
             check_invariance(fused_runner(table, "triton"), table, ts)
         return
+    assert tuning.current().gradient_rounding == "split"
     check_invariance(fused_runner(table, "triton"), table, ts)

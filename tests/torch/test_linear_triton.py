@@ -20,7 +20,7 @@ pytest.importorskip("triton")
 from dualvp import reference
 from dualvp.testing import cases, oracle_linear
 from dualvp.testing.cases import round_to_dtype
-from dualvp.testing.metrics import max_errors, tolerance, within_tolerance
+from dualvp.testing.metrics import max_errors, rounding_ratio, tolerance, within_rounding, within_tolerance
 from dualvp.testing.modes import MODES
 from dualvp_torch import linear_logprob_entropy, linear_triton, triton_kernels
 from dualvp_torch.testing import run_ranks
@@ -50,7 +50,22 @@ def _run(case_kw, H=20, *, logit_scale=3.0, nan_at=None, impl="triton", **run_kw
     return P, out
 
 
-def _check(out, ref, dtype, *, entropy=True, dh=True, dw=True):
+def _grad_ok(x, r, dtype, name, rounding="split", backward="gemm"):
+    """``(ok, detail)`` of a ``dh`` / ``dW`` against the float64 oracle's ``r``.
+
+    16-bit at the option ``gradient_rounding="fixed"`` / ``"once"``: issue
+    45's rule, max |error| <= 2 x that of ``r`` rounded once
+    (:func:`~dualvp.testing.metrics.within_rounding`); ``"split"`` (the
+    default; also ``"fixed"`` on the ``"atomic"`` backward, which runs it as
+    ``"split"``) and float32: the stricter element-wise tolerance.
+    """
+    if dtype != "float32" and rounding != "split" and not (rounding == "fixed" and backward == "atomic"):
+        return within_rounding(x, r, dtype), f"{name}: {rounding_ratio(x, r, dtype):.2f}x the rounding of float64"
+    tol = tolerance(dtype, name, r)
+    return within_tolerance(x, r, tol), f"{name}: max errors {max_errors(x, r)} > {tol}"
+
+
+def _check(out, ref, dtype, *, entropy=True, dh=True, dw=True, rounding="split", backward="gemm"):
     lp, en, gh, gw = out
     checks = [("logprob", lp, ref.logprob)]
     if entropy:
@@ -62,6 +77,10 @@ def _check(out, ref, dtype, *, entropy=True, dh=True, dw=True):
         checks.append(("dW", gw, ref.dW))
     assert (gw is None) == (not dw)
     for name, x, r in checks:
+        if name in ("dh", "dW"):
+            ok, detail = _grad_ok(x, r, dtype, name, rounding, backward)
+            assert ok, detail
+            continue
         tol = tolerance(dtype, name, r)
         assert within_tolerance(x, r, tol), f"{name}: max errors {max_errors(x, r)} > {tol}"
 
@@ -69,17 +88,32 @@ def _check(out, ref, dtype, *, entropy=True, dh=True, dw=True):
 # --- fast subset: one run per operand dtype, masked and not ---------------------------
 
 
-@pytest.mark.parametrize("dtype,mask", [("float32", "none"), ("float16", "drop_target")])
-def test_vs_oracle(dtype, mask):
-    P, out = _run(_case(dtype, mask=mask))
-    _check(out, oracle_linear(P), dtype)
+@pytest.mark.parametrize("dtype,mask,rounding", [("float32", "none", None), ("float16", "drop_target", None),
+                                                   ("float16", "drop_target", "fixed")])
+def test_vs_oracle(dtype, mask, rounding):
+    # the default G rounding ("split") element-wise; the option "fixed" by issue 45's rule
+    P, out = _run(_case(dtype, mask=mask), **_rounding_kw(rounding))
+    _check(out, oracle_linear(P), dtype, rounding=rounding or "split")
+
+
+def _rounding_kw(rounding):
+    """``run_case`` keywords: ``None`` the default G rounding (asserted "split"), else that option."""
+    from dualvp_torch import tuning
+
+    if rounding is None:
+        assert tuning.current().gradient_rounding == "split"
+        return {}
+    return {"gradient_rounding": rounding}
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("dtype,mask", [("bfloat16", "nucleus"), ("float32", "random"), ("float16", "none")])
-def test_vs_oracle_larger(dtype, mask):
-    P, out = _run(_case(dtype, T=70, V=230, mask=mask, seed=11), 48)
-    _check(out, oracle_linear(P), dtype)
+@pytest.mark.parametrize("dtype,mask,rounding", [("bfloat16", "nucleus", None), ("bfloat16", "nucleus", "fixed"),
+                                                   ("float32", "random", None), ("float16", "none", None),
+                                                   ("float16", "none", "fixed")])
+def test_vs_oracle_larger(dtype, mask, rounding):
+    # the default ("split") element-wise, the option "fixed" by issue 45's rule
+    P, out = _run(_case(dtype, T=70, V=230, mask=mask, seed=11), 48, **_rounding_kw(rounding))
+    _check(out, oracle_linear(P), dtype, rounding=rounding or "split")
 
 
 def test_bad_inputs_name_their_argument(monkeypatch):
@@ -110,12 +144,14 @@ def test_unavailable_without_the_interpreter(monkeypatch):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("mode", list(MODES))
-@pytest.mark.parametrize("dtype", ["float32", "float16"])
-def test_every_mode(mode, dtype):
+@pytest.mark.parametrize("dtype,rounding", [("float32", None), ("float16", None), ("float16", "fixed")])
+def test_every_mode(mode, dtype, rounding):
+    # the default G rounding ("split": 16-bit dh / dW element-wise); the option "fixed" by issue 45's rule
     m = MODES[mode]
-    P, out = _run(_case(dtype, mask="random" if m.masked else "none", T=37, V=130, seed=5), **m.options())
+    P, out = _run(_case(dtype, mask="random" if m.masked else "none", T=37, V=130, seed=5), **m.options(),
+                  **_rounding_kw(rounding))
     ref = oracle_linear(P, entropy_grad=m.entropy_grad)
-    _check(out, ref, dtype, entropy=m.with_entropy)
+    _check(out, ref, dtype, entropy=m.with_entropy, rounding=rounding or "split")
     assert (out[1] is None) == (not m.with_entropy)
 
 
@@ -128,16 +164,51 @@ def test_frozen_input(frozen):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("backward", ["gemm", "atomic"])
+@pytest.mark.parametrize("backward,rounding", [("gemm", None), ("gemm", "fixed"), ("atomic", None),
+                                              ("atomic", "fixed")])
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
-def test_16bit_dw_in_vocabulary_chunks(dtype, backward):
+def test_16bit_dw_in_vocabulary_chunks(dtype, backward, rounding):
     # memory_budget: chunks of 64 columns (2 blocks of 32); V = 150 -> 3 chunks, the last ragged.
-    # "atomic": one float32 dW chunk of 64 rows; "gemm": G_hi and G_lo [T, 64] in the dtype plus the
-    # float32 dW chunk of the split
+    # "atomic": one float32 dW chunk of 64 rows (it runs "fixed" as "split": the element-wise check);
+    # "gemm": G_hi and G_lo [T, 64] in the dtype plus the float32 dW chunk of the default split (the same
+    # budget gives "fixed" 64-column chunks too: G rounded once, its float32 dW chunk)
     budget = 64 * 48 * 4 if backward == "atomic" else 64 * (20 * 2 * 2 + 4 * 48)
     P, out = _run(_case(dtype, V=150, mask="all_but_target", seed=3), 48, memory_budget=budget,
-                  triton_linear_backward=backward)
-    _check(out, oracle_linear(P), dtype)
+                  triton_linear_backward=backward, **_rounding_kw(rounding))
+    rounding = rounding or "split"
+    ref = oracle_linear(P)
+    if (dtype, backward, rounding) == ("float16", "gemm", "fixed"):
+        # this case is outside issue 45's rule for "fixed" (test_fixed_outside_the_rule_on_a_float16_case):
+        # the chunks' dh and dW against the independent NumPy formulation of "fixed", within one rounding
+        # unit (the bfloat16 case meets the rule; the interpreter truncates float32 to bfloat16, so its
+        # G rounded once is not the model's there)
+        for name, x, r in (("logprob", out[0], ref.logprob), ("entropy", out[1], ref.entropy)):
+            assert within_tolerance(x, r, tolerance(dtype, name)), (name, max_errors(x, r))
+        # one ulp of the largest entry: the kernel accumulates in float32, the model in float64, and a value
+        # next to a rounding boundary of the one final rounding lands one ulp apart
+        fixed = _g_fixed(P, dtype)
+        for name, x, o, r in (("dh", out[2], fixed[0], ref.dh), ("dW", out[3], fixed[1], ref.dW)):
+            ulp = 2.0 ** (np.floor(np.log2(np.abs(r).max())) - 10)  # float16: 11 significant bits
+            assert np.abs(x - o).max() <= ulp, (name, np.abs(x - o).max() / ulp)
+        return
+    _check(out, ref, dtype, rounding=rounding, backward=backward)
+
+
+@pytest.mark.slow
+@pytest.mark.xfail(strict=True, reason="a known case outside issue 45's rule for the option 'fixed' (why 'split' "
+                                       "stays the default)")
+def test_fixed_outside_the_rule_on_a_float16_case():
+    # float16, every column but the target masked (a top-1 keep mask: greedy replay), logits x 3 at
+    # temperature 0.7: G rounded once + the rank-1 terms at the target and p > 1/2 columns is 2.65x (dh) /
+    # 2.25x (dW) the rounding of the float64 result (the NumPy model of "fixed" gives the same; the
+    # default split 1.0x, test_16bit_dw_in_vocabulary_chunks[float16-gemm-None]; fixing every column with
+    # p > 1/3 too 1.0x): a row's second column (1/3 < p <= 1/2) keeps its rounding error. Strict: passes
+    # (and so fails here) once "fixed" meets the rule on it.
+    dtype = "float16"
+    P, (_, _, dh, dw) = _run(_case(dtype, V=150, mask="all_but_target", seed=3), 48, gradient_rounding="fixed")
+    ref = oracle_linear(P)
+    for name, x, r in (("dh", dh, ref.dh), ("dW", dw, ref.dW)):
+        assert within_rounding(x, r, dtype), (name, rounding_ratio(x, r, dtype))
 
 
 @pytest.mark.slow
@@ -170,21 +241,22 @@ def test_matches_the_torch_path():
         assert within_tolerance(xa, yb, tol), (q, max_errors(xa, yb))
 
 
-_RANK_DTYPES = ("float32", "float16")
+# (dtype, G rounding): None the default ("split"); float16 also under the option "fixed"
+_RANK_SUITES = (("float32", None), ("float16", None), ("float16", "fixed"))
 
 
 @pytest.fixture(scope="module")
 def two_ranks():
     # one spawn of the 2 ranks runs the suite in every dtype (a spawn costs a start-up of torch per rank)
-    res = run_ranks(_linear_triton_ranks.rank_suites, 2, _RANK_DTYPES, env={"TRITON_INTERPRET": "1"}, timeout=600)
-    return {dt: [r[dt] for r in res] for dt in _RANK_DTYPES}
+    res = run_ranks(_linear_triton_ranks.rank_suites, 2, _RANK_SUITES, env={"TRITON_INTERPRET": "1"}, timeout=600)
+    return {s: [r[s] for r in res] for s in _RANK_SUITES}
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("dtype", _RANK_DTYPES)
-def test_two_ranks(dtype, two_ranks):
+@pytest.mark.parametrize("dtype,rounding", _RANK_SUITES)
+def test_two_ranks(dtype, rounding, two_ranks):
     world = 2
-    res = two_ranks[dtype]
+    res = two_ranks[dtype, rounding]
     p = _linear_ranks.problem(world)
     if dtype != "float32":
         p = dict(p, hidden=cases.round_to_dtype(p["hidden"], dtype), weight=cases.round_to_dtype(p["weight"], dtype))
@@ -195,21 +267,35 @@ def test_two_ranks(dtype, two_ranks):
     v, n = _linear_ranks.V_LOCAL, _linear_ranks.T // world
 
     def close(x, ref, what):
-        tol = tolerance(dtype, what, ref) if what in ("dh", "dW") else tolerance(dtype, what)
-        assert within_tolerance(x, ref, tol), (what, max_errors(x, ref))
+        # dh / dW: element-wise at the default ("split"), issue 45's rule under the option "fixed"
+        if what in ("dh", "dW"):
+            ok, detail = _grad_ok(x, ref, dtype, what, rounding or "split")
+            assert ok, detail
+            return
+        assert within_tolerance(x, ref, tolerance(dtype, what)), (what, max_errors(x, ref))
 
     for r, out in enumerate(res):
         for mode in ("plain", "partial", "sp"):
             close(out[mode]["lp"], lp, "logprob")
             close(out[mode]["en"], en, "entropy")
-            close(out[mode]["dw"], dw[r * v : (r + 1) * v], "dW")
+            if rounding is None:  # element-wise: each rank's dW shard
+                close(out[mode]["dw"], dw[r * v : (r + 1) * v], "dW")
         close(out["plain"]["dh"], dh, "dh")
         close(out["partial"]["dh"], g[:, r * v : (r + 1) * v] @ p["weight"][r * v : (r + 1) * v], "dh")
-        close(out["sp"]["dh"], dh[r * n : (r + 1) * n], "dh")
+        if rounding is None:  # each rank's sequence-parallel rows
+            close(out["sp"]["dh"], dh[r * n : (r + 1) * n], "dh")
         assert np.array_equal(out["plain"]["lp"], res[0]["plain"]["lp"])  # identical on every rank
+    assert all(out["sp"]["dh"].shape[0] == n for out in res)
+    if rounding is not None:
+        # "fixed": the op's dW (the ranks' shards) and sequence-parallel dh (the ranks' rows) as a whole,
+        # the rule's unit being the whole gradient's rounding (a 37 x 8 float16 shard alone: "fixed" 2.09x
+        # on rank 1, the whole dW 1.52x, NumPy model of "fixed")
+        for mode in ("plain", "partial", "sp"):
+            close(np.concatenate([out[mode]["dw"] for out in res]), dw, "dW")
+        close(np.concatenate([out["sp"]["dh"] for out in res]), dh, "dh")
 
 
-# --- the 16-bit backward's gradient tile: rounded once + rank-1 fixes (default), hi + lo split, or once ---------------
+# --- the 16-bit backward's gradient tile: hi + lo split (default), rounded once + rank-1 fixes, or once ---------------
 
 
 def _g_once(P, dtype):

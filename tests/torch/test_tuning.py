@@ -15,7 +15,8 @@ def test_frozen_with_the_documented_defaults():
     assert t.float64_sums_devices == {"cpu", "cuda"} and t.static_vocab_devices == {"cuda"}
     assert t.full_stats_cpu_dtypes == {torch.bfloat16, torch.float16}
     assert t.glibc_heap is False  # the default path makes no allocator call of its own
-    assert t.gradient_rounding == "split"  # "fixed" is an option (docs/decisions.md, G rounding)
+    # hi + lo split of G; "fixed" is an option (docs/decisions.md, "Fused G rounding: "fixed" stays an option")
+    assert t.gradient_rounding == "split"
     with pytest.raises(dataclasses.FrozenInstanceError):
         t.glibc_heap = True
     assert tuning.Tuning(static_vocab_devices=["cpu"]).static_vocab_devices == frozenset({"cpu"})
