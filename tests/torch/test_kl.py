@@ -75,12 +75,13 @@ _MASKED = [c for c in KL_CASES if c.masked]
 @pytest.mark.parametrize("impl, ts", [
     pytest.param("compiled", (7, 64, 1000), id="compiled"), pytest.param("eager", (7, 64, 1000), id="eager"),
     pytest.param("triton", (7,), id="triton-T7"),
-    pytest.param("triton", (7, 64, 1000), marks=pytest.mark.slow, id="triton")])
+    pytest.param("triton", (7, 64), marks=pytest.mark.slow, id="triton")])
 def test_batch_invariant_rows(impl, ts):
     # a row's KL and both gradient rows are bitwise the same alone (T = 1) and inside calls of T = 7, 64, 1000
     # rows at random positions, and from run to run (eager chunks are chosen from V_local: 512 rows of 512
     # columns, so T = 1000 spans two chunks and a partial one; compiled kernels reduce each row in one order;
-    # the Triton kernels run one program per row, blocks from V_local; their fast-tier check: T = 7)
+    # the Triton kernels run one program per row, blocks from V_local, so T = 1000 adds programs, not a
+    # path (the interpreter runs them one by one: 1000 rows cost ~60 s of CPU); their fast-tier check: T = 7)
     dev = _triton_device() if impl == "triton" else "cpu"
     g = torch.Generator().manual_seed(0)
     V = 512
