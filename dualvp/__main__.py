@@ -2,9 +2,8 @@
 
 from __future__ import annotations
 
-import sys
 
-from .tools.cli import main  # noqa: F401  (also the console script's entry point)
+from .tools.cli import console_main, main  # noqa: F401  (console_main: also the console script's entry point)
 
 if __name__ == "__main__":
-    sys.exit(main())
+    console_main()

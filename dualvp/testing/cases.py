@@ -18,7 +18,7 @@ from typing import Optional
 
 import numpy as np
 
-from .metrics import TOLERANCES, Tolerance, max_errors, tolerance, within_tolerance
+from .metrics import TOLERANCES, Tolerance, max_errors, round_to_dtype, tolerance, within_tolerance
 
 __all__ = [
     "Case",
@@ -152,26 +152,6 @@ class LinearProblem:
         """Weight rows and keep-mask columns of rank ``rank`` of ``world``: ``(weight [V/W, H], keep_mask)``."""
         sl, km = _vocab_shard(self.weight.shape[0], rank, world, self.keep_mask)
         return self.weight[sl], km
-
-
-def round_to_dtype(x: np.ndarray, dtype: str) -> np.ndarray:
-    """Round float64 values to ``dtype`` and return them as float64."""
-    if dtype == "float64":
-        return np.asarray(x, dtype=np.float64)
-    if dtype == "float32":
-        return np.asarray(x, dtype=np.float32).astype(np.float64)
-    if dtype == "float16":
-        return np.asarray(x, dtype=np.float16).astype(np.float64)
-    if dtype == "bfloat16":
-        # Round to nearest even on the top 16 bits of the float32 pattern;
-        # +-inf and NaN survive (NaN stays NaN).
-        f = np.asarray(x, dtype=np.float32)
-        bits = f.view(np.uint32).astype(np.uint64)
-        rounded = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
-        out = rounded.astype(np.uint32).view(np.float32)
-        out = np.where(np.isfinite(f), out, f)
-        return out.astype(np.float64)
-    raise ValueError(f"dtype: expected one of float64, float32, float16, bfloat16, got {dtype}")
 
 
 def confident_lm_logits(rng: np.random.Generator, shape: tuple, spikes: int = 3) -> np.ndarray:

@@ -187,6 +187,26 @@ def within_tolerance(x, ref, tol: Tolerance) -> bool:
 ROUNDING_FACTOR = 2.0
 
 # significant bits (with the implicit one) and the smallest subnormal of each dtype
+def round_to_dtype(x: np.ndarray, dtype: str) -> np.ndarray:
+    """Round float64 values to ``dtype`` and return them as float64."""
+    if dtype == "float64":
+        return np.asarray(x, dtype=np.float64)
+    if dtype == "float32":
+        return np.asarray(x, dtype=np.float32).astype(np.float64)
+    if dtype == "float16":
+        return np.asarray(x, dtype=np.float16).astype(np.float64)
+    if dtype == "bfloat16":
+        # Round to nearest even on the top 16 bits of the float32 pattern;
+        # +-inf and NaN survive (NaN stays NaN).
+        f = np.asarray(x, dtype=np.float32)
+        bits = f.view(np.uint32).astype(np.uint64)
+        rounded = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
+        out = rounded.astype(np.uint32).view(np.float32)
+        out = np.where(np.isfinite(f), out, f)
+        return out.astype(np.float64)
+    raise ValueError(f"dtype: expected one of float64, float32, float16, bfloat16, got {dtype}")
+
+
 _PRECISION = {"bfloat16": (8, 2.0**-133), "float16": (11, 2.0**-24), "float32": (24, 2.0**-149),
               "float64": (53, 2.0**-1074)}
 
@@ -200,8 +220,6 @@ def rounding_unit(ref, dtype: str) -> float:
     happen to be representable (a unit of 0) or are subnormal-tiny still gets
     a unit of its own size instead of demanding exact (or exactly-subnormal) values.
     """
-    from .cases import round_to_dtype  # (cases imports this module)
-
     r = np.asarray(ref, dtype=np.float64)
     r = r[np.isfinite(r)]
     if not r.size:
