@@ -18,21 +18,11 @@ os.environ.setdefault("TRITON_INTERPRET", "1")  # (tests/conftest.py sets it whe
 torch = pytest.importorskip("torch")
 
 from dualvp.testing import extended as ext  # noqa: E402
-from dualvp_torch import engines, logprob_entropy  # noqa: E402
+from dualvp_torch import logprob_entropy  # noqa: E402
 
 from . import _ext_ranks  # noqa: E402
+from ._custom_op import CALLERS, ENGINES, compiled  # noqa: E402
 
-_ENGINES = [
-    pytest.param("eager", id="eager"),
-    pytest.param("compiled", id="compiled", marks=pytest.mark.slow),
-    pytest.param("triton", id="triton", marks=pytest.mark.skipif(
-        engines.ENGINES["triton"].unavailable(torch.device("cpu")) is not None, reason="no triton interpreter")),
-]
-_CALLERS = [
-    pytest.param("eager", id="eager-caller"),
-    pytest.param("aot_eager", id="fullgraph-aot_eager"),
-    pytest.param("inductor", id="fullgraph-inductor", marks=pytest.mark.slow),
-]
 _CASES = ["all_nucleus", "k_masked", "row_tau_only", "p2_only"]
 
 
@@ -80,19 +70,12 @@ def _judge(prob, lp, h, p2, g):
     assert not bad, (prob.case.name, bad)
 
 
-def _compiled(fn, caller):
-    if caller == "eager":
-        return fn
-    torch._dynamo.reset()
-    return torch.compile(fn, fullgraph=True, backend=caller)  # fullgraph: a graph break raises
-
-
-@pytest.mark.parametrize("caller", _CALLERS)
-@pytest.mark.parametrize("impl", _ENGINES)
+@pytest.mark.parametrize("caller", CALLERS)
+@pytest.mark.parametrize("impl", ENGINES)
 @pytest.mark.parametrize("name", _CASES)
 def test_eager_and_fullgraph_match_the_oracle(name, impl, caller):
     prob = ext.make_ext(ext.ext_case(name))
-    lp, h, p2, g = _run(prob, _compiled(_loss_fn(prob, impl), caller))
+    lp, h, p2, g = _run(prob, compiled(_loss_fn(prob, impl), caller))
     if caller == "eager":  # the op's autograd node is the custom op's
         assert type(lp.grad_fn).__name__ == "dualvp_logprob_entropy_ext_fwdBackward"
     _judge(prob, lp, h, p2, g)
@@ -103,13 +86,13 @@ def test_fullgraph_keep_ids_and_inplace_grad(variant):
     """keep_ids and inplace_grad=True (the in-place backward op in the backward graph) under fullgraph=True."""
     prob = ext.make_ext(ext.ext_case("all_nucleus"))
     fn = _loss_fn(prob, "eager", ids=variant == "keep_ids", inplace=variant == "inplace_grad")
-    _judge(prob, *_run(prob, _compiled(fn, "aot_eager")))
+    _judge(prob, *_run(prob, compiled(fn, "aot_eager")))
 
 
 def test_compiled_caller_equals_eager_caller_bit_for_bit():
     """The same op object either way: the compiled caller's outputs and gradient equal the eager caller's."""
     prob = ext.make_ext(ext.ext_case("all_drop_target"))
-    a, b = (_run(prob, _compiled(_loss_fn(prob, "eager"), caller)) for caller in ("eager", "aot_eager"))
+    a, b = (_run(prob, compiled(_loss_fn(prob, "eager"), caller)) for caller in ("eager", "aot_eager"))
     for x, y in zip(a, b):
         assert torch.equal(x, y)
     assert torch.isfinite(a[3]).all()

@@ -16,21 +16,11 @@ torch = pytest.importorskip("torch")
 
 from dualvp import reference  # noqa: E402
 from dualvp.testing.metrics import max_errors, tolerance, within_tolerance  # noqa: E402
-from dualvp_torch import engines, linear_logprob_entropy  # noqa: E402
+from dualvp_torch import linear_logprob_entropy  # noqa: E402
 
 from .test_linear import _problem  # noqa: E402
+from ._custom_op import CALLERS, ENGINES, compiled  # noqa: E402
 
-_ENGINES = [
-    pytest.param("eager", id="eager"),
-    pytest.param("compiled", id="compiled", marks=pytest.mark.slow),
-    pytest.param("triton", id="triton", marks=pytest.mark.skipif(
-        engines.ENGINES["triton"].unavailable(torch.device("cpu")) is not None, reason="no triton interpreter")),
-]
-_CALLERS = [
-    pytest.param("eager", id="eager-caller"),
-    pytest.param("aot_eager", id="fullgraph-aot_eager"),
-    pytest.param("inductor", id="fullgraph-inductor", marks=pytest.mark.slow),
-]
 
 
 def _loss_fn(p, impl, **kw):
@@ -57,13 +47,6 @@ def _run(p, fn, hidden_grad=True, weight_grad=True):
     return lp, en, h.grad, w.grad
 
 
-def _compiled(fn, caller):
-    if caller == "eager":
-        return fn
-    torch._dynamo.reset()
-    return torch.compile(fn, fullgraph=True, backend=caller)  # fullgraph: a graph break raises
-
-
 def _judge(p, out, entropy_grad=True):
     want_lp, want_en = reference.linear_logprob_entropy(p["h"], p["w"], p["y"], keep_mask=p["keep"], temperature=0.7)
     want_dh, want_dw = reference.linear_logprob_entropy_grad(
@@ -77,12 +60,12 @@ def _judge(p, out, entropy_grad=True):
         assert within_tolerance(x, want, tol), (what, max_errors(x, want))
 
 
-@pytest.mark.parametrize("caller", _CALLERS)
-@pytest.mark.parametrize("impl", _ENGINES)
+@pytest.mark.parametrize("caller", CALLERS)
+@pytest.mark.parametrize("impl", ENGINES)
 @pytest.mark.parametrize("mask", [False, True], ids=["nomask", "mask"])
 def test_eager_and_fullgraph_match_the_oracle(mask, impl, caller):
     p = _problem((2, 5), 8, 40, "float32", mask=mask)
-    out = _run(p, _compiled(_loss_fn(p, impl), caller))
+    out = _run(p, compiled(_loss_fn(p, impl), caller))
     if caller == "eager":  # the op's autograd node is the custom op's
         assert type(out[0].grad_fn).__name__ == "dualvp_linear_logprob_entropy_fwdBackward"
     _judge(p, out)
@@ -92,7 +75,7 @@ def test_eager_and_fullgraph_match_the_oracle(mask, impl, caller):
 def test_fullgraph_frozen_input_and_no_entropy_grad(frozen):
     """One input frozen (its product skipped, its gradient None) and entropy_grad=False, under fullgraph=True."""
     p = _problem((9,), 8, 40, "float32", mask=True)
-    fn = _compiled(_loss_fn(p, "eager", entropy_grad=False), "aot_eager")
+    fn = compiled(_loss_fn(p, "eager", entropy_grad=False), "aot_eager")
     out = _run(p, fn, hidden_grad=frozen != "hidden", weight_grad=frozen != "weight")
     assert (out[2] is None) == (frozen == "hidden") and (out[3] is None) == (frozen == "weight")
     assert not out[1].requires_grad
@@ -113,12 +96,12 @@ def test_fullgraph_keep_ids():
         lp, en = linear_logprob_entropy(h, w, y, keep_ids=ids, temperature=0.7, impl="eager")
         return lp, en, (lp * gl).sum() + (en * ge).sum()
 
-    _judge(p, _run(p, _compiled(fn, "aot_eager")))
+    _judge(p, _run(p, compiled(fn, "aot_eager")))
 
 
 def test_compiled_caller_equals_eager_caller_bit_for_bit():
     p = _problem((7,), 8, 40, "float32", mask=True)
-    a, b = (_run(p, _compiled(_loss_fn(p, "eager"), caller)) for caller in ("eager", "aot_eager"))
+    a, b = (_run(p, compiled(_loss_fn(p, "eager"), caller)) for caller in ("eager", "aot_eager"))
     for x, y in zip(a, b):
         assert torch.equal(x, y)
 

@@ -17,19 +17,9 @@ os.environ.setdefault("TRITON_INTERPRET", "1")  # (tests/conftest.py sets it whe
 torch = pytest.importorskip("torch")
 
 from dualvp.testing import cases, metrics, oracle  # noqa: E402
-from dualvp_torch import engines, logprob_entropy  # noqa: E402
+from dualvp_torch import logprob_entropy  # noqa: E402
+from ._custom_op import CALLERS, ENGINES, compiled  # noqa: E402
 
-_ENGINES = [
-    pytest.param("eager", id="eager"),
-    pytest.param("compiled", id="compiled", marks=pytest.mark.slow),
-    pytest.param("triton", id="triton", marks=pytest.mark.skipif(
-        engines.ENGINES["triton"].unavailable(torch.device("cpu")) is not None, reason="no triton interpreter")),
-]
-_CALLERS = [
-    pytest.param("eager", id="eager-caller"),
-    pytest.param("aot_eager", id="fullgraph-aot_eager"),
-    pytest.param("inductor", id="fullgraph-inductor", marks=pytest.mark.slow),
-]
 
 
 def _loss_fn(impl, problem):
@@ -47,14 +37,11 @@ def _loss_fn(impl, problem):
     return fn
 
 
-@pytest.mark.parametrize("caller", _CALLERS)
-@pytest.mark.parametrize("impl", _ENGINES)
+@pytest.mark.parametrize("caller", CALLERS)
+@pytest.mark.parametrize("impl", ENGINES)
 def test_eager_and_fullgraph_match_the_oracle(impl, caller):
     p = cases.make(cases.case("nucleus", lead=(2, 3), vocab=72))
-    fn = _loss_fn(impl, p)
-    if caller != "eager":
-        torch._dynamo.reset()
-        fn = torch.compile(fn, fullgraph=True, backend=caller)  # fullgraph: a graph break raises
+    fn = compiled(_loss_fn(impl, p), caller)
     z = torch.tensor(p.logits, dtype=torch.float32, requires_grad=True)
     lp, h, loss = fn(z)
     loss.backward()
@@ -72,10 +59,7 @@ def test_compiled_caller_equals_eager_caller_bit_for_bit():
     p = cases.make(cases.case("random_mask_temp", lead=(5,), vocab=40))
     outs = []
     for caller in ("eager", "aot_eager"):
-        fn = _loss_fn("eager", p)
-        if caller != "eager":
-            torch._dynamo.reset()
-            fn = torch.compile(fn, fullgraph=True, backend=caller)
+        fn = compiled(_loss_fn("eager", p), caller)
         z = torch.tensor(p.logits, dtype=torch.float32, requires_grad=True)
         lp, h, loss = fn(z)
         loss.backward()
