@@ -251,6 +251,17 @@ def row_tau(temperature: Optional[torch.Tensor], target: torch.Tensor, call: che
     return torch.full((), opt.temperature, dtype=cdt, device=logits.device)
 
 
+def _as_rows(logits, target, keep_mask, keep_ids, call: checks.Call):
+    """``(z [T, V_local], y [T, K], keep [T, V_local] or None, ids [T, K_ids] or None, K)``: the call's
+    arrays as rows (``K = 1`` for a single target per row)."""
+    v = call.v_local
+    k = max(call.opt.n_targets, 1)
+    y = target.reshape(-1, k)
+    keep = None if keep_mask is None else keep_mask.reshape(-1, v)
+    ids = None if keep_ids is None else keep_ids.reshape(y.shape[0], keep_ids.shape[-1])
+    return logits.reshape(-1, v), y, keep, ids, k
+
+
 def forward(logits, target, keep_mask, tau, call: checks.Call, group, keep_ids=None):
     """``(logprob, entropy, sum_p2 (zeros without with_sum_p2), red [T, width])`` of a checked call.
 
@@ -258,12 +269,7 @@ def forward(logits, target, keep_mask, tau, call: checks.Call, group, keep_ids=N
     needs beside the inputs. Every rank enters the same collectives.
     """
     opt = call.opt
-    v = call.v_local
-    z = logits.reshape(-1, v)
-    k = max(opt.n_targets, 1)
-    y = target.reshape(-1, k)
-    keep = None if keep_mask is None else keep_mask.reshape(-1, v)
-    ids = None if keep_ids is None else keep_ids.reshape(y.shape[0], keep_ids.shape[-1])
+    z, y, keep, ids, k = _as_rows(logits, target, keep_mask, keep_ids, call)
     if ids is not None and call.validate:
         _ids.check_range(ids, call, group, z)
     valid, owns, local = _positions(y, call)
@@ -295,12 +301,7 @@ def grad(logits, target, keep_mask, tau, red, g_logprob, g_entropy, g_sum_p2, ca
     logits' storage and returns them.
     """
     opt = call.opt
-    v = call.v_local
-    z = logits.reshape(-1, v)
-    k = max(opt.n_targets, 1)
-    y = target.reshape(-1, k)
-    keep = None if keep_mask is None else keep_mask.reshape(-1, v)
-    ids = None if keep_ids is None else keep_ids.reshape(y.shape[0], keep_ids.shape[-1])
+    z, y, keep, ids, k = _as_rows(logits, target, keep_mask, keep_ids, call)
     valid, owns, local = _positions(y, call)
     cdt = compute_dtype(z.dtype)
     gl = (torch.zeros((z.shape[0], k), dtype=cdt, device=z.device) if g_logprob is None
@@ -321,7 +322,7 @@ def grad(logits, target, keep_mask, tau, red, g_logprob, g_entropy, g_sum_p2, ca
     if keep is not None:
         kbits = keep.gather(1, cols)
     elif ids is not None:
-        kbits = ((cols + call.rank * v)[:, :, None] == ids.to(torch.int64)[:, None, :]).any(-1)
+        kbits = ((cols + call.rank * call.v_local)[:, :, None] == ids.to(torch.int64)[:, None, :]).any(-1)
     else:
         kbits = None
     vals = _column_values(zk, kbits, cols, use, local, owns, ec, valid, gl, ge, gs, tau)
@@ -450,22 +451,10 @@ def _bwd_inplace_impl(logits, target, keep_mask, temperature_tensor, red, grad_l
              options, keep_ids, True)
 
 
-def _bwd_inplace_version(keyset, logits, *rest, **kw):
-    # ADInplaceOrView: the mutated logits' version counter moves, then the kernel below runs
-    torch.autograd.graph.increment_version(logits)
-    return _BWD_INPLACE.redispatch(keyset & torch._C._after_ADInplaceOrView_keyset, logits, *rest, **kw)
-
-
-def _bwd_inplace_fake(logits, *rest, **kw):
-    return None
-
-
-for _name, _impl, _fake in (("logprob_entropy_ext_fwd", _fwd_impl, _fwd_fake),
-                            ("logprob_entropy_ext_bwd", _bwd_impl, _bwd_fake),
-                            ("logprob_entropy_ext_bwd_", _bwd_inplace_impl, _bwd_inplace_fake)):
-    _LIB.impl(_name, _impl, "CompositeExplicitAutograd")  # every device: the engine is the call's
-    torch.library.register_fake(f"dualvp::{_name}", _fake, lib=_LIB)
-_LIB.impl("logprob_entropy_ext_bwd_", _bwd_inplace_version, "ADInplaceOrView", with_keyset=True)
+op_library.register_kernels((("logprob_entropy_ext_fwd", _fwd_impl, _fwd_fake),
+                             ("logprob_entropy_ext_bwd", _bwd_impl, _bwd_fake),
+                             ("logprob_entropy_ext_bwd_", _bwd_inplace_impl, op_library.no_output)),
+                            inplace="logprob_entropy_ext_bwd_")
 
 
 # --- autograd (as dualvp_torch.library's: one node; eagerly, with only a backend below it, the node runs the

@@ -51,7 +51,7 @@ from .op_library import AFTER_AUTOGRAD as _AFTER_AUTOGRAD
 from .op_library import DIRECT as _DIRECT
 from .op_library import LIB as _LIB
 from .op_library import PT2 as _PT2
-from .op_library import eligible, group_of
+from .op_library import eligible, group_of, no_output, register_kernels
 from .stages import compute_dtype
 
 __all__ = ["eligible", "logprob_entropy", "forward", "grad"]
@@ -193,23 +193,8 @@ def _bwd_inplace_impl(logits, target, keep_mask, res, grad_logprob, grad_entropy
     grad(logits, target, keep_mask, res, grad_logprob, grad_entropy, call, inplace=True, keep_ids=keep_ids)
 
 
-def _bwd_inplace_version(keyset, logits, *rest):
-    # ADInplaceOrView: the mutated logits' version counter moves (another autograd node that saved them then
-    # raises torch's "modified by an inplace operation" error), then the kernel below runs
-    torch.autograd.graph.increment_version(logits)
-    return _BWD_INPLACE.redispatch(keyset & torch._C._after_ADInplaceOrView_keyset, logits, *rest)
-
-
-def _bwd_inplace_fake(logits, *rest):
-    return None
-
-
-for _name, _impl, _fake in (("logprob_entropy_fwd", _fwd_impl, _fwd_fake),
-                            ("logprob_entropy_bwd", _bwd_impl, _bwd_fake),
-                            ("logprob_entropy_bwd_", _bwd_inplace_impl, _bwd_inplace_fake)):
-    _LIB.impl(_name, _impl, "CompositeExplicitAutograd")  # every device: the engine is the call's
-    torch.library.register_fake(f"dualvp::{_name}", _fake, lib=_LIB)
-_LIB.impl("logprob_entropy_bwd_", _bwd_inplace_version, "ADInplaceOrView", with_keyset=True)
+register_kernels((("logprob_entropy_fwd", _fwd_impl, _fwd_fake), ("logprob_entropy_bwd", _bwd_impl, _bwd_fake),
+                  ("logprob_entropy_bwd_", _bwd_inplace_impl, no_output)), inplace="logprob_entropy_bwd_")
 
 
 # --- autograd ----------------------------------------------------------------------------

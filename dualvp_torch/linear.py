@@ -682,10 +682,8 @@ def _bwd_fake(hidden, weight, target, keep_mask, res, grad_logprob, grad_entropy
             torch.empty_like(weight, memory_format=torch.contiguous_format) if need_dw else weight.new_empty((0,)))
 
 
-for _name, _impl, _fake in (("linear_logprob_entropy_fwd", _fwd_impl, _fwd_fake),
-                            ("linear_logprob_entropy_bwd", _bwd_impl, _bwd_fake)):
-    _LIB.impl(_name, _impl, "CompositeExplicitAutograd")  # every device: the engine is the call's
-    torch.library.register_fake(f"dualvp::{_name}", _fake, lib=_LIB)
+op_library.register_kernels((("linear_logprob_entropy_fwd", _fwd_impl, _fwd_fake),
+                             ("linear_logprob_entropy_bwd", _bwd_impl, _bwd_fake)))
 
 
 # --- autograd (one node; eagerly, with only a backend below it, the node runs the kernels directly and keeps

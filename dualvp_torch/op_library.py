@@ -15,7 +15,7 @@ from torch import Tensor
 
 from . import collectives
 
-__all__ = ["LIB", "PT2", "AFTER_AUTOGRAD", "DIRECT", "group_of", "eligible"]
+__all__ = ["LIB", "PT2", "AFTER_AUTOGRAD", "DIRECT", "group_of", "eligible", "register_kernels"]
 
 #: The ``dualvp`` namespace's fragment every dualvp op is defined on.
 LIB = torch.library.Library("dualvp", "FRAGMENT")
@@ -50,3 +50,28 @@ def eligible(logits: object, target: object, *, group: object = None, keep_mask:
         and (impl is None or isinstance(impl, str))
         and (group is None or collectives.is_process_group(group))
     )
+
+
+def register_kernels(kernels, inplace: str = "") -> None:
+    """Register each ``(name, kernel, fake)`` of ``kernels`` on :data:`LIB`: the kernel for every device (the
+    engine is the call's), the fake kernel for tracing. ``inplace`` names the op among them that mutates its
+    first argument (a gradient written into the logits): its ``ADInplaceOrView`` kernel moves that tensor's
+    version counter (another autograd node that saved it then raises torch's "modified by an inplace
+    operation" error) and runs the kernel below."""
+    for name, kernel, fake in kernels:
+        LIB.impl(name, kernel, "CompositeExplicitAutograd")
+        torch.library.register_fake(f"dualvp::{name}", fake, lib=LIB)
+    if inplace:
+        op = getattr(torch.ops.dualvp, inplace).default
+
+        def bump_version(keyset, mutated, *rest, **kw):
+            torch.autograd.graph.increment_version(mutated)
+            return op.redispatch(keyset & torch._C._after_ADInplaceOrView_keyset, mutated, *rest, **kw)
+
+        LIB.impl(inplace, bump_version, "ADInplaceOrView", with_keyset=True)
+
+
+def no_output(*args, **kwargs) -> None:
+    """The fake kernel of an op that returns nothing (the in-place backward)."""
+    return None
+
