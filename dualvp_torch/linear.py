@@ -75,9 +75,9 @@ tiles and ranks; each gradient is rounded once to the input dtype at the end.
 the 16-bit operands, and the backward products take ``G`` as a high and a low
 16-bit part, two products each (``tuning.Tuning.gradient_rounding`` ``"split"``,
 the default; the option ``"fixed"`` rounds ``G`` once to the input dtype and adds
-its rounding residual at the target's and the ``p_v > 1/2`` column back as two
-rank-1 terms per row: 1.0x the credited FLOP against 1.5x, but 2.65x the error of
-the float64 result rounded once on one float16 case), multiplied on tensor cores
+its rounding residual at the target's and at the (at most two) other ``p_v > 1/3``
+columns back as rank-1 terms per row: 1.0x the credited FLOP against 1.5x, within
+2x the error of the float64 result rounded once), multiplied on tensor cores
 with float32 accumulation; no float32 copy of a weight or hidden row is made.
 ``"fixed"`` adds the residual terms of ``dW`` in row order (:func:`_add_rows_`),
 ``dh``'s per row. On the CPU
@@ -281,28 +281,36 @@ def _stats(h2, weight, local, owns, keep, tau, tiles, compiled: bool, kept=None)
 
 
 def _tile_peak(z, local, owns, valid, res, tau, j0: int, j1: int):
-    """``(ly, at_y, amax, peak)`` ``[tc]`` of a logits tile (``gradient_rounding="fixed"``), before it holds ``G``.
+    """``(ly, at_y, cands)`` of a logits tile (``gradient_rounding="fixed"``), before it holds ``G``.
 
-    ``ly``: the target's tile column (clamped), ``at_y``: the tile holds it;
-    ``amax``: the row's largest logit's tile column, ``peak``: its ``p_v >
-    1/2`` (at most one column per row) and it is not the target.
+    ``ly [tc]``: the target's tile column (clamped), ``at_y``: the tile holds
+    it; ``cands``: ``[(column [tc], on [tc])]`` for the tile's two largest
+    logits in column order, ``on`` where that column has ``p_v > 1/3`` (the
+    unmasked distribution) and is not the target. A row has at most two
+    columns with ``p_v > 1/3`` (``p`` sums to 1), and both are among its
+    tile's two largest logits: which two, and their order, do not depend on
+    how ``topk`` breaks ties.
     """
-    zmax, amax = z.max(dim=1)
+    k = min(2, j1 - j0)
+    top, idx = z.topk(k, dim=1)
     m = res[0]
     ms = torch.where(m == float("-inf"), torch.zeros((), dtype=m.dtype, device=m.device), m)
     ly = (local - j0).clamp(0, j1 - j0 - 1)
     at_y = owns & valid & (local >= j0) & (local < j1)
-    peak = valid & (torch.exp((zmax - ms) / tau - res[1]) > 0.5) & ~(at_y & (amax == ly))
-    return ly, at_y, amax, peak
+    p = torch.exp((top - ms[:, None]) / tau - res[1][:, None])
+    on = valid[:, None] & (p > 1 / 3) & ~(at_y[:, None] & (idx == ly[:, None]))
+    idx, order = idx.sort(dim=1)
+    on = on.gather(1, order)
+    return ly, at_y, [(idx[:, i], on[:, i]) for i in range(k)]
 
 
 def _tile_fixes(g, dtype, found=None, kept_cols=None):
     """``[(tile column [tc], residual G - rnd(G) [tc])]`` of a gradient tile ``g`` (float32) rounded to ``dtype``.
 
-    ``found``: :func:`_tile_peak`'s result (the target and the ``p > 1/2``
-    column, residual 0 where the row has none); ``kept_cols``: ``(c, u,
-    vals)`` of ``keep_ids`` instead (every kept column: the written values'
-    residuals).
+    ``found``: :func:`_tile_peak`'s result (the target, then the ``p > 1/3``
+    columns in column order, residual 0 where the row has none); ``kept_cols``:
+    ``(c, u, vals)`` of ``keep_ids`` instead (every kept column: the written
+    values' residuals).
     """
     def residual(x):
         return x - x.to(dtype).to(x.dtype)
@@ -311,9 +319,9 @@ def _tile_fixes(g, dtype, found=None, kept_cols=None):
         c, u, vals = kept_cols
         zero = torch.zeros((), dtype=vals.dtype, device=vals.device)
         return [(c[:, k].clamp(min=0), torch.where(u[:, k], residual(vals[:, k]), zero)) for k in range(c.shape[1])]
-    ly, at_y, amax, peak = found
+    ly, at_y, cands = found
     out = []
-    for col, on in ((ly, at_y), (amax, peak)):
+    for col, on in [(ly, at_y)] + cands:
         v = g.gather(1, col[:, None])[:, 0]
         out.append((col, torch.where(on, residual(v), torch.zeros((), dtype=v.dtype, device=v.device))))
     return out
@@ -426,7 +434,7 @@ def _grads(h2, weight, local, owns, keep, res, valid, gl, ge, tau, tiles, need_d
                         acc = block_acc if block_acc is not None else dw_full[j0:j1]
                         _addmm_f32_(acc, g.t(), h_i, block_acc is not None and k == 0 and q == 0)
                     del g
-                # "fixed": G rounded once above; its residual at the target / p > 1/2 (or kept) columns added
+                # "fixed": G rounded once above; its residual at the target / p > 1/3 (or kept) columns added
                 # back as rank-1 terms into the float32 accumulators (dh per row; dW before its rounding)
                 for col, r in fixes:
                     if need_dh:

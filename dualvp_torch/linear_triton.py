@@ -213,8 +213,9 @@ def grads(h2, weight, ycol, keep, comb, gl, ge, temperature: float, need_dh: boo
     (the default) ``G_hi + G_lo``; ``"once"`` ``G`` rounded once; ``"fixed"``
     (the ``"gemm"`` backward, ``"atomic"`` runs it as ``"split"``) rounded once,
     and the kernel records per row the residual ``d = G - rnd(G)`` at the
-    target column and at the column with ``p_v > 1/2`` (``FIX_G``); the host
-    adds ``d W[c]`` to ``dh`` (after the chunks, per row, slot 0 then 1) and
+    target column and at the (at most two) other columns with ``p_v > 1/3``
+    (``FIX_G``: slots 0, 1 and 2, see :func:`_unpack`); the host adds ``d
+    W[c]`` to ``dh`` (after the chunks, per row, slot 0, 1, then 2) and
     ``d h_t`` to the chunk's float32 ``dW`` block before its one rounding
     (:func:`~dualvp_torch.triton_kernels.linear_bwd.linear_fix_dw_kernel`,
     entries sorted by column: no atomics). With ``kept`` the residuals are
@@ -267,8 +268,9 @@ def grads(h2, weight, ycol, keep, comb, gl, ge, temperature: float, need_dh: boo
             acc = torch.empty((chunk, hsz), dtype=torch.float32, device=dev)
     chunked = not gemm and need_dw and acc is not dw  # atomic 16-bit dW: a float32 buffer per vocabulary chunk
     fix = fixes = None
-    if fixing and kept is None:  # the kernel's residual slots [2, T] (column << 32 | float32 bits), -1: none
-        fix = torch.full((2, n), -1, dtype=torch.int64, device=dev)
+    if fixing and kept is None:  # the kernel's residual slots [3, T] (column << 32 | float32 bits): _unpack
+        fix = torch.full((3, n), -1, dtype=torch.int64, device=dev)
+        fix[1].fill_(_EMPTY_MIN)  # slot 1: an atomic min over the row's candidates
     elif fixing:  # keep_ids: the residuals of the kept values written over G, at every kept column
         vals = kept[2]
         fixes = (torch.where(kept[1], kept[0], -1).t().contiguous(),
@@ -325,9 +327,20 @@ def grads(h2, weight, ycol, keep, comb, gl, ge, temperature: float, need_dh: boo
     return dh, dw
 
 
+#: Slot 1's empty value (the kernel's atomic min over a row's candidate columns); the other slots': -1.
+_EMPTY_MIN = torch.iinfo(torch.int64).max
+
+
 def _unpack(fix: torch.Tensor):
-    """``(cols [S, T] int64, res [S, T] float32)`` of the kernel's packed slots; ``res`` 0 where ``cols`` is -1."""
-    cols = fix >> 32
+    """``(cols [3, T] int64, res [3, T] float32)`` of the kernel's packed slots; ``res`` 0 where ``cols`` is -1.
+
+    Slot 0: the target column; slots 1 and 2: the lowest and the highest
+    column with ``p_v > 1/3`` other than the target (atomic min and max of
+    the packed values over the tiles). A row with one such column has it in
+    both: slot 2 is dropped where its column is slot 1's.
+    """
+    cols = torch.where((fix >= 0) & (fix != _EMPTY_MIN), fix >> 32, -1)
+    cols[2] = torch.where(cols[2] == cols[1], -1, cols[2])
     res = (fix & 0xFFFFFFFF).to(torch.int32).view(torch.float32)
     return cols, torch.where(cols >= 0, res, torch.zeros((), dtype=torch.float32, device=fix.device))
 

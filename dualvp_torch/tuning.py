@@ -77,17 +77,15 @@ class Tuning:
         the credited 8 T H V; dh/dW within the fused tests' element-wise
         16-bit tolerance and within 2x of the float64 result rounded once);
         ``"fixed"`` rounded once, and the rounding residual ``G - rnd(G)``
-        at two columns per row (the target's and the one with ``p_v >
-        1/2``) added back as rank-1 terms (8 T H V + O(T H), 1.0x; the
-        Triton ``"gemm"`` backward and the tile path's 16-bit GEMMs on CUDA;
-        the ``"atomic"`` backward runs it as ``"split"``); ``"once"``
-        rounded once, as the peers do (8 T H V; dh/dW error up to 2.3x
-        that of float64 rounded once). ``"fixed"`` is not the default:
-        issue 45's rule (dh/dW error <= 2x that of float64 rounded once)
-        does not hold for it on a float16 case with every column but the
-        target masked (a top-1 keep mask, greedy replay), logits x3 at
-        temperature 0.7: 2.65x (dh) / 2.25x (dW), the split 1.0x
-        (docs/decisions.md, "Fused G rounding: "fixed" stays an option").
+        at up to three columns per row (the target's and the other columns
+        with ``p_v > 1/3``, at most two) added back as rank-1 terms (8 T H V
+        + O(T H), 1.0x; the Triton ``"gemm"`` backward and the tile path's
+        16-bit GEMMs on CUDA; the ``"atomic"`` backward runs it as
+        ``"split"``; dh/dW within 2x of the float64 result rounded once,
+        not within the element-wise tolerance); ``"once"`` rounded once, as
+        the peers do (8 T H V; dh/dW error up to 3x that of float64 rounded
+        once) (docs/decisions.md, "Fused G rounding: "fixed" at every
+        column with p > 1/3").
       triton_default_devices: device types ("cuda") on which ``impl=None``
         selects the logits op's Triton kernels (``impl="triton"``) when
         ``triton`` is installed. Empty until a GPU run has checked them

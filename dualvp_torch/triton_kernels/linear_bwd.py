@@ -57,12 +57,18 @@ def linear_grad_kernel(
     (``G_hi``, and ``G_lo`` with ``SPLIT_G``) into ``g_hi``/``g_lo [T, V]``
     (row stride ``stride_g``, chunk-local columns) and multiplies nothing:
     the host forms ``dh += G W`` and ``dW = G^T h`` with cuBLAS (the
-    Liger/verl backward; no atomics). ``FIX_G`` (with ``STORE_G``, ``G``
-    rounded once): ``fix [2, T]`` int64 also receives, per row, the target
-    column's (slot 0) and the ``p_v > 1/2`` column's (slot 1, not the
-    target) shard column and rounding residual ``G - rnd(G)`` (float32 bits),
-    packed ``column << 32 | bits``; rows without one keep the host's ``-1``.
-    The host adds them back as rank-1 terms (:func:`linear_fix_dw_kernel`).
+    Liger/verl backward; no product atomics). ``FIX_G`` (with ``STORE_G``,
+    ``G`` rounded once): ``fix [3, T]`` int64 also receives, per row, shard
+    columns and their rounding residuals ``G - rnd(G)`` (float32 bits),
+    packed ``column << 32 | bits``: slot 0 the target's (a store), slots 1
+    and 2 the lowest and the highest column with ``p_v > 1/3`` (the unmasked
+    distribution) other than the target, at most two per row since ``p``
+    sums to 1, possibly in two tiles: a relaxed ``tl.atomic_min`` into slot
+    1 (the host's ``INT64_MAX`` where none) and ``tl.atomic_max`` into slot 2
+    (the host's ``-1``) of each tile's lowest / highest candidate (the
+    column in the high bits orders them: the same entries in any tile
+    order; one candidate lands in both). The host adds them back as rank-1
+    terms (:func:`linear_fix_dw_kernel`; :func:`dualvp_torch.linear_triton._unpack`).
 
     ``w``, ``keep`` and ``dW`` start at the shard's column ``col0`` (a
     vocabulary chunk of ``V`` columns: its float32 ``dW`` buffer is
@@ -142,12 +148,11 @@ def linear_grad_kernel(
         tl.store(g_hi_ptr + g_off, g_hi, mask=g_ok)
         if SPLIT_G:
             tl.store(g_lo_ptr + g_off, g_lo, mask=g_ok)
-        if FIX_G:  # the rounding residuals at the target column and at the column with p > 1/2, per row
-            # packed (shard column << 32 | float32 bits of G - rnd(G)): one 64-bit store per slot, so a
+        if FIX_G:  # the rounding residuals at the target column and at the columns with p > 1/3, per row
+            # packed (shard column << 32 | float32 bits of G - rnd(G)): one 64-bit value per slot, so a
             # reader never pairs one column with another column's residual. The column and the residual
             # reduced separately, over an int32 column tile (one [BLOCK_T, BLOCK_V] int64 tile of packed
-            # values instead: 255 registers and a 104-byte stack with a keep mask, sm_90, Triton 3.6;
-            # this form 224-226, without the mask 177-194 against 167-171)
+            # values instead: 255 registers and a 104-byte stack with a keep mask, sm_90, Triton 3.6)
             res = g - g_hi.to(tl.float32)
             live = g_ok & valid[:, None]
             lcol = tl.arange(0, BLOCK_V)  # the tile's columns, int32
@@ -156,13 +161,21 @@ def linear_grad_kernel(
             has_y = row_ok & (ycol >= first) & (ycol < first + BLOCK_V) & (ycol < col0 + V)
             res_y = tl.sum(tl.where(live & is_y, res, 0.0), axis=1)
             at_y = (ycol << 32) | res_y.to(tl.uint32, bitcast=True).to(tl.int64)
-            # p_v > 1/2 (not the target): at most one column per row (two in float32 rounding: the last)
-            is_pk = live & (e_all > 0.5) & (~is_y)
-            pk = tl.max(tl.where(is_pk, lcol[None, :], -1), axis=1)
-            res_pk = tl.sum(tl.where(is_pk & (lcol[None, :] == pk[:, None]), res, 0.0), axis=1)
-            peak = ((first + pk.to(tl.int64)) << 32) | res_pk.to(tl.uint32, bitcast=True).to(tl.int64)
             tl.store(fix_ptr + rows, at_y, mask=has_y)
-            tl.store(fix_ptr + T + rows, peak, mask=row_ok & (pk >= 0))
+            # p_v > 1/3, not the target: at most two columns per row (p sums to 1), in one tile or two. No
+            # tile knows the other's, so slot 1 takes the row's lowest candidate column (atomic min of the
+            # packed values: the column in the high bits) and slot 2 its highest (atomic max): the same
+            # entries in any tile order; one candidate lands in both slots (the host drops slot 2 then)
+            is_c = live & (e_all > 1 / 3) & (~is_y)
+            c_lo = tl.min(tl.where(is_c, lcol[None, :], BLOCK_V), axis=1)
+            c_hi = tl.max(tl.where(is_c, lcol[None, :], -1), axis=1)
+            res_lo = tl.sum(tl.where(is_c & (lcol[None, :] == c_lo[:, None]), res, 0.0), axis=1)
+            res_hi = tl.sum(tl.where(is_c & (lcol[None, :] == c_hi[:, None]), res, 0.0), axis=1)
+            some = row_ok & (c_hi >= 0)
+            lo = ((first + c_lo.to(tl.int64)) << 32) | res_lo.to(tl.uint32, bitcast=True).to(tl.int64)
+            hi = ((first + c_hi.to(tl.int64)) << 32) | res_hi.to(tl.uint32, bitcast=True).to(tl.int64)
+            tl.atomic_min(fix_ptr + T + rows, lo, mask=some, sem="relaxed")
+            tl.atomic_max(fix_ptr + 2 * T + rows, hi, mask=some, sem="relaxed")
     else:  # (no early return: Triton's code generator would compile the statements after it too)
         # the products in the kernel: float32 accumulation, added to dh and dW
         if UPCAST:
