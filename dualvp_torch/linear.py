@@ -72,13 +72,14 @@ Precision: every logits block and every gradient block ``G`` is float32
 (float64 for float64 input), and ``dh``/``dW`` accumulate in float32 across
 tiles and ranks; each gradient is rounded once to the input dtype at the end.
 16-bit inputs on CUDA: the blocks are ``torch.mm(..., out_dtype=float32)`` of
-the 16-bit operands, and the backward products take ``G`` as a high and a low
-16-bit part, two products each (``tuning.Tuning.gradient_rounding`` ``"split"``,
-the default; the option ``"fixed"`` rounds ``G`` once to the input dtype and adds
-its rounding residual at the target's and at the (at most two) other ``p_v > 1/3``
-columns back as rank-1 terms per row: 1.0x the credited FLOP against 1.5x, within
-2x the error of the float64 result rounded once), multiplied on tensor cores
-with float32 accumulation; no float32 copy of a weight or hidden row is made.
+the 16-bit operands, and the backward products take ``G`` rounded once to the
+input dtype, its rounding residual at the target's and at the (at most two)
+other ``p_v > 1/3`` columns added back as rank-1 terms per row
+(``tuning.Tuning.gradient_rounding`` ``"fixed"``, the default: 1.0x the credited
+FLOP, ``dh``/``dW`` within 2x the error of the float64 result rounded once; the
+option ``"split"`` takes a high and a low 16-bit part, two products each, 1.5x),
+multiplied on tensor cores with float32 accumulation; no float32 copy of a
+weight or hidden row is made.
 ``"fixed"`` adds the residual terms of ``dW`` in row order (:func:`_add_rows_`),
 ``dh``'s per row. On the CPU
 (torch has no 16-bit matmul with float32 output there) the operands are

@@ -210,8 +210,8 @@ def grads(h2, weight, ycol, keep, comb, gl, ge, temperature: float, need_dh: boo
     ``G`` and adds with float32 atomics.
 
     ``rounding`` (``Tuning.gradient_rounding``, 16-bit weights): ``"split"``
-    (the default) ``G_hi + G_lo``; ``"once"`` ``G`` rounded once; ``"fixed"``
-    (the ``"gemm"`` backward, ``"atomic"`` runs it as ``"split"``) rounded once,
+    ``G_hi + G_lo``; ``"once"`` ``G`` rounded once; ``"fixed"`` (the default;
+    the ``"gemm"`` backward, ``"atomic"`` runs it as ``"split"``) rounded once,
     and the kernel records per row the residual ``d = G - rnd(G)`` at the
     target column and at the (at most two) other columns with ``p_v > 1/3``
     (``FIX_G``: slots 0, 1 and 2, see :func:`_unpack`); the host adds ``d

@@ -22,7 +22,7 @@ buffers, which the host rounds once to the input dtype. The adds are relaxed
 the kernel reads them back, and the kernel's end orders them before the host's
 next use. ``SPLIT_G=False`` (``gradient_rounding="once"``): ``G`` rounded once,
 as every peer does (8 T H V executed FLOP per credited 8 T H V); the split (this
-path's ``"split"``, the default, and ``"fixed"``, which it runs as the split) executes 12. Columns at or past
+path's ``"split"``, and the default ``"fixed"``, which it runs as the split) executes 12. Columns at or past
 ``V`` and rows at or past ``T`` get ``G = 0``. Float32 operands multiply in
 IEEE float32 or TF32 (``PRECISION``); ``UPCAST`` converts 16-bit operands to
 float32 after loading (the CPU interpreter mis-computes ``tl.dot`` on

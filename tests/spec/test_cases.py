@@ -63,6 +63,36 @@ def test_within_rounding_detects_errors():
     assert metrics.rounding_unit(np.zeros(3), "float16") == 2.0 ** -24  # the smallest subnormal
 
 
+def test_compare_by_the_rounding_rule():
+    # compare(rounding_rule=True): 16-bit dh / dW vs the oracle by issue 45's rule (the fused op's default
+    # G rounding, "fixed"), a pair within twice its bound; other quantities and float32 element-wise
+    from dualvp.testing import metrics
+    from dualvp.testing.oracle import LinearOutputs
+
+    rng = np.random.default_rng(1)
+    ref = LinearOutputs(rng.standard_normal(8), rng.random(8), rng.standard_normal((8, 16)),
+                        rng.standard_normal((32, 16)))
+    unit = metrics.rounding_unit(ref.dh, "bfloat16")
+    small = np.abs(ref.dh) < 0.05  # the element-wise tolerance is tight there, the rule is not
+    assert small.any()
+    near = ref.dh + np.where(small, 1.5 * unit, 0.0)  # 1.5 units off on the small entries only
+    far = ref.dh.copy()
+    far[0, 0] += 2.5 * unit
+    for dh, dtype, rule, ok in [(near, "bfloat16", True, True), (near, "bfloat16", False, False),
+                                (far, "bfloat16", True, False), (near, "float32", True, False)]:
+        rows = metrics.compare({"torch": ref._replace(dh=dh)}, ref, dtype, rounding_rule=rule)
+        got = {r.quantity: r.ok for r in rows}
+        assert got == {"logprob": True, "entropy": True, "dh": ok, "dW": True}, (dtype, rule, got)
+    # a pair: each within 2 units of the oracle, so within 4 of each other
+    a, b = ref._replace(dh=ref.dh + 1.9 * unit), ref._replace(dh=ref.dh - 1.9 * unit)
+    rows = metrics.compare({"torch": a, "jax": b}, ref, "bfloat16", rounding_rule=True)
+    assert all(r.ok for r in rows), rows
+    c = ref._replace(dh=ref.dh - 2.2 * unit)
+    pair = [r for r in metrics.compare({"torch": a, "jax": c}, ref, "bfloat16", rounding_rule=True)
+            if r.check == "torch vs jax" and r.quantity == "dh"]
+    assert not pair[0].ok
+
+
 def test_oracle_is_exported_only_as_reference():
     import dualvp
 

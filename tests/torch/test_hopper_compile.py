@@ -22,7 +22,7 @@ specialisation the host picks, and only compiles. For every compiled kernel:
   GPU-scope memory barrier (``MEMBAR.GPU``/``SYS``); with in-kernel
   products (the option ``triton_linear_backward="atomic"``, compiled here in
   16-bit) its atomics are 16-byte; writing ``G`` for cuBLAS (the default) it
-  stores 16-byte vectors and has no atomics but, under
+  stores 16-byte vectors and has no atomics but, under the default
   ``gradient_rounding="fixed"`` (``FIX_G``), the two residual slots' 8-byte
   relaxed min / max per row.
 
@@ -59,10 +59,9 @@ with static.hopper_target() as launches:
                 static.drive_logits_ext(launches, T, V, dt, mode)
     for dt in DTYPES:
         modes = list(static.FUSED_MODES) if dt == "bfloat16" else ["lp+ent"]
-        # the default G rounding (the hi + lo split) and, 16-bit, the option "fixed" in the same modes (G
-        # rounded once + the residual slots, the kernel adding their dW terms; with a keep mask its most
-        # registers)
-        for setting in [tuning.DEFAULT] + ([tuning.Tuning(gradient_rounding="fixed")] if dt != "float32" else []):
+        # the default G rounding ("fixed": G rounded once + the residual slots; with a keep mask its most
+        # registers) and, 16-bit, the option "split" (hi + lo) in the same modes
+        for setting in [tuning.DEFAULT] + ([tuning.Tuning(gradient_rounding="split")] if dt != "float32" else []):
             with tuning.using(setting):
                 for mode in modes:
                     for T, H, V in FUSED:
@@ -179,9 +178,9 @@ def test_fused_backward_adds_without_fences(compiled):
         fix = r["constexprs"].get("FIX_G") == "True"
         assert r["atomic16"] == 0.0 if fix else r["atomic16"] is None, ("atomics beside the G chunk", r)
         assert r["store16_whole"] >= (0.75 if fix else 1.0), ("G chunk in 16-byte stores", r)
-    assert any(r["constexprs"].get("SPLIT_G") == "True" for r in store_g), "the default split's backward compiled"
+    assert any(r["constexprs"].get("SPLIT_G") == "True" for r in store_g), "the split option's backward compiled"
     fixed = [r for r in store_g if r["constexprs"].get("FIX_G") == "True"]
-    assert fixed, "the fixed rounding's backward compiled"
+    assert fixed, "the default fixed rounding's backward compiled"
     assert any(r["constexprs"].get("HAS_KEEP") == "True" for r in fixed), "the fixed rounding with a keep mask"
     for r in atomic:
         assert r["atomic16"] == 1.0, ("16-byte atomics", r)

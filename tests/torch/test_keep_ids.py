@@ -26,7 +26,7 @@ _ENV = {"DUALVP_COMPILE": "0"}
 
 
 def _check(problem, out, what="", rounding_rule=False):
-    # rounding_rule: the fused op's 16-bit dh / dW under the option gradient_rounding="fixed" by issue 45's rule
+    # rounding_rule: the fused op's 16-bit dh / dW at its default gradient_rounding="fixed" by issue 45's rule
     bad = testing.failures(problem, {"torch": out}, rounding_rule=rounding_rule)
     assert not bad, (what, bad)
 
@@ -169,22 +169,22 @@ def test_fused_triton_kernels_keep_ids(name):
     _check(p, _fused(p, "triton", budget=600 if name == "nucleus_ids" else None), name)
 
 
-@pytest.mark.parametrize("rounding", ["fixed", "default"])
+@pytest.mark.parametrize("rounding", ["default", "split"])
 def test_fused_triton_fixed_gradient_keep_ids(rounding):
-    # gradient_rounding="fixed" with keep_ids: the kept values written over G rounded once, their residuals
-    # added back as rank-1 terms at every kept column (bfloat16: G rounded once alone fails this case),
-    # judged by issue 45's rule and, on this case, element-wise too; the default ("split") element-wise
+    # the default G rounding ("fixed") with keep_ids: the kept values written over G rounded once, their
+    # residuals added back as rank-1 terms at every kept column (bfloat16: G rounded once alone fails this
+    # case), judged by issue 45's rule and, on this case, element-wise too; the option "split" element-wise
     if not _triton_ok():
         pytest.skip("needs triton under TRITON_INTERPRET=1")
     from dualvp_torch import tuning
 
     p = cases.make_linear(cases.case("confident_lm_bf16_ids"), 8)
-    if rounding == "default":
-        assert tuning.current().gradient_rounding == "split"
-        _check(p, _fused(p, "triton"))
+    if rounding == "split":
+        with tuning.using(tuning.Tuning(gradient_rounding="split")):
+            _check(p, _fused(p, "triton"))
         return
-    with tuning.using(tuning.Tuning(gradient_rounding="fixed")):
-        out = _fused(p, "triton")
+    assert tuning.current().gradient_rounding == "fixed"
+    out = _fused(p, "triton")
     _check(p, out, "fixed, issue 45's rule", rounding_rule=True)
     _check(p, out, "fixed, element-wise")
 

@@ -15,8 +15,9 @@ def test_frozen_with_the_documented_defaults():
     assert t.float64_sums_devices == {"cpu", "cuda"} and t.static_vocab_devices == {"cuda"}
     assert t.full_stats_cpu_dtypes == {torch.bfloat16, torch.float16}
     assert t.glibc_heap is False  # the default path makes no allocator call of its own
-    # hi + lo split of G; "fixed" is an option (docs/decisions.md, "Fused G rounding: "fixed" stays an option")
-    assert t.gradient_rounding == "split"
+    # G rounded once + the rank-1 residual terms at the target and p > 1/3 columns; the hi + lo split an option
+    # (docs/decisions.md, "Fused G rounding: "fixed" at every column with p > 1/3, the default")
+    assert t.gradient_rounding == "fixed"
     with pytest.raises(dataclasses.FrozenInstanceError):
         t.glibc_heap = True
     assert tuning.Tuning(static_vocab_devices=["cpu"]).static_vocab_devices == frozenset({"cpu"})
