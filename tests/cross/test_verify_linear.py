@@ -7,8 +7,8 @@ deliberate fault ``DUALVP_TEST_FAULT=grad_tau`` (:mod:`dualvp.testing.faults`:
 the JAX backward forgets ``1/temperature``) must FAIL on exactly the four rows
 that see JAX's ``dh`` / ``dW`` and PASS on the other eight (torch's bfloat16
 gradients among them). The adapters are also checked in this process against
-the float64 oracle at W = 1. Two CLI runs (one spawn of 2 gloo ranks and one
-JAX child each), ~50 s on the shared 2-core machine.
+the float64 oracle at W = 1. Two CLI runs in this process (tests/cross/_cli.py: 2 gloo ranks
+forked from the forkserver and one JAX child each), ~10 s on the shared 2-core machine.
 """
 
 import numpy as np
