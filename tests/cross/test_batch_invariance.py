@@ -83,8 +83,10 @@ def _describe(a: np.ndarray, b: np.ndarray) -> str:
 NAMES = ("log-prob", "entropy", "gradient row")
 
 
-def check_invariance(run, table: dict, ts=TS, seed: int = 0) -> None:
-    """``run(idx) -> (logprob [T], entropy [T], grad [T, V])`` as float32 NumPy arrays (exact conversions)."""
+def check_invariance(run, table: dict, ts=TS, seed: int = 0, again: bool = True) -> None:
+    """``run(idx) -> (logprob [T], entropy [T], grad [T, V])`` as float32 NumPy arrays (exact conversions).
+
+    ``again``: also run the last call a second time and compare every row (run-to-run determinism)."""
     rng = np.random.default_rng(seed)
     alone = [run(np.array([r])) for r in range(CHECKED)]
     for T in ts:
@@ -94,6 +96,8 @@ def check_invariance(run, table: dict, ts=TS, seed: int = 0) -> None:
             for name, a, b in zip(NAMES, alone[r], out):
                 assert np.array_equal(_bits(a[0]), _bits(b[p])), (
                     f"row {r} alone vs at position {p} of T={T}: {name} differs, {_describe(a[0], b[p])}")
+    if not again:
+        return
     again = run(idx)
     for name, a, b in zip(NAMES, out, again):
         assert np.array_equal(_bits(a), _bits(b)), f"two runs at T={ts[-1]}: {name} differs, {_describe(a, b)}"
@@ -166,7 +170,10 @@ def test_torch_wide_rows_batch_invariant(impl):
 def test_torch_triton_batch_invariant(table_id, ts):
     pytest.importorskip("triton")
     table = make_table(**TABLES[table_id])
-    check_invariance(_torch_runner(table, "triton"), table, ts)
+    # No second run of the last call: the interpreter executes the kernels in NumPy, in program order (one
+    # result per input by construction), and the checked rows are already compared bitwise across separate
+    # calls; the second run was ~40 % of this test's programs.
+    check_invariance(_torch_runner(table, "triton"), table, ts, again=False)
 
 
 def test_torch_eager_workers_single_threaded():
@@ -228,12 +235,19 @@ def test_jax_logprob_entropy_batch_invariant(table_id):
     check_invariance(_jax_runner(table), table)
 
 
+# Sharded: T = 7 and 64 (past XLA:CPU's 4096-element switch on every table), and on the two wider tables a T
+# that runs several row chunks with an overlapping last one under shard_map (chunks.chunk_rows: 524 rows at
+# V_local = 1000, 124 at 4099, from the width alone): 600 and 300 rows reach what T = 1000 did there at a
+# fraction of the rows (V_local = 300's chunk holds 1744 rows: T = 1000 was one chunk, like T = 64).
+SHARDED_TS = {"V300-f32": (7, 64), "V1000-f32": (7, 64, 600), "V4099-bf16-keep": (7, 64, 300)}
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("table_id", list(TABLES))
 def test_jax_sharded_batch_invariant(table_id):
     pytest.importorskip("jax")
     table = make_table(**TABLES[table_id])
-    check_invariance(_jax_runner(table, world=2), table)
+    check_invariance(_jax_runner(table, world=2), table, SHARDED_TS[table_id])
 
 
 # --- the fused LM-head op ------------------------------------------------------------------

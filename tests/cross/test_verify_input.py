@@ -1,9 +1,9 @@
 """``dualvp verify --input FILE``: the usual checks on a user's saved logits.
 
 A ``torch.save``'d dict and an ``.npz`` are written here, run through the
-command at ``--tp 2`` (exit 0, the table names the file and its shape); the
-deliberate fault ``DUALVP_TEST_FAULT=grad_tau`` (:mod:`dualvp.testing.faults`)
-makes the same file FAIL on the gradient rows; a file with K targets per row
+command at ``--tp 2`` (exit 0, the table names the file and its shape; the
+deliberate fault ``DUALVP_TEST_FAULT=grad_tau`` making verify FAIL on the gradient
+rows: tests/cross/test_checks_can_fail.py); a file with K targets per row
 or a per-row temperature runs the extended op's check (torch and JAX against
 the oracle); malformed files give an error that names what is wrong, before
 any backend starts.
@@ -50,18 +50,18 @@ def test_torch_save_file_passes_at_tp2(tmp_path):
 
 
 @pytest.mark.slow
-def test_npz_file_and_the_check_can_fail(tmp_path):
+def test_npz_file_passes_at_tp2(tmp_path):
+    # (The same check failing under the deliberate fault: tests/cross/test_checks_can_fail.py::
+    # test_verify_reports_the_fault; the JAX child and the comparison do not depend on where the logits
+    # came from.)
     z, y, _ = _saved(seed=1)
     path = tmp_path / "batch.npz"
     np.savez(path, logits=z.numpy(), target=y.numpy())
-    args = ("--input", str(path), "--tp", "2", "--temperature", "0.5", "--backends", "jax")
-    ok = _verify(*args)
+    ok = _verify("--input", str(path), "--tp", "2", "--temperature", "0.5", "--backends", "jax")
     assert ok.returncode == 0, ok.stdout + ok.stderr
     assert "dtype=float32" in ok.stdout and "mask=none" in ok.stdout
-    bad = _verify(*args, fault="grad_tau")
-    assert bad.returncode == 1, bad.stdout + bad.stderr
-    fails = [ln for ln in bad.stdout.splitlines() if ln.rstrip().endswith("FAIL")]
-    assert fails and all(ln.startswith("jax vs oracle") and " grad " in ln for ln in fails), bad.stdout
+    rows = [ln for ln in ok.stdout.splitlines() if ln.rstrip().endswith(("PASS", "FAIL"))]
+    assert rows and {ln.split("  ")[0].strip() for ln in rows} == {"spec vs oracle", "jax vs oracle"}, ok.stdout
 
 
 def test_load_input_reads_exactly_and_flattens(tmp_path):
