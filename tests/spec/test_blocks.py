@@ -165,14 +165,16 @@ def test_entropy_terms_select_and_clamp_agree(dtype):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("dtype", ["float32", "float64"])
-@pytest.mark.parametrize("block", [None, 1, 5, 17])
+@pytest.mark.parametrize("block", [None, 5, 17])
 @pytest.mark.parametrize("world", [1, 2, 4])
 def test_indicator_arith_and_compare_give_the_same_gradient(world, block, dtype):
     """block_grad's ``indicator``: max(1 - |v - y|, 0) in integers is the compare's 1[v = y], bit for bit.
 
     Every shared case (targets on other shards and blocks, ignored rows, -inf,
-    keep masks, temperatures), whole shards and column blocks; the compare's
-    gradient is checked against the oracle by test_blocks_match_oracle.
+    keep masks, temperatures), whole shards and column blocks (5 and 17: blocks at
+    non-zero starts, a partial last block; one-column blocks, three quarters of this
+    test's time, add no other offset); the compare's gradient is checked against the
+    oracle by test_blocks_match_oracle, one-column blocks included.
     """
     for c in cases.CASES:
         c = cases.case(c.name, dtype=dtype, vocab=96 if c.vocab <= 96 else 264, worlds=(1, 2, 4))
