@@ -20,19 +20,18 @@ from dualvp.tools import verify  # noqa: E402
 from ._cli import run_verify  # noqa: E402
 
 
-@pytest.mark.parametrize("fault", [pytest.param("", marks=pytest.mark.slow), "grad_tau"])
-def test_helper_reports_the_fault(tmp_path, fault):
+def test_helper_reports_the_fault(tmp_path):
+    # Without the fault the same problem passes: tests/cross/test_cross_backends.py
+    # [temp_0.3-W2] (JAX at W = 2 and torch, no failure), and every passing verify run
+    # goes through the same start_jax / finish_jax child.
     prob = cases.make(cases.case("temp_0.3"))
-    started = verify.start_jax(prob, 2, str(tmp_path), {faults.ENV: fault or None})
+    started = verify.start_jax(prob, 2, str(tmp_path), {faults.ENV: "grad_tau"})
     torch_out = testing.run("torch", prob, 1, impl="eager")
     failures = testing.failures(prob, {"torch": torch_out, "jax": verify.finish_jax(started, 300)})
-    if not fault:
-        assert failures == []
-    else:
-        assert failures, "a gradient off by a factor tau went unnoticed"
-        assert all(" grad:" in f for f in failures), failures
-        assert any(f.startswith("jax vs oracle grad") for f in failures)
-        assert any(f.startswith("torch vs jax grad") for f in failures)
+    assert failures, "a gradient off by a factor tau went unnoticed"
+    assert all(" grad:" in f for f in failures), failures
+    assert any(f.startswith("jax vs oracle grad") for f in failures)
+    assert any(f.startswith("torch vs jax grad") for f in failures)
 
 
 @pytest.mark.slow
