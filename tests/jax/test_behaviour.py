@@ -80,10 +80,13 @@ def test_2d_mesh_data_parallel(kind):
     check_close("2d", g, ref_g, "bfloat16", "grad")
 
 
+# Each (policy, op) once, W alternating: each op and each policy both unsharded and sharded.
+_REMAT = [(2, "nothing_saveable", "logits"), (1, "dots_saveable", "logits"), (1, "nothing_saveable", "linear"),
+          (2, "dots_saveable", "linear")]
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("op", ["logits", "linear"])
-@pytest.mark.parametrize("policy", ["nothing_saveable", "dots_saveable"])
-@pytest.mark.parametrize("world", [1, 2])
+@pytest.mark.parametrize("world,policy,op", _REMAT, ids=["-".join(map(str, r)) for r in _REMAT])
 def test_under_remat(world, policy, op):
     """Inside ``jax.checkpoint`` (rematerialisation, as LLM training wraps its layers): the LM head's matmul and
     the op (or the fused op) recomputed in the backward give the same values and gradients, bit for bit, as

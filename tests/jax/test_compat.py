@@ -119,9 +119,13 @@ def problem(shape=(12, 16), axis=-1, seed=0):
 # --- unsharded ------------------------------------------------------------------
 
 
+# Every where kind under jit; eager (op by op, the same code) with the class mask and without where.
+_WHERE_JIT = [(k, True) for k in ("none", "class", "row", "row_unit_axis", "class_broadcast")] + [
+    ("none", False), ("class", False)]
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("where_kind", ["none", "class", "row", "row_unit_axis", "class_broadcast"])
-@pytest.mark.parametrize("use_jit", [False, True])
+@pytest.mark.parametrize("where_kind,use_jit", _WHERE_JIT, ids=[f"{j}-{k}" for k, j in _WHERE_JIT])
 def test_unsharded_where_variants(where_kind, use_jit):
     z, y, w, row, cot = problem()
     where = {"none": None, "class": w, "row": row, "row_unit_axis": row[:, None],
@@ -137,9 +141,13 @@ def test_unsharded_where_variants(where_kind, use_jit):
         assert np.isnan(want[4]) and np.all(np.isfinite(want_g[4]))
 
 
+# Every where kind at each axis 0, 1, 2; the negative axes (the same axes, normalised first) with the
+# class mask, the one laid out along the axis.
+_AXIS_WHERE = [(a, k) for k in ("none", "class", "row") for a in (0, 1, 2)] + [(a, "class") for a in (-1, -2, -3)]
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("axis", [0, 1, 2, -1, -2, -3])
-@pytest.mark.parametrize("where_kind", ["none", "class", "row"])
+@pytest.mark.parametrize("axis,where_kind", _AXIS_WHERE, ids=[f"{k}-{a}" for a, k in _AXIS_WHERE])
 def test_unsharded_axis_variants(axis, where_kind):
     z, y, w, row, cot = problem(shape=(6, 10, 8), axis=axis, seed=1)
     where = {"none": None, "class": w, "row": row}[where_kind]
@@ -222,9 +230,13 @@ def _auto_mesh(world):
 _WORLD_WHERE = [(2, "none"), (2, "class"), (2, "row"), (4, "class")]
 
 
+# axis -1 with every (W, where); axis 0 (the classes on the first axis, sharded there) with the class
+# mask, the one sharded with the logits, at both W.
+_SM_AXIS = [(w, k, -1) for w, k in _WORLD_WHERE] + [(w, k, 0) for w, k in _WORLD_WHERE if k == "class"]
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("world,where_kind", _WORLD_WHERE)
-@pytest.mark.parametrize("axis", [-1, 0])
+@pytest.mark.parametrize("world,where_kind,axis", _SM_AXIS, ids=[f"{a}-{w}-{k}" for w, k, a in _SM_AXIS])
 def test_inside_shard_map(world, where_kind, axis):
     shape = (16, 12) if axis == -1 else (16, 12)  # axis 0: 16 classes, 12 rows
     z, y, w, row, cot = problem(shape=shape, axis=axis, seed=7)
@@ -244,9 +256,13 @@ def test_inside_shard_map(world, where_kind, axis):
     check(out, g, *expected(z, y, cot, axis=axis, where=where))
 
 
+# Every (W, where) on an explicit mesh; on an auto mesh (the same op, a different sharding mode) W = 2
+# without where and W = 4 with the class mask.
+_MESH_FORM = [(w, "explicit", k) for w, k in _WORLD_WHERE] + [(2, "auto", "none"), (4, "auto", "class")]
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("mesh_kind", ["explicit", "auto"])
-@pytest.mark.parametrize("world,where_kind", _WORLD_WHERE)
+@pytest.mark.parametrize("world,mesh_kind,where_kind", _MESH_FORM, ids=[f"{w}-{k}-{m}" for w, m, k in _MESH_FORM])
 def test_mesh_form(world, mesh_kind, where_kind):
     z, y, w, row, cot = problem(seed=8)
     where = {"none": None, "class": w, "row": row}[where_kind]

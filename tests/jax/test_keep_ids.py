@@ -3,7 +3,7 @@
 The oracle turns the ids into a mask itself (``dualvp.reference.mask_from_ids``,
 a loop over ids), so each check is "keep_ids equals the keep mask built from
 the same ids". The fast tier runs a few cases; the whole table
-(:data:`dualvp.testing.cases.KEEP_IDS_CASES`) at W = 1, 2, 4, 8 and the fused
+(:data:`dualvp.testing.cases.KEEP_IDS_CASES`) at W = 1 or 4 and the fused
 op's table are slow.
 """
 
@@ -37,12 +37,19 @@ def test_keep_ids_vs_oracle_fast(name):
     _check(p, backends.run("jax", p, 2))
 
 
+# Every case once, at W = 1 (no axis) or W = 4 (several shards, ids in each) alternating over the table
+# (each W with ids masks of several kinds); W = 2 and 8 take the W = 4 path (the fast sample above runs
+# W = 2, test_keep_ids_match_the_backends_own_mask_result W = 4).
+_TABLE = [pytest.param(c, 4 if i % 2 else 1, id=f"{c.name}-W{4 if i % 2 else 1}")
+          for i, c in enumerate(cases.KEEP_IDS_CASES)]
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("c", cases.KEEP_IDS_CASES, ids=lambda c: c.name)
-def test_keep_ids_whole_table(c):
+@pytest.mark.parametrize("c,world", _TABLE)
+def test_keep_ids_whole_table(c, world):
+    assert world in c.worlds, (c.name, c.worlds)
     p = cases.make(c)
-    for world in c.worlds:
-        _check(p, backends.run("jax", p, world))
+    _check(p, backends.run("jax", p, world))
 
 
 @pytest.mark.slow
@@ -158,13 +165,18 @@ def test_fused_op_small_blocks_fast():
     assert not bad, bad
 
 
+# Every case through the fused op once, W = 2 and 1 (no axis) alternating over the table, the other way
+# round from test_keep_ids_whole_table: each case sharded in one of the two ops and unsharded in the
+# other (W = 2 with small blocks: test_fused_op_small_blocks_fast).
+_FUSED = [pytest.param(c, 2 - i % 2, id=f"{c.name}-W{2 - i % 2}") for i, c in enumerate(cases.KEEP_IDS_CASES)]
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("c", cases.KEEP_IDS_CASES, ids=lambda c: c.name)
-def test_fused_op_whole_table(c):
+@pytest.mark.parametrize("c,world", _FUSED)
+def test_fused_op_whole_table(c, world):
     p = cases.make_linear(c, 16)
-    for world in (1, 2):
-        bad = testing.failures(p, {"jax": backends.run("jax", p, world)})
-        assert not bad, (world, bad)
+    bad = testing.failures(p, {"jax": backends.run("jax", p, world)})
+    assert not bad, (world, bad)
 
 
 def test_keep_ids_with_keep_mask_is_refused():

@@ -99,9 +99,14 @@ def _run_unsharded(h, w, y, keep, gl, ge, dtype, *, temperature=1.0, with_entrop
     return lp, ent, dh, dw
 
 
+# Each scenario once, the dtypes alternating: bfloat16 with and without the entropy (a masked scenario
+# each), float32 in the other two (float32 with a mask: test_block_sizes_and_batch_dims).
+_UNSHARDED = [("plain", "float32"), ("mask_temp", "bfloat16"), ("ignore_no_entropy_grad", "float32"),
+              ("no_entropy_mask", "bfloat16")]
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-@pytest.mark.parametrize("scenario", list(_SCENARIOS))
+@pytest.mark.parametrize("scenario,dtype", _UNSHARDED, ids=[f"{s}-{d}" for s, d in _UNSHARDED])
 def test_unsharded_vs_float64(scenario, dtype):
     sc = dict(_SCENARIOS[scenario])
     h, w, y, keep, gl, ge = _problem(37, 1, dtype, mask=sc.pop("mask", False), ignore=sc.pop("ignore", False))
@@ -193,8 +198,10 @@ def _run_shard_map(h, w, y, keep, gl, ge, dtype, world, *, temperature=1.0, mode
     return run(hj, _jx(w, dtype))
 
 
+# W = 2 in float32 through the same per-shard op in the library's shard_map:
+# test_sharded_global_form[auto-2-False] (and [explicit-2-True] with sequence_parallel).
 @pytest.mark.slow
-@pytest.mark.parametrize("world,dtype", [(2, "float32"), (4, "float32"), (4, "bfloat16")])
+@pytest.mark.parametrize("world,dtype", [(4, "bfloat16")])
 def test_shard_map_vs_float64(world, dtype):
     h, w, y, keep, gl, ge = _problem(37, world, dtype, mask=True, ignore=True, seed=world)
     out = _run_shard_map(h, w, y, keep, gl, ge, dtype, world, temperature=0.7)
@@ -202,7 +209,7 @@ def test_shard_map_vs_float64(world, dtype):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("world", [2])
 def test_partial_hidden_grad_sums_to_full(world):
     """reduce_hidden_grad=False: each shard's dh is partial (not the total); their sum is."""
     h, w, y, keep, gl, ge = _problem(37, world, "float32", seed=10 + world)
@@ -223,7 +230,7 @@ def test_pcast_hidden_with_partial_grad():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("world,dtype", [(2, "float32"), (4, "float32"), (4, "bfloat16")])
+@pytest.mark.parametrize("world,dtype", [(4, "bfloat16")])
 def test_sequence_parallel_vs_float64(world, dtype):
     h, w, y, keep, gl, ge = _problem(36, world, dtype, mask=True, ignore=True, seed=30 + world)
     out = _run_shard_map(h, w, y, keep, gl, ge, dtype, world, temperature=1.3, mode="sequence_parallel")
@@ -436,7 +443,7 @@ def _dot_kinds(fn, h, w, T, V_local, H, blocks):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("world", [1, 2])
+@pytest.mark.parametrize("world", [2])  # inside shard_map: the same block loops as W = 1, and the psum of dh
 def test_frozen_input_skips_its_gemm(world):
     """jax.grad w.r.t. hidden only (frozen weight) compiles no dW GEMM, w.r.t. weight only no dh GEMM.
 
@@ -461,10 +468,10 @@ def test_frozen_input_skips_its_gemm(world):
         return jnp.sum(lp * jnp.asarray(gl, jnp.float32)) + jnp.sum(ent * jnp.asarray(ge, jnp.float32))
 
     count = lambda argnums: _dot_kinds(jax.grad(loss, argnums), hj, wj, 37, _V_LOCAL, _H, _BLOCKS)  # noqa: E731
-    (both, _), (dh_only, dh_prog), (dw_only, dw_prog) = count((0, 1)), count(0), count(1)
-    assert both["dh"] > 0 and both["dW"] > 0, both
-    assert dh_only["dW"] == 0 and dh_only["dh"] == both["dh"], dh_only
-    assert dw_only["dh"] == 0 and dw_only["dW"] == both["dW"], dw_only
+    (dh_only, dh_prog), (dw_only, dw_prog) = count(0), count(1)
+    # each program has the GEMMs of its own gradient (the count sees them) and none of the other's
+    assert dh_only["dW"] == 0 and dh_only["dh"] > 0 and dh_only["logits"] > 0, dh_only
+    assert dw_only["dh"] == 0 and dw_only["dW"] > 0 and dw_only["logits"] > 0, dw_only
     # the gradient asked for is still right (the very programs counted above, not a second compilation)
     ref = _oracle(h, w, y, gl, ge, keep=keep, temperature=0.9)
     _check("dh", dh_prog(hj, wj), ref[2], "float32", "grad")

@@ -56,9 +56,14 @@ def test_shard_map_auto_mesh_vs_reference(case, world):
 _OPTION_CASES = ("nucleus", "bfloat16", "neg_inf", "everything")
 
 
+# Each case at one W, alternating W = 1 (no axis) and 4 over the cases, unmasked and masked at each W;
+# both options at each (the option modes on both paths in float64: tests/jax/test_naive_oracle.py).
+_OPTION_WORLDS = {"nucleus": 1, "bfloat16": 4, "neg_inf": 1, "everything": 4}
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("world", [1, 4])
-@pytest.mark.parametrize("name", _OPTION_CASES)
+@pytest.mark.parametrize("name,world", [(n, _OPTION_WORLDS[n]) for n in _OPTION_CASES],
+                         ids=[f"{n}-{_OPTION_WORLDS[n]}" for n in _OPTION_CASES])
 @pytest.mark.parametrize("with_entropy,entropy_grad", [(True, False), (False, True)],
                          ids=["no_entropy_grad", "no_entropy"])
 def test_options_vs_reference(name, world, with_entropy, entropy_grad):
