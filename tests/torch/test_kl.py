@@ -120,6 +120,8 @@ def test_compiled_matches_oracle_w1_all_cases(dtype):
     for case in KL_CASES:
         if dtype == "float64" and case.dtype != "float32":
             continue
+        if case.masked and dtype in DTYPES:  # the same run: test_compiled_matches_oracle_w1
+            continue
         p = make_kl(case, dtype)
         fails += kl_failures(p, _run(p, impl="compiled"), "compiled ")
         if case.name == "basic":  # only one input needs a gradient: the other variants of the backward
@@ -312,6 +314,8 @@ def test_triton_matches_oracle_w1_all_cases(dtype):
     fails = []
     for case in KL_CASES:
         if dtype == "float64" and case.dtype != "float32":
+            continue
+        if case.masked and dtype in DTYPES:  # the same run: test_triton_matches_oracle_w1
             continue
         p = make_kl(case, dtype)
         fails += kl_failures(p, _run(p, impl="triton"), "triton ")
