@@ -28,3 +28,25 @@ def compiled(fn, caller: str):
         return fn
     torch._dynamo.reset()
     return torch.compile(fn, fullgraph=True, backend=caller)  # fullgraph: a graph break raises
+
+
+def matrix(cases, ids=None) -> list:
+    """``pytest.param(case, engine, caller)`` over :data:`ENGINES` x :data:`CALLERS` for each case, the
+    compiled engine under the fullgraph callers on the first case only.
+
+    The compiled engine's kernels compile inside the op's real kernel at run time, the same for every
+    caller (the caller's graph holds the op as opaque, ``_dynamo.reset`` makes each param compile again):
+    its case-dependent variants run from the eager caller on every case; the eager and Triton engines,
+    cheap, on every case and caller (the fake kernel's outputs per case under each caller).
+    """
+    ids = [str(c) for c in cases] if ids is None else ids
+    out = []
+    for i, (case, cid) in enumerate(zip(cases, ids)):
+        for eng in ENGINES:
+            for cal in CALLERS:
+                (impl,), (caller,) = eng.values, cal.values
+                if impl == "compiled" and caller != "eager" and i > 0:
+                    continue
+                out.append(pytest.param(case, impl, caller, id=f"{cid}-{eng.id}-{cal.id}",
+                                        marks=[*eng.marks, *cal.marks]))
+    return out

@@ -31,14 +31,16 @@ def eager(monkeypatch):
 
 @pytest.mark.slow
 def test_table_compiled(monkeypatch):
-    # Every mode in float32 and bfloat16 (the dtypes models train in); float64 and float16 in the
-    # modes that share the entropy-carrying variants (2 compiled stages each instead of 5: the table
-    # compiles 22 variants, not 27). Their no-entropy and in-place variants are the same code compiled
-    # for another dtype: those modes run on every dtype in test_table_eager, and compiled in float32
-    # and bfloat16 here (bfloat16's lean log-prob takes the full statistics, as float16's would).
+    # Every mode in float32 and bfloat16 (the dtypes models train in); float64 in the modes that share
+    # the entropy-carrying variants (2 compiled stages instead of 5). Its no-entropy and in-place
+    # variants are the same code compiled for another dtype: those modes run on every dtype in
+    # test_table_eager, and compiled in float32 and bfloat16 here. float16 is not compiled here: its
+    # compiled stages take bfloat16's Python path (float32 compute, the full statistics on the CPU:
+    # Tuning.full_stats_cpu_dtypes), the same code for another 16-bit dtype; its case runs on the
+    # eager engine in test_table_eager (every mode).
     monkeypatch.setenv("DUALVP_COMPILE", "1")
     shared = tuple(m for m in LOSS_MODES if m[1] and m[2] and not m[4])
-    failures = sweep(0, 1, dtype_modes={"float64": shared, "float16": shared})
+    failures = sweep(0, 1, dtype_modes={"float64": shared, "float16": ()})
     assert not failures, "\n".join(failures[:30])
 
 
