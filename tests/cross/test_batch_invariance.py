@@ -134,12 +134,12 @@ def _torch_runner(table: dict, impl: str):
 # T = 1000, its 500 two-row gradient chunks; float32: 0.25 s and 1.7 s). T = 64 in bfloat16 runs one-row
 # chunks; T = 7, and T = 64 in float32, one chunk. The bfloat16 table's T = 200 is slow; float32's stays.
 TORCH_TS = [pytest.param("V1000-f32", (7, 64, 200), id="V1000-f32-T7-64-200"),
-            pytest.param("V4099-bf16-keep", (7, 64), id="V4099-bf16-keep-T7-64"),
+            pytest.param("V4099-bf16-keep", (7, 64), id="V4099-bf16-keep-T7-64", marks=pytest.mark.slow),
             pytest.param("V4099-bf16-keep", (200,), id="V4099-bf16-keep-T200", marks=pytest.mark.slow)]
 
 
 @pytest.mark.parametrize("table_id, ts", TORCH_TS)
-@pytest.mark.parametrize("impl", ["compiled", "eager"])
+@pytest.mark.parametrize("impl", [pytest.param("compiled", marks=pytest.mark.slow), "eager"])
 def test_torch_logits_op_batch_invariant(impl, table_id, ts):
     table = make_table(**TABLES[table_id])
     check_invariance(_torch_runner(table, impl), table, ts)
@@ -228,6 +228,7 @@ def _jax_runner(table: dict, world: int = 1):
     return run
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("table_id", list(TABLES))
 def test_jax_logprob_entropy_batch_invariant(table_id):
     pytest.importorskip("jax")

@@ -259,6 +259,7 @@ def test_one_process_needs_no_agreement():
 # --- validation through the global-array API (the shared bad-input table: tests/cross/test_bad_inputs.py)
 
 
+@pytest.mark.slow
 def test_bad_mesh_arguments():
     z = jnp.zeros((4, 6), jnp.float32)
     y = jnp.zeros((4,), jnp.int32)

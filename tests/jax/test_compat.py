@@ -186,6 +186,7 @@ def test_16_bit_logits_keep_their_dtype(dtype, vtol, gtol):
               vtol=vtol, gtol=gtol)
 
 
+@pytest.mark.slow
 def test_float64_under_x64():
     with jax.enable_x64(True):
         z, y, w, row, cot = problem(seed=4)

@@ -126,6 +126,7 @@ def test_one_collective_round_whatever_k(k):
     assert both == {"all_gather_invariant": 1}, both
 
 
+@pytest.mark.slow
 def test_temperature_tensor_is_a_constant():
     rng = np.random.default_rng(1)
     z = jnp.asarray(rng.normal(size=(5, 16)), jnp.float32)

@@ -96,6 +96,7 @@ def test_unvalidated_out_of_range_ids_are_ignored():
         dualvp_jax.logprob_entropy(z, y, keep_ids=jnp.asarray(ids))
 
 
+@pytest.mark.slow
 def test_traced_ids_skip_the_range_check():
     """Under jit the ids are traced: no host check, out-of-range ids ignored (as validate=False)."""
     p = cases.make(cases.case("drop_target_ids"))
@@ -127,7 +128,8 @@ def test_modes_without_the_entropy_gradient(with_entropy, entropy_grad):
     assert testing.within_tolerance(np.asarray(g, np.float64), want.grad, testing.tolerance("float32", "grad"))
 
 
-@pytest.mark.parametrize("path", ["chunked", pytest.param("whole", marks=pytest.mark.slow)])
+@pytest.mark.slow
+@pytest.mark.parametrize("path", ["chunked", "whole"])
 def test_forward_paths_and_column_blocks(path):
     """The chunked forward (small chunks, column blocks) and the whole-shard one give the oracle's answer."""
     p = cases.make(cases.case("confident_lm_bf16_ids"))
@@ -146,6 +148,7 @@ def test_forward_paths_and_column_blocks(path):
     _check(p, out)
 
 
+@pytest.mark.slow
 def test_fused_op_small_blocks_fast():
     """The fused LM-head op with keep_ids, vocab and token blocks smaller than the shard (loops), W = 2."""
     c = cases.case("drop_target_ids", lead=(7,))
@@ -230,6 +233,7 @@ def test_no_rows():
     assert dh.shape == (0, 4)
 
 
+@pytest.mark.slow
 def test_batch_invariance():
     """A row's log-prob and gradient row with keep_ids: bitwise the same alone, in 7 rows and in 257.
 

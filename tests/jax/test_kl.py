@@ -180,6 +180,7 @@ def test_sharded_vocab_not_divisible():
         dualvp_jax.sharded_kl_divergence(np.zeros((2, 6), np.float32), np.zeros((2, 6), np.float32), mesh_1d(4))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("v, dtype", [(300, "float32"), (512, "bfloat16")])
 def test_batch_invariant_rows(v, dtype):
     # a row's KL and both gradient rows are bitwise the same alone (T = 1) and inside calls of T = 7, 64, 1000

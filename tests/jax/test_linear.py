@@ -261,7 +261,8 @@ def test_sharded_global_form(kind, world, sp):
     _check_all(out, _oracle(h, w, y, gl, ge, keep=keep, temperature=0.8), "float32")
 
 
-@pytest.mark.parametrize("sp", [False, pytest.param(True, marks=pytest.mark.slow)])
+@pytest.mark.slow
+@pytest.mark.parametrize("sp", [False, True])
 def test_sharded_global_form_keeps_data_parallel_rows(sp):
     """On an explicit ``(dp, tp)`` mesh the rows stay split over ``dp``: each replica computes its own rows.
 

@@ -122,6 +122,7 @@ def _problems(draw):
     return world, z, target, keep, tau, gl, ge
 
 
+@pytest.mark.slow
 @given(_problems())
 def test_property_spec_matches_oracle(p):
     world, z, y, keep, tau, gl, ge = p

@@ -46,6 +46,7 @@ def test_measure_counts_collectives_over_one_extra_call():
     assert rec["collectives"] == {"fwd": {"count": 1}, "bwd": {"count": 2}}
 
 
+@pytest.mark.slow
 def test_cuda_peak_is_max_allocated_after_minus_allocated_before():
     calls = []
     state = {"allocated": 1000, "peak": 1000}
@@ -64,6 +65,7 @@ def test_cuda_peak_is_max_allocated_after_minus_allocated_before():
     assert calls == ["sync", "allocated", "reset", "sync", "max"]
 
 
+@pytest.mark.slow
 def test_peak_rss_sees_an_allocation_inside_the_block():
     with timing.PeakRSS() as pk:
         x = np.ones(64 << 20, dtype=np.uint8)  # 64 MiB, touched

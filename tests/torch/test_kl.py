@@ -73,7 +73,8 @@ _MASKED = [c for c in KL_CASES if c.masked]
 
 
 @pytest.mark.parametrize("impl, ts", [
-    pytest.param("compiled", (7, 64, 1000), id="compiled"), pytest.param("eager", (7, 64, 1000), id="eager"),
+    pytest.param("compiled", (7, 64, 1000), id="compiled", marks=pytest.mark.slow),
+    pytest.param("eager", (7, 64, 1000), id="eager"),
     pytest.param("triton", (7,), id="triton-T7"),
     pytest.param("triton", (64,), marks=pytest.mark.slow, id="triton")])  # T = 7: triton-T7
 def test_batch_invariant_rows(impl, ts):
@@ -103,7 +104,7 @@ def test_batch_invariant_rows(impl, ts):
     assert torch.equal(again, kl.detach()), impl
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("dtype", ["float32", pytest.param("bfloat16", marks=pytest.mark.slow)])
 def test_compiled_matches_oracle_w1(dtype):
     # the compiled engine on the masked cases (the whole table: the slow test below)
     fails = []
@@ -342,7 +343,8 @@ def test_triton_matches_oracle_w2(w2_engines):
 
 
 @pytest.mark.parametrize("impl, ref_grad", [
-    ("eager", False), ("eager", True), ("triton", False), ("triton", True),
+    ("eager", False), pytest.param("eager", True, marks=pytest.mark.slow),
+    pytest.param("triton", False, marks=pytest.mark.slow), pytest.param("triton", True, marks=pytest.mark.slow),
     pytest.param("compiled", False, marks=pytest.mark.slow),
     pytest.param("compiled", True, marks=pytest.mark.slow)])
 def test_memory_is_the_gradients_plus_bounded_scratch(ref_grad, impl, monkeypatch):

@@ -178,6 +178,7 @@ def _count(op_name, fn):
     return sum(e.count for e in prof.key_averages() if e.key == op_name)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("frozen", ["hidden", "weight"])
 def test_frozen_input_skips_its_matmul(frozen):
     p = _problem((16,), 8, 100, "float32")
@@ -307,6 +308,7 @@ def test_bad_inputs(name):
 # --- memory ----------------------------------------------------------------------
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dtype,limit", [("float32", 0.125), ("bfloat16", 0.3)])
 def test_memory_well_under_the_logits(dtype, limit):
     T, H, V = 512, 32, 8192

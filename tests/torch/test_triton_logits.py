@@ -65,6 +65,7 @@ _WIDE = [pytest.param(cases.case(n, vocab=v, lead=lead, worlds=(1, 2)), marks=()
     ("drop_target", 1024, (5,), False), ("confident_lm_bf16", 1280, (6,), False))]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", _WIDE, ids=lambda c: f"{c.name}_V{c.vocab}")
 def test_case_w1_many_column_blocks(case):
     p = cases.make(case)
