@@ -186,7 +186,7 @@ def within_tolerance(x, ref, tol: Tolerance) -> bool:
 #: float64 result rounded once to the dtype (issue 45's rule; :func:`within_rounding`).
 ROUNDING_FACTOR = 2.0
 
-# significant bits (with the implicit one) and the smallest subnormal of each dtype
+
 def round_to_dtype(x: np.ndarray, dtype: str) -> np.ndarray:
     """Round float64 values to ``dtype`` and return them as float64."""
     if dtype == "float64":
@@ -207,6 +207,7 @@ def round_to_dtype(x: np.ndarray, dtype: str) -> np.ndarray:
     raise ValueError(f"dtype: expected one of float64, float32, float16, bfloat16, got {dtype}")
 
 
+# significant bits (with the implicit one) and the smallest subnormal of each dtype
 _PRECISION = {"bfloat16": (8, 2.0**-133), "float16": (11, 2.0**-24), "float32": (24, 2.0**-149),
               "float64": (53, 2.0**-1074)}
 
@@ -293,9 +294,12 @@ def compare(results: Mapping[str, object], oracle, dtype: str, pairs: Optional[t
             x, r = getattr(res, q), getattr(oracle, q)
             a, e = max_errors(x, r)
             t = rule(q, 1.0)
-            ok = within_rounding(x, r, dtype) if t is not None else None
-            t = t or tolerance(dtype, q, r)
-            rows.append(Row(f"{name} vs oracle", q, a, e, within_tolerance(x, r, t) if ok is None else ok, t))
+            if t is not None:
+                ok = within_rounding(x, r, dtype)
+            else:
+                t = tolerance(dtype, q, r)
+                ok = within_tolerance(x, r, t)
+            rows.append(Row(f"{name} vs oracle", q, a, e, ok, t))
     for p, o in pairs or ():
         if p in results and o in results:
             for q in quantities:
