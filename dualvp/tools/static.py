@@ -37,17 +37,19 @@ Users: ``tests/torch/test_hopper_compile.py``, ``benchmarks/static_report.py``.
 
 from __future__ import annotations
 
+import bisect
 import collections
 import contextlib
 import dataclasses
 import os
 import re
+import struct
 import subprocess
 import tempfile
 import time
 
 __all__ = ["Launch", "hopper_target", "drive_logits", "drive_logits_ext", "drive_fused", "drive_kl", "analyse",
-           "sass_loops", "LOGITS_MODES", "EXT_LOGITS_MODES", "FUSED_MODES", "KL_MODES"]
+           "sass_listings", "sass_loops", "LOGITS_MODES", "EXT_LOGITS_MODES", "FUSED_MODES", "KL_MODES"]
 
 #: logits op modes: name -> (with_entropy, keep mask)
 LOGITS_MODES = {"lp": (False, False), "lp+ent": (True, False), "lp+ent+keep": (True, True)}
@@ -335,6 +337,66 @@ def _tool(args, data: bytes | str, suffix: str) -> subprocess.CompletedProcess:
         os.unlink(path)
 
 
+#: opcodes whose last operand is a program-counter-relative target, printed as an absolute address
+_PC_RELATIVE = ("BRA", "BSSY", "CALL", "RET", "BRX", "JMX", "SSY", "PBK", "PCNT", "CAL")
+
+
+def _code_sections(cubin: bytes) -> list:
+    """The executable ``.text.*`` sections of an ELF64 cubin, in file order."""
+    shoff, = struct.unpack_from("<Q", cubin, 0x28)
+    shentsize, shnum, shstrndx = struct.unpack_from("<HHH", cubin, 0x3A)
+    heads = [struct.unpack_from("<IIQQQQ", cubin, shoff + i * shentsize) for i in range(shnum)]
+    names = heads[shstrndx][4]  # the section-name string table's file offset
+    out = []
+    for name, _type, _flags, _addr, offset, size in heads:
+        if cubin[names + name:cubin.index(b"\0", names + name)].startswith(b".text."):
+            out.append(cubin[offset:offset + size])
+    return out
+
+
+def sass_listings(cubins, arch: str = "SM90a") -> list:
+    """``cuobjdump -sass``-form listings of many single-function cubins, from one disassembler process.
+
+    ``cuobjdump`` and ``nvdisasm`` spend ~0.5 s starting, whatever the size
+    of the cubin: one call per kernel made most of the Hopper test's time.
+    Here the code sections are disassembled together as one raw instruction
+    binary (``nvdisasm -b``: fixed 16-byte instructions, branches relative to
+    the program counter), and each kernel's part is rebased to address 0, as
+    ``cuobjdump`` prints a one-function cubin: instruction addresses and
+    branch targets. A cubin with several functions gets ``cuobjdump``'s own
+    listing. ``tests/torch/test_hopper_compile.py`` checks one kernel against
+    ``cuobjdump -sass``.
+    """
+    cubins = list(cubins)
+    out = [None] * len(cubins)
+    blob, spans = bytearray(), []
+    for i, cubin in enumerate(cubins):
+        code = _code_sections(cubin)
+        if len(code) != 1 or len(code[0]) % 16:
+            out[i] = _tool([_bin("cuobjdump"), "-sass"], cubin, ".cubin").stdout
+            continue
+        spans.append((i, len(blob), len(blob) + len(code[0])))
+        blob += code[0]
+    if spans:
+        text = _tool([_bin("nvdisasm"), "-b", arch], bytes(blob), ".bin").stdout
+        lines = collections.defaultdict(list)
+        starts = [lo for _, lo, _ in spans]
+        for line in text.splitlines():
+            m = _SASS.search(line)
+            if not m:
+                continue
+            addr = int(m.group(1), 16)
+            k = bisect.bisect_right(starts, addr) - 1
+            i, lo, hi = spans[k]
+            rest = m.group(4)
+            if m.group(3).split(".")[0] in _PC_RELATIVE:  # the target, printed absolute in the blob
+                rest = re.sub(r"0x([0-9a-f]+)\s*$", lambda t: f"0x{int(t.group(1), 16) - lo:x}", rest)
+            lines[i].append(f"        /*{addr - lo:04x}*/ {m.group(2) or ''}{m.group(3)}{rest};")
+        for i, lo, hi in spans:
+            out[i] = "\n".join(lines[i]) + "\n"
+    return out
+
+
 def sass_instructions(sass: str) -> list:
     """``[(address, opcode, operands)]`` of a ``cuobjdump -sass`` listing."""
     return [(int(m.group(1), 16), m.group(3), m.group(4).strip()) for m in map(_SASS.search, sass.splitlines())
@@ -408,13 +470,15 @@ def loop_figures(ins, lo: int, hi: int) -> dict:
     return dict(counts=c, widths=widths)
 
 
-def analyse(launch: Launch, rerun_ptxas: bool = False) -> dict:
+def analyse(launch: Launch, rerun_ptxas: bool = False, sass: str | None = None) -> dict:
     """Static figures of one compiled launch (see the module docstring).
 
     Spills are read from the compiled cubin (``cuobjdump -res-usage``: local
     memory bytes per thread; ``STL``/``LDL`` in the SASS). ``rerun_ptxas``
     also assembles the PTX again with ``ptxas -v`` (its log, informative: it
-    may not use the exact options of Triton's own call).
+    may not use the exact options of Triton's own call). ``sass``: the
+    kernel's listing if the caller has it (:func:`sass_listings`), else
+    ``cuobjdump -sass`` here.
     """
     kern = launch.compiled
     md = kern.metadata
@@ -422,7 +486,8 @@ def analyse(launch: Launch, rerun_ptxas: bool = False) -> dict:
     res = _tool([_bin("cuobjdump"), "-res-usage"], cubin, ".cubin").stdout
     m = re.search(r"REG:(\d+) STACK:(\d+) SHARED:(\d+) LOCAL:(\d+)", res)
     reg, stack, shared_static, local = map(int, m.groups()) if m else (None,) * 4
-    sass = _tool([_bin("cuobjdump"), "-sass"], cubin, ".cubin").stdout
+    if sass is None:
+        sass = _tool([_bin("cuobjdump"), "-sass"], cubin, ".cubin").stdout
     ptx = kern.asm["ptx"]
     ptxas, spill = "", None
     if rerun_ptxas:  # informative: the options of Triton's own ptxas call may differ (3.9 adds --regAllocOptLevel)

@@ -76,18 +76,30 @@ with static.hopper_target() as launches:
             for T, V in LOGITS:
                 static.drive_kl(launches, T, V, dt, mode)
 import hashlib
+def asm_of(launch):
+    return launch.kernel, hashlib.sha256(launch.compiled.asm["ptx"].encode() + launch.compiled.asm["cubin"]).hexdigest()
+# a specialisation whose PTX and cubin equal another's (the fused backward's G kernel with a frozen input: the
+# host drops a product, the kernel is the same) is read once: its figures are the same. The listings come from
+# one disassembler process (static.sass_listings); the largest kernel's is checked against cuobjdump's own.
+unique = {}
+for launch in launches:
+    unique.setdefault(asm_of(launch), launch)
+sass = dict(zip(unique, static.sass_listings(u.compiled.asm["cubin"] for u in unique.values())))
+big = max(unique, key=lambda k: len(unique[k].compiled.asm["cubin"]))
+own = static._tool([static._bin("cuobjdump"), "-sass"], unique[big].compiled.asm["cubin"], ".cubin").stdout
+ins_batch, ins_own = static.sass_instructions(sass[big]), static.sass_instructions(own)
+print(json.dumps(dict(listing_check=big[0], instructions=len(ins_own), equal=ins_batch == ins_own,
+                      loops_equal=static.sass_loops(ins_batch) == static.sass_loops(ins_own))), flush=True)
 seen, figures = set(), {}
 for launch in launches:
     key = (launch.kernel, id(launch.compiled))
     if key in seen:
         continue
     seen.add(key)
-    # a specialisation whose PTX and cubin equal another's (the fused backward's G kernel with a frozen
-    # input: the host drops a product, the kernel is the same) is read once: its figures are the same
-    asm = hashlib.sha256(launch.compiled.asm["ptx"].encode() + launch.compiled.asm["cubin"]).hexdigest()
-    if (launch.kernel, asm) not in figures:
-        figures[launch.kernel, asm] = static.analyse(launch)
-    a = dict(figures[launch.kernel, asm], label=launch.label, grid=launch.grid, constexprs=launch.constexprs)
+    k = asm_of(launch)
+    if k not in figures:
+        figures[k] = static.analyse(launch, sass=sass[k])
+    a = dict(figures[k], label=launch.label, grid=launch.grid, constexprs=launch.constexprs)
     def share16(fig, kind):
         w = fig["widths"]
         total = sum(n * c for (k, n), c in w.items() if k == kind)
@@ -104,7 +116,7 @@ print("done")
 
 
 @pytest.fixture(scope="module")
-def compiled():
+def _child():
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -112,7 +124,21 @@ def compiled():
     res = subprocess.run([sys.executable, "-c", _CHILD], env=env, capture_output=True, text=True, timeout=900,
                          cwd=root)
     assert res.returncode == 0 and res.stdout.rstrip().endswith("done"), res.stdout[-3000:] + res.stderr[-6000:]
-    return [json.loads(line) for line in res.stdout.splitlines() if line.startswith("{")]
+    rows = [json.loads(line) for line in res.stdout.splitlines() if line.startswith("{")]
+    return [r for r in rows if "listing_check" in r], [r for r in rows if "listing_check" not in r]
+
+
+@pytest.fixture(scope="module")
+def compiled(_child):
+    return _child[1]
+
+
+@pytest.mark.slow
+def test_one_process_listing_equals_cuobjdumps(_child):
+    # every figure below reads SASS disassembled in one process for all kernels (static.sass_listings):
+    # the largest kernel's instructions and loops equal cuobjdump's listing of its own cubin
+    (check,) = _child[0]
+    assert check["instructions"] > 500 and check["equal"] and check["loops_equal"], check
 
 
 def _kernels(rows, name):
