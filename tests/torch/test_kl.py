@@ -298,7 +298,7 @@ _WIDE = (KLCase("wide_banned_masked", rows=(4,), vocab=9000, banned="both", mask
          KLCase("wide_reverse_shard", rows=(3,), vocab=9000, banned="shard", direction="reverse", seed=12))
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("dtype", ["float32", pytest.param("bfloat16", marks=pytest.mark.slow)])  # bfloat16 fast: above
 def test_triton_matches_oracle_multi_block_rows(dtype):
     # the statistics kernel's loop over blocks (float64 accumulation across blocks) and the gradient kernel's
     # grid of column blocks, with banned columns, a banned half row, masked NaN rows, both directions
