@@ -36,8 +36,10 @@ def matrix(cases, ids=None) -> list:
 
     The compiled engine's kernels compile inside the op's real kernel at run time, the same for every
     caller (the caller's graph holds the op as opaque, ``_dynamo.reset`` makes each param compile again):
-    its case-dependent variants run from the eager caller on every case; the eager and Triton engines,
-    cheap, on every case and caller (the fake kernel's outputs per case under each caller).
+    its case-dependent variants run from the eager caller on every case; the eager engine, cheap, on every
+    case and caller (the fake kernel's outputs per case under each caller). The Triton engine runs the
+    same fake kernel: on every case from the eager caller, under the fullgraph callers on the first case
+    in the fast tier (its other cases there: slow).
     """
     ids = [str(c) for c in cases] if ids is None else ids
     out = []
@@ -47,6 +49,7 @@ def matrix(cases, ids=None) -> list:
                 (impl,), (caller,) = eng.values, cal.values
                 if impl == "compiled" and caller != "eager" and i > 0:
                     continue
+                breadth = [pytest.mark.slow] if impl == "triton" and caller != "eager" and i > 0 else []
                 out.append(pytest.param(case, impl, caller, id=f"{cid}-{eng.id}-{cal.id}",
-                                        marks=[*eng.marks, *cal.marks]))
+                                        marks=[*eng.marks, *cal.marks, *breadth]))
     return out

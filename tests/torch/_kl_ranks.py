@@ -52,9 +52,9 @@ def _shard(x: np.ndarray, rank: int, world: int) -> np.ndarray:
     return x[..., rank * v:(rank + 1) * v]
 
 
-def run_engines(rank: int, world: int, dtypes, impls) -> dict:
-    """:func:`run_cases` for each engine of ``impls`` in one spawn: ``{impl: run_cases(...)}``."""
-    return {impl: run_cases(rank, world, dtypes, impl) for impl in impls}
+def run_engines(rank: int, world: int, dtypes_by_impl: dict) -> dict:
+    """:func:`run_cases` for each engine in one spawn: ``{impl: run_cases(rank, world, dtypes, impl)}``."""
+    return {impl: run_cases(rank, world, dtypes, impl) for impl, dtypes in dtypes_by_impl.items()}
 
 
 def run_cases(rank: int, world: int, dtypes, impl=None) -> list:

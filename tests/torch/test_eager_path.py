@@ -22,6 +22,15 @@ def _on_glibc() -> bool:
     return sys.platform.startswith("linux") and "glibc" in " ".join(platform.libc_ver())
 
 
+@pytest.fixture
+def two_threads():
+    """At least two intra-op threads (several workers) for the test; the process's count restored after."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(max(2, before))
+    yield
+    torch.set_num_threads(before)
+
+
 def _run(z0, y, keep):
     z = z0.clone().requires_grad_(True)
     lp, h = logprob_entropy(z, y, keep_mask=keep, impl="eager")
@@ -30,9 +39,7 @@ def _run(z0, y, keep):
 
 
 @pytest.mark.parametrize("with_mask", [False, True])
-def test_workers_match_serial_and_keep_thread_settings(with_mask):
-    if torch.get_num_threads() < 2:
-        torch.set_num_threads(2)
+def test_workers_match_serial_and_keep_thread_settings(with_mask, two_threads):
     g = torch.Generator().manual_seed(0)
     T, V = 96, 4096  # several chunks per stage at this size
     z0 = torch.randn(T, V, generator=g) * 3
@@ -52,13 +59,11 @@ def test_workers_match_serial_and_keep_thread_settings(with_mask):
 
 
 @pytest.mark.parametrize("workers", [1, 2])
-def test_glibc_heap_calls_only_when_opted_in(monkeypatch, workers):
+def test_glibc_heap_calls_only_when_opted_in(monkeypatch, workers, two_threads):
     # dualvp_torch.host_memory: by default the eager path makes no allocator call of its own; with
     # Tuning(glibc_heap=True) it raises glibc's heap thresholds before its chunks and trims the
     # arenas once after the forward's chunks (on the worker threads or, one worker, in the calling
     # thread), not after the backward's; on glibc the calls exist.
-    if torch.get_num_threads() < 2:
-        torch.set_num_threads(2)
     calls = []
     monkeypatch.setattr(host_memory, "release_chunk_scratch", lambda: calls.append("trim"))
     monkeypatch.setattr(host_memory, "keep_chunk_scratch_mapped", lambda n: calls.append(("mapped", n)))

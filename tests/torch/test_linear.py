@@ -115,9 +115,17 @@ SHAPES = {
 }
 
 
-@pytest.mark.parametrize("shape", list(SHAPES))
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-@pytest.mark.parametrize("mask", [False, True], ids=["nomask", "mask"])
+def _eager_params():
+    # float32: every shape, masked and not. bfloat16 in the fast tier: token_major masked and batch_dims
+    # unmasked; its other shapes (slow) take the same tile code, and a masked many-tile vocab-major bfloat16
+    # run is test_bfloat16_is_exact_up_to_the_final_rounding's (a tighter bound on dh and dW)
+    fast_bf16 = {("token_major", True), ("batch_dims", False)}
+    return [pytest.param(mask, dtype, shape, id=f"{'mask' if mask else 'nomask'}-{dtype}-{shape}",
+                         marks=[pytest.mark.slow] if dtype == "bfloat16" and (shape, mask) not in fast_bf16 else [])
+            for shape in SHAPES for dtype in ("float32", "bfloat16") for mask in (False, True)]
+
+
+@pytest.mark.parametrize("mask,dtype,shape", _eager_params())
 def test_vs_oracle_eager(shape, dtype, mask):
     lead, H, V, budget = SHAPES[shape]
     p = _problem(lead, H, V, dtype, mask=mask)
@@ -199,7 +207,7 @@ def test_frozen_input_skips_its_matmul(frozen):
 
 
 @pytest.mark.parametrize("shape", ["v1001_tiles", pytest.param("token_major", marks=pytest.mark.slow)])
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("dtype", ["float32", pytest.param("bfloat16", marks=pytest.mark.slow)])
 def test_cpu_tiles_share_one_buffer_per_pass(monkeypatch, shape, dtype):
     # Every CPU tile of a pass is formed in one buffer (dualvp_torch.linear.TileBuffer): a fresh
     # tile per step faults in all its pages again. Ragged last tiles included; values: the oracle's.
