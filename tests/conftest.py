@@ -36,6 +36,13 @@ if "xla_cpu_use_fusion_emitters" not in os.environ["XLA_FLAGS"]:
 # compiled torch ranks) starts its pool, two more Python processes importing
 # torch, only to share the same two cores. One thread compiles in-process.
 os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
+# One intra-op thread per test process (torch, OpenMP in inductor's kernels, OpenBLAS): two xdist
+# workers already fill both cores, and a test-sized product split over threads waits for a thread
+# that is not running (an 8x16 @ 16x130 float32 mm: 13.6 ms with 2 threads on 2 busy cores, 5 us
+# with 1). The ranks that tests spawn run one thread each already (dualvp_torch.testing). The
+# eager engine's parallel chunks are tested where a test sets the thread count itself
+# (tests/torch/test_eager_path.py, tests/cross/test_batch_invariance.py). An explicit value is kept.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 # A compilation cache shared by this run's processes (both xdist workers, the
 # CLI and bench subprocesses, which inherit the environment): several tests
 # compile the same program (the same op at the same shapes from different
