@@ -272,7 +272,7 @@ def test_bad_mesh_arguments():
     with pytest.raises(TypeError, match="mesh:"):
         dualvp_jax.sharded_logprob_entropy(z, y, "tp")
     # a traced temperature is a temperature tensor (broadcast to the rows), not an error
-    lp, _ = jax.jit(lambda t: dualvp_jax.logprob_entropy(z, y, temperature=t))(2.0)
+    lp, _ = jax.jit(lambda z, y, t: dualvp_jax.logprob_entropy(z, y, temperature=t))(z, y, 2.0)
     np.testing.assert_allclose(np.asarray(lp), np.asarray(dualvp_jax.logprob_entropy(z, y, temperature=2.0)[0]))
     with pytest.raises(TypeError, match="temperature:"):
         jax.jit(lambda t: dualvp_jax.logprob_entropy(z, y, temperature=t))(jnp.ones(4, jnp.int32))

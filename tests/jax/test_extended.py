@@ -150,7 +150,8 @@ def test_temperature_tensor_is_a_constant():
 def test_traced_bad_temperature_gives_nan_rows():
     z = jnp.zeros((3, 8), jnp.float32)
     y = jnp.asarray([1, 2, 3])
-    lp, h = jax.jit(lambda t: dualvp_jax.logprob_entropy(z, y, temperature=t))(jnp.asarray([1.0, 0.0, -1.0]))
+    tau = jnp.asarray([1.0, 0.0, -1.0])
+    lp, h = jax.jit(lambda z, y, t: dualvp_jax.logprob_entropy(z, y, temperature=t))(z, y, tau)
     assert np.isfinite(np.asarray(lp[0])) and np.isnan(np.asarray(lp[1:])).all() and np.isnan(np.asarray(h[1:])).all()
 
 

@@ -235,13 +235,14 @@ def test_backward_alone_is_one_pass_without_collective(dtype):
     zz = jnp.zeros(z.shape, z.dtype, device=z.sharding)
     yy = jnp.zeros(y.shape, y.dtype, device=y.sharding)
     kk = jnp.ones(k.shape, k.dtype, device=k.sharding)
-    # the forward under jit (one program; eager, it dispatches op by op), its vjp closure returned
-    _, vjp = jax.jit(lambda z: jax.vjp(lambda z: outs(z, yy, kk), z))(zz)
+    # the forward under jit (one program; eager, it dispatches op by op), its vjp closure returned; the
+    # target and mask arguments (closed over, they would be constants of the program)
+    _, vjp = jax.jit(lambda z, y, k: jax.vjp(lambda z: outs(z, y, k), z))(zz, yy, kk)
     ct = (jnp.ones((T,), jnp.float32, device=y.sharding),) * 2
     bwd = jax.jit(lambda f, ct: f(ct)).lower(vjp, ct).compile()
     assert _gathers(bwd) == 0
     assert bwd.memory_analysis().temp_size_in_bytes <= SCRATCH_VG * B, bwd.memory_analysis().temp_size_in_bytes / B
-    del zz, vjp  # kk stays: the closure above reads it
+    del zz, vjp
 
 
 # --- dualvp_jax.chunks by itself ------------------------------------------------
