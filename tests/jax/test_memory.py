@@ -148,8 +148,8 @@ def test_wide_rows_reduce_in_column_blocks(dtype, mode):
     assert 1000 < _widest_reduction(fw) <= chunks.COLUMN_BLOCK, _widest_reduction(fw)
 
 
-# Donation aliases one argument whatever the op computes: each dtype, mode and W once (the scratch bound
-# of every combination is test_value_and_grad_scratch's).
+# Donation aliases one argument whatever the op computes: each dtype, mode and W once (the scratch bounds
+# without donation: test_value_and_grad_scratch).
 _DONATE_GRID = [("float32", "keep", 2), ("bfloat16", "lp", 1), ("bfloat16", "ent", 2)]
 
 
