@@ -83,12 +83,15 @@ def _gathers(compiled) -> int:
     return len(re.findall(r"\ball-gather(?:-start)?\(", compiled.as_text()))
 
 
-# Every (dtype, mode, W) at V; at V_WIDE a covering sample (each dtype, mode and W at least once, the
-# masked mode in bfloat16 on 2 shards, the largest scratch): its forward at W = 1 in every dtype and mode
-# is test_wide_rows_reduce_in_column_blocks's program.
-_VG_GRID = [(dt, m, w, V) for dt in ("float32", "bfloat16") for m in MODES for w in (1, 2)] + [
-    ("bfloat16", "keep", 2, V_WIDE), ("float32", "lp", 1, V_WIDE), ("float32", "ent", 2, V_WIDE),
-    ("bfloat16", "ent", 1, V_WIDE)]
+# Each (dtype, mode) once at V, W covering every (dtype, W) and (mode, W) pair (W = 1 and 2 run the same
+# per-shard program, W = 2 adds the gather), the masked mode in bfloat16 on 2 shards, the largest scratch;
+# at V_WIDE a covering sample likewise: its forward at W = 1 in every dtype and mode is
+# test_wide_rows_reduce_in_column_blocks's program. Every program compiled here is also searched for the
+# backward's compare (no keep mask: test_value_and_grad_scratch's ``compare`` assertion).
+_VG_GRID = [("float32", "lp", 1, V), ("float32", "ent", 2, V), ("float32", "keep", 1, V),
+            ("bfloat16", "lp", 2, V), ("bfloat16", "ent", 1, V), ("bfloat16", "keep", 2, V),
+            ("bfloat16", "keep", 2, V_WIDE), ("float32", "lp", 1, V_WIDE), ("float32", "ent", 2, V_WIDE),
+            ("bfloat16", "ent", 1, V_WIDE)]
 
 
 @pytest.mark.parametrize("dtype,mode,world,v", _VG_GRID, ids=["-".join(map(str, p)) for p in _VG_GRID])
@@ -96,6 +99,11 @@ def test_value_and_grad_scratch(dtype, mode, world, v):
     """jit(value_and_grad): the gradient (1 B) and a few MiB of chunk scratch, no [T, V_local] copy.
 
     ``V_WIDE`` columns per shard go through column blocks as well (5 at 152064).
+
+    No [T, V_local] compare in the program without a keep mask: the indicator is integer arithmetic.
+    ``spec.block_grad(indicator="arith")`` (dualvp_jax._tuning.INDICATOR): the compare of the column
+    index against the target's would keep XLA:CPU from vectorising the backward's loop; with
+    ``indicator="compare"`` this test finds it. The forward's compares are on chunks of rows.
     """
     with_ent, masked = MODES[mode]
     mesh, z, y, k = _specs(jnp.dtype(dtype), world, masked, v)
@@ -110,6 +118,8 @@ def test_value_and_grad_scratch(dtype, mode, world, v):
     assert fw.memory_analysis().temp_size_in_bytes <= SCRATCH_FWD * B, fw.memory_analysis().temp_size_in_bytes / B
     # one all-gather of O(T) statistics per call (forward), none in the backward
     assert _gathers(vg) == _gathers(fw) == (1 if world > 1 else 0)
+    if not masked:
+        assert not re.findall(rf"pred\[{T},{v}\]\S* compare\(", vg.as_text())
 
 
 def _widest_reduction(compiled) -> int:
@@ -138,25 +148,8 @@ def test_wide_rows_reduce_in_column_blocks(dtype, mode):
     assert 1000 < _widest_reduction(fw) <= chunks.COLUMN_BLOCK, _widest_reduction(fw)
 
 
-@pytest.mark.parametrize("world", [1, 2])
-@pytest.mark.parametrize("mode", ["lp", "ent"])
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_gradient_loop_has_no_compare_with_the_target_column(dtype, mode, world):
-    """No [T, V_local] compare in jit(value_and_grad) without a keep mask: the indicator is integer arithmetic.
-
-    ``spec.block_grad(indicator="arith")`` (dualvp_jax._tuning.INDICATOR): the compare
-    of the column index against the target's would keep XLA:CPU from vectorising the
-    backward's loop; with ``indicator="compare"`` this test finds it. The forward's
-    compares are on chunks of rows.
-    """
-    with_ent, masked = MODES[mode]
-    mesh, z, y, k = _specs(jnp.dtype(dtype), world, masked)
-    vg = jax.jit(jax.value_and_grad(_loss_fn(_outputs_fn(mesh, with_ent, masked)))).lower(z, y, k).compile()
-    assert not re.findall(rf"pred\[{T},{V}\]\S* compare\(", vg.as_text())
-
-
-# Donation aliases one argument whatever the op computes: each dtype, mode and W once (the scratch bound
-# of every combination is test_value_and_grad_scratch's).
+# Donation aliases one argument whatever the op computes: each dtype, mode and W once (the scratch bounds
+# without donation: test_value_and_grad_scratch).
 _DONATE_GRID = [("float32", "keep", 2), ("bfloat16", "lp", 1), ("bfloat16", "ent", 2)]
 
 
@@ -242,12 +235,14 @@ def test_backward_alone_is_one_pass_without_collective(dtype):
     zz = jnp.zeros(z.shape, z.dtype, device=z.sharding)
     yy = jnp.zeros(y.shape, y.dtype, device=y.sharding)
     kk = jnp.ones(k.shape, k.dtype, device=k.sharding)
-    _, vjp = jax.vjp(lambda z: outs(z, yy, kk), zz)
+    # the forward under jit (one program; eager, it dispatches op by op), its vjp closure returned; the
+    # target and mask arguments (closed over, they would be constants of the program)
+    _, vjp = jax.jit(lambda z, y, k: jax.vjp(lambda z: outs(z, y, k), z))(zz, yy, kk)
     ct = (jnp.ones((T,), jnp.float32, device=y.sharding),) * 2
     bwd = jax.jit(lambda f, ct: f(ct)).lower(vjp, ct).compile()
     assert _gathers(bwd) == 0
     assert bwd.memory_analysis().temp_size_in_bytes <= SCRATCH_VG * B, bwd.memory_analysis().temp_size_in_bytes / B
-    del zz, vjp  # kk stays: the closure above reads it
+    del zz, vjp
 
 
 # --- dualvp_jax.chunks by itself ------------------------------------------------
