@@ -20,6 +20,7 @@ from dualvp.tools import verify  # noqa: E402
 from ._cli import run_verify  # noqa: E402
 
 
+@pytest.mark.slow  # the tests' harness, not the library (the fast tier's: test_verify_input.py's comparison)
 def test_helper_reports_the_fault(tmp_path):
     # Without the fault the same problem passes: tests/cross/test_cross_backends.py
     # [temp_0.3-W2] (JAX at W = 2 and torch, no failure), and every passing verify run
