@@ -1,7 +1,7 @@
 """Batch invariance and determinism of every engine on the CPU.
 
 A row's log-prob, entropy and gradient row must be bitwise the same whether
-the row is computed alone (T = 1) or inside a call of 7, 64 and up to 600 (JAX) or 200 (torch) rows
+the row is computed alone (T = 1) or inside a call of T = 7, 64 or 1000 (torch: 200) rows
 at a random position among random other rows, and the same from run to run
 (docs/decisions.md, "Batch invariance: one reduction order per row"). The
 reference is the engine itself on the row alone: bitwise equality to another
@@ -228,19 +228,19 @@ def _jax_runner(table: dict, world: int = 1):
     return run
 
 
-# T = 7 and 64 (past XLA:CPU's 4096-element switch on every table), and on the two wider tables a T that runs
-# several row chunks with an overlapping last one (chunks.chunk_rows: 524 rows at V_local = 1000, 124 at 4099,
-# from the width alone, the same unsharded and under shard_map): 600 and 300 rows reach what T = 1000 did there
-# at a fraction of the rows and compile (V_local = 300's chunk holds 1744 rows: T = 1000 was one chunk, like 64).
-JAX_TS = {"V300-f32": (7, 64), "V1000-f32": (7, 64, 600), "V4099-bf16-keep": (7, 64, 300)}
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("table_id", list(TABLES))
 def test_jax_logprob_entropy_batch_invariant(table_id):
     pytest.importorskip("jax")
     table = make_table(**TABLES[table_id])
-    check_invariance(_jax_runner(table), table, JAX_TS[table_id])
+    check_invariance(_jax_runner(table), table)
+
+
+# Sharded: T = 7 and 64 (past XLA:CPU's 4096-element switch on every table), and on the two wider tables a T
+# that runs several row chunks with an overlapping last one under shard_map (chunks.chunk_rows: 524 rows at
+# V_local = 1000, 124 at 4099, from the width alone): 600 and 300 rows reach what T = 1000 did there at a
+# fraction of the rows (V_local = 300's chunk holds 1744 rows: T = 1000 was one chunk, like T = 64).
+SHARDED_TS = {"V300-f32": (7, 64), "V1000-f32": (7, 64, 600), "V4099-bf16-keep": (7, 64, 300)}
 
 
 @pytest.mark.slow
@@ -248,7 +248,7 @@ def test_jax_logprob_entropy_batch_invariant(table_id):
 def test_jax_sharded_batch_invariant(table_id):
     pytest.importorskip("jax")
     table = make_table(**TABLES[table_id])
-    check_invariance(_jax_runner(table, world=2), table, JAX_TS[table_id])
+    check_invariance(_jax_runner(table, world=2), table, SHARDED_TS[table_id])
 
 
 # --- the fused LM-head op ------------------------------------------------------------------
