@@ -150,7 +150,7 @@ def test_torch_logits_op_batch_invariant(impl, table_id, ts):
 WIDE = dict(v=40000, dtype="float32", keep=False, tau=0.7, n_other=64)
 
 
-@pytest.mark.parametrize("impl", ["compiled", "eager"])
+@pytest.mark.parametrize("impl", [pytest.param("compiled", marks=pytest.mark.slow), "eager"])
 def test_torch_wide_rows_batch_invariant(impl):
     table = make_table(**WIDE)
     check_invariance(_torch_runner(table, impl), table, (7, 64))

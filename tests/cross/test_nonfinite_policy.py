@@ -53,8 +53,11 @@ def _check(out: testing.Outputs, prob: cases.Problem):
 
 # torch: the compiled kernels at W = 1 (their per-shard non-finite handling), the
 # eager ones at W = 2 (the combine across shards is the same code on both paths;
-# two ranks compiling would cost more than the rest of this file).
-@pytest.mark.parametrize("backend,world,impl", [("jax", 1, None), ("jax", 2, None), ("torch", 1, "compiled"),
+# two ranks compiling would cost more than the rest of this file). The fast tier:
+# torch's eager kernels at W = 1 (no compile) and JAX over two shards.
+@pytest.mark.parametrize("backend,world,impl", [pytest.param("jax", 1, None, marks=pytest.mark.slow), ("jax", 2, None),
+                                                pytest.param("torch", 1, "compiled", marks=pytest.mark.slow),
+                                                ("torch", 1, "eager"),
                                                 pytest.param("torch", 2, "eager", marks=pytest.mark.slow)])
 def test_rows(backend, world, impl):
     prob = _problem()

@@ -11,8 +11,11 @@ from dualvp.testing import cases
 TOL = cases.Tolerance(1e-10, 1e-12)
 
 
-@pytest.mark.parametrize("entropy_terms", ["clamp", "select"])
-@pytest.mark.parametrize("kept_shift", ["kept", "max"])
+# The fast tier: each kept shift and each entropy form with every case, world and block; the other two
+# pairings in the slow tier.
+@pytest.mark.parametrize("kept_shift, entropy_terms", [
+    ("kept", "select"), ("max", "clamp"),
+    pytest.param("kept", "clamp", marks=pytest.mark.slow), pytest.param("max", "select", marks=pytest.mark.slow)])
 @pytest.mark.parametrize("block", [1, 5, 17, 96])
 @pytest.mark.parametrize("name", ["confident_lm", "nucleus", "neg_inf_masked", "random_mask_temp", "extreme_temp",
                                   "everything"])

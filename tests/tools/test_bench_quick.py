@@ -22,30 +22,48 @@ def _have(mod):
         return False
 
 
-def _quick_bench(tmp_path, impls, modes, *extra, expect_rc=0):
-    """``dualvp bench --quick`` at 16 x 256; its stdout and the rows of its results file."""
+def _quick_bench(tmp_path, impls, modes, *extra, expect_rc=0, here=None):
+    """``dualvp bench --quick`` at 16 x 256; its stdout and the rows of its results file.
+
+    ``here=(capsys, monkeypatch)``: through the CLI's entry point in this process (its workers are
+    processes all the same), else as ``python -m dualvp``."""
     csv = tmp_path / "cpu.csv"
+    args = ["bench", "--quick", "--sizes", "16x256", "--impls", ",".join(impls), "--modes", ",".join(modes),
+            "--results", str(csv), *extra]
+    if here is not None:
+        from dualvp.tools.bench import driver
+        from dualvp.tools.cli import main
+
+        capsys, monkeypatch = here
+        monkeypatch.setattr(driver, "_raise_on_sigterm", lambda: None)  # leave this process's SIGTERM alone
+        monkeypatch.chdir(tmp_path)
+        rc = main(args)
+        out = capsys.readouterr()
+        assert rc == expect_rc, out.out[-3000:] + out.err[-3000:]
+        return out.out, results.read(str(csv))
     env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    proc = subprocess.run(
-        [sys.executable, "-m", "dualvp", "bench", "--quick", "--sizes", "16x256", "--impls", ",".join(impls),
-         "--modes", ",".join(modes), "--results", str(csv), *extra],
-        capture_output=True, text=True, timeout=540, env=env, cwd=str(tmp_path),
-    )
+    proc = subprocess.run([sys.executable, "-m", "dualvp", *args], capture_output=True, text=True, timeout=540,
+                          env=env, cwd=str(tmp_path))
     assert proc.returncode == expect_rc, proc.stdout[-3000:] + proc.stderr[-3000:]
     return proc.stdout, results.read(str(csv))
 
 
 @pytest.mark.slow
-def test_bench_quick_appends_one_row_per_impl_and_mode(tmp_path):
-    # Eager implementations (no compile: the compiled stages are held against the oracle by tests/torch),
-    # the in-place one among them (its gradient is read back from the overwritten logits), two modes,
-    # and the W=2 gloo run of dualvp's eager kernels.
+def test_bench_quick_appends_one_row_per_impl_and_mode(tmp_path, capsys, monkeypatch):
+    # Eager implementations (the compiled stages are held against the oracle by tests/torch) and the
+    # in-place one (its gradient is read back from the overwritten logits; dualvp's default selection,
+    # which compiles on a CPU), two modes, and the W=2 gloo run of dualvp's eager kernels. One run,
+    # with --interleave: the workers' starts (each a torch or JAX process) are the cost, so the
+    # interleaved turns are checked on this run rather than on a second one. In this process (the command
+    # as a process of its own: test_per_impl_workers_make_inputs_in_the_background_and_a_failure_is_a_row).
     impls = [i for i, m in (("torch-eager", "torch"), ("jax-naive", "jax"), ("dualvp-torch-eager", "dualvp_torch"),
                             ("dualvp-torch-inplace", "dualvp_torch"), ("dualvp-jax", "dualvp_jax")) if _have(m)]
     if not impls:
         pytest.skip("neither torch nor jax installed")
     modes = ["lp", "lp+ent+grad.keep"]
-    stdout, rows = _quick_bench(tmp_path, impls, modes, "--gloo-size", "8x128")
+    out = tmp_path / "run.json"
+    stdout, rows = _quick_bench(tmp_path, impls, modes, "--gloo-size", "8x128", "--reps", "3", "--interleave",
+                                "--out", str(out), here=(capsys, monkeypatch))
     assert "appended" in stdout and "goal" not in stdout  # figures only
     one = [r for r in rows if r["W"] == "1"]
     assert sorted((r["impl"], r["mode"]) for r in one) == sorted((i, m) for i in impls for m in modes)
@@ -68,24 +86,13 @@ def test_bench_quick_appends_one_row_per_impl_and_mode(tmp_path):
         assert sorted(r["mode"] for r in w2) == sorted(modes) and all(r["V_local"] == "128" for r in w2)
         assert "ranks agree: True" in stdout
 
-
-@pytest.mark.slow
-def test_bench_interleave_alternates_the_workers(tmp_path):
-    # --interleave: the implementations of a case run at once and take turns; their timed calls must
+    # --interleave: the implementations of the case run at once and take turns; their timed calls must
     # alternate one by one and never overlap (each record carries its calls' wall-clock spans). Without
-    # the turns the calls would come in one block per implementation. Two torch workers: the turns
-    # are the driver's, the same for any implementation (a JAX worker, ~20 s of CPU to start, runs in
-    # test_bench_quick_appends_one_row_per_impl_and_mode).
-    impls = [i for i, m in (("dualvp-torch-eager", "dualvp_torch"), ("torch-eager", "torch")) if _have(m)]
-    if len(impls) < 2:
-        pytest.skip("needs two implementations")
-    modes = ["lp", "lp+ent+grad.keep"]
-    out = tmp_path / "run.json"
-    _, rows = _quick_bench(tmp_path, impls, modes, "--worlds", "none", "--reps", "3", "--interleave", "--out", str(out))
-    assert sorted((r["impl"], r["mode"]) for r in rows) == sorted((i, m) for i in impls for m in modes)
+    # the turns the calls would come in one block per implementation.
     doc = json.loads(out.read_text())
     assert doc["failures"] == []
-    calls = sorted((a, b, r["impl"]) for r in doc["results"] for a, b in r["spans"])
+    single = [r for r in doc["results"] if r.get("world", 1) == 1]
+    calls = sorted((a, b, r["impl"]) for r in single for a, b in r["spans"])
     assert len(calls) == len(impls) * len(modes) * 3
     for (a0, a1, ia), (b0, b1, ib) in zip(calls, calls[1:]):
         assert a1 <= b0, ("two workers' timed calls overlap", ia, ib)

@@ -8,7 +8,6 @@ written into ``tmp_path``; the numbers are checked against ``dualvp.reference``.
 import argparse
 import importlib.util
 import os
-import subprocess
 import sys
 import textwrap
 
@@ -103,21 +102,25 @@ def test_slime_forward_against_the_oracle(slime_checkout, mode):
     np.testing.assert_allclose(zt.grad.numpy(), rg, atol=1e-5)
 
 
-def _bench(tmp_path, *extra):
+def _bench(tmp_path, capsys, monkeypatch, *extra):
+    """``dualvp bench --quick`` at 8 x 64 through the CLI's entry point in this process (its workers are
+    processes, as always; the command in a subprocess of its own: tests/tools/test_bench_quick.py)."""
+    from dualvp.tools.bench import driver
+    from dualvp.tools.cli import main
+
+    monkeypatch.setattr(driver, "_raise_on_sigterm", lambda: None)  # leave this process's SIGTERM alone
+    monkeypatch.chdir(tmp_path)
     csv = tmp_path / "cpu.csv"
-    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    proc = subprocess.run(
-        [sys.executable, "-m", "dualvp", "bench", "--quick", "--sizes", "8x64", "--modes", "lp,lp+ent+grad.keep",
-         "--worlds", "none", "--results", str(csv), *extra],
-        capture_output=True, text=True, timeout=300, env=env, cwd=str(tmp_path),
-    )
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    return proc.stdout, (results.read(str(csv)) if csv.exists() else [])
+    rc = main(["bench", "--quick", "--sizes", "8x64", "--modes", "lp,lp+ent+grad.keep", "--worlds", "none",
+               "--results", str(csv), *extra])
+    out = capsys.readouterr()
+    assert rc == 0, out.out[-3000:] + out.err[-3000:]
+    return out.out, (results.read(str(csv)) if csv.exists() else [])
 
 
 @pytest.mark.slow
-def test_bench_runs_slime_from_slime_path(tmp_path, slime_checkout):
-    stdout, rows = _bench(tmp_path, "--impls", "slime", "--slime-path", str(slime_checkout))
+def test_bench_runs_slime_from_slime_path(tmp_path, slime_checkout, capsys, monkeypatch):
+    stdout, rows = _bench(tmp_path, capsys, monkeypatch, "--impls", "slime", "--slime-path", str(slime_checkout))
     assert "skipping" not in stdout and "!" not in stdout
     rows = {r["mode"]: r for r in rows if r["impl"] == "slime"}
     assert set(rows) == {"lp", "lp+ent+grad.keep"}
@@ -127,8 +130,9 @@ def test_bench_runs_slime_from_slime_path(tmp_path, slime_checkout):
 
 
 @pytest.mark.slow
-def test_bench_without_slime_skips_it_in_one_line(tmp_path):
-    stdout, rows = _bench(tmp_path, "--impls", "slime", "--slime-path", str(tmp_path / "nowhere"))
+def test_bench_without_slime_skips_it_in_one_line(tmp_path, capsys, monkeypatch):
+    # no worker starts: the one implementation named is skipped
+    stdout, rows = _bench(tmp_path, capsys, monkeypatch, "--impls", "slime", "--slime-path", str(tmp_path / "nowhere"))
     lines = [ln for ln in stdout.splitlines() if "slime" in ln.replace(str(tmp_path), "")]
     assert len(lines) == 1 and lines[0].startswith("skipping slime: --slime-path: no slime/utils/ppo_utils.py")
     # named but unable to run: one row says why, with no figures
