@@ -159,7 +159,9 @@ def test_fused_op_small_tiles_fast(impl):
     _check(p, _fused(p, impl, budget=600))
 
 
-@pytest.mark.parametrize("name", ("nucleus_ids",) + FAST)
+# drop_target_ids slow: everything_ids (fast) holds its drop_target mask too
+@pytest.mark.parametrize("name", ["nucleus_ids", pytest.param("drop_target_ids", marks=pytest.mark.slow),
+                                  "everything_ids"])
 def test_fused_triton_kernels_keep_ids(name):
     # the kernels unmasked, the kept pair from the kept columns' logits, their gradient values written
     # into each stored G chunk (budget 600: G chunks of 32 columns, several per shard)
