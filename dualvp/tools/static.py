@@ -49,7 +49,8 @@ import tempfile
 import time
 
 __all__ = ["Launch", "hopper_target", "drive_logits", "drive_logits_ext", "drive_fused", "drive_kl", "analyse",
-           "sass_listings", "sass_loops", "LOGITS_MODES", "EXT_LOGITS_MODES", "FUSED_MODES", "KL_MODES"]
+           "cuobjdump_sass", "sass_listings", "sass_loops", "LOGITS_MODES", "EXT_LOGITS_MODES", "FUSED_MODES",
+           "KL_MODES"]
 
 #: logits op modes: name -> (with_entropy, keep mask)
 LOGITS_MODES = {"lp": (False, False), "lp+ent": (True, False), "lp+ent+keep": (True, True)}
@@ -337,6 +338,11 @@ def _tool(args, data: bytes | str, suffix: str) -> subprocess.CompletedProcess:
         os.unlink(path)
 
 
+def cuobjdump_sass(cubin: bytes) -> str:
+    """``cuobjdump -sass`` of one cubin (one process: ~0.5 s of start-up; many kernels: :func:`sass_listings`)."""
+    return _tool([_bin("cuobjdump"), "-sass"], cubin, ".cubin").stdout
+
+
 #: opcodes whose last operand is a program-counter-relative target, printed as an absolute address
 _PC_RELATIVE = ("BRA", "BSSY", "CALL", "RET", "BRX", "JMX", "SSY", "PBK", "PCNT", "CAL")
 
@@ -373,26 +379,25 @@ def sass_listings(cubins, arch: str = "SM90a") -> list:
     for i, cubin in enumerate(cubins):
         code = _code_sections(cubin)
         if len(code) != 1 or len(code[0]) % 16:
-            out[i] = _tool([_bin("cuobjdump"), "-sass"], cubin, ".cubin").stdout
+            out[i] = cuobjdump_sass(cubin)
             continue
-        spans.append((i, len(blob), len(blob) + len(code[0])))
+        spans.append((i, len(blob)))  # (cubin, offset of its code in the blob)
         blob += code[0]
     if spans:
         text = _tool([_bin("nvdisasm"), "-b", arch], bytes(blob), ".bin").stdout
         lines = collections.defaultdict(list)
-        starts = [lo for _, lo, _ in spans]
+        starts = [lo for _, lo in spans]
         for line in text.splitlines():
             m = _SASS.search(line)
             if not m:
                 continue
             addr = int(m.group(1), 16)
-            k = bisect.bisect_right(starts, addr) - 1
-            i, lo, hi = spans[k]
+            i, lo = spans[bisect.bisect_right(starts, addr) - 1]
             rest = m.group(4)
             if m.group(3).split(".")[0] in _PC_RELATIVE:  # the target, printed absolute in the blob
                 rest = re.sub(r"0x([0-9a-f]+)\s*$", lambda t: f"0x{int(t.group(1), 16) - lo:x}", rest)
             lines[i].append(f"        /*{addr - lo:04x}*/ {m.group(2) or ''}{m.group(3)}{rest};")
-        for i, lo, hi in spans:
+        for i, _ in spans:
             out[i] = "\n".join(lines[i]) + "\n"
     return out
 
@@ -487,7 +492,7 @@ def analyse(launch: Launch, rerun_ptxas: bool = False, sass: str | None = None) 
     m = re.search(r"REG:(\d+) STACK:(\d+) SHARED:(\d+) LOCAL:(\d+)", res)
     reg, stack, shared_static, local = map(int, m.groups()) if m else (None,) * 4
     if sass is None:
-        sass = _tool([_bin("cuobjdump"), "-sass"], cubin, ".cubin").stdout
+        sass = cuobjdump_sass(cubin)
     ptx = kern.asm["ptx"]
     ptxas, spill = "", None
     if rerun_ptxas:  # informative: the options of Triton's own ptxas call may differ (3.9 adds --regAllocOptLevel)

@@ -86,7 +86,7 @@ for launch in launches:
     unique.setdefault(asm_of(launch), launch)
 sass = dict(zip(unique, static.sass_listings(u.compiled.asm["cubin"] for u in unique.values())))
 big = max(unique, key=lambda k: len(unique[k].compiled.asm["cubin"]))
-own = static._tool([static._bin("cuobjdump"), "-sass"], unique[big].compiled.asm["cubin"], ".cubin").stdout
+own = static.cuobjdump_sass(unique[big].compiled.asm["cubin"])
 ins_batch, ins_own = static.sass_instructions(sass[big]), static.sass_instructions(own)
 print(json.dumps(dict(listing_check=big[0], instructions=len(ins_own), equal=ins_batch == ins_own,
                       loops_equal=static.sass_loops(ins_batch) == static.sass_loops(ins_own))), flush=True)
