@@ -12,6 +12,8 @@ import pytest
 from dualvp.tools.bench import results
 from dualvp.tools.bench.implementations import MODES
 
+from ._bench_cli import run_bench
+
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
@@ -28,22 +30,13 @@ def _quick_bench(tmp_path, impls, modes, *extra, expect_rc=0, here=None):
     ``here=(capsys, monkeypatch)``: through the CLI's entry point in this process (its workers are
     processes all the same), else as ``python -m dualvp``."""
     csv = tmp_path / "cpu.csv"
-    args = ["bench", "--quick", "--sizes", "16x256", "--impls", ",".join(impls), "--modes", ",".join(modes),
+    args = ["--quick", "--sizes", "16x256", "--impls", ",".join(impls), "--modes", ",".join(modes),
             "--results", str(csv), *extra]
     if here is not None:
-        from dualvp.tools.bench import driver
-        from dualvp.tools.cli import main
-
-        capsys, monkeypatch = here
-        monkeypatch.setattr(driver, "_raise_on_sigterm", lambda: None)  # leave this process's SIGTERM alone
-        monkeypatch.chdir(tmp_path)
-        rc = main(args)
-        out = capsys.readouterr()
-        assert rc == expect_rc, out.out[-3000:] + out.err[-3000:]
-        return out.out, results.read(str(csv))
+        return run_bench(args, tmp_path, *here, expect_rc=expect_rc), results.read(str(csv))
     env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    proc = subprocess.run([sys.executable, "-m", "dualvp", *args], capture_output=True, text=True, timeout=540,
-                          env=env, cwd=str(tmp_path))
+    proc = subprocess.run([sys.executable, "-m", "dualvp", "bench", *args], capture_output=True, text=True,
+                          timeout=540, env=env, cwd=str(tmp_path))
     assert proc.returncode == expect_rc, proc.stdout[-3000:] + proc.stderr[-3000:]
     return proc.stdout, results.read(str(csv))
 

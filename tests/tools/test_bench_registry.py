@@ -20,6 +20,8 @@ from dualvp import reference  # noqa: E402
 from dualvp.tools.bench import implementations as impls  # noqa: E402
 from dualvp.tools.bench import results  # noqa: E402
 
+from ._bench_cli import run_bench  # noqa: E402
+
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 # slime's interface: calculate_log_probs_and_entropy(logits, tokens, tp_group, with_entropy, chunk_size,
@@ -103,19 +105,11 @@ def test_slime_forward_against_the_oracle(slime_checkout, mode):
 
 
 def _bench(tmp_path, capsys, monkeypatch, *extra):
-    """``dualvp bench --quick`` at 8 x 64 through the CLI's entry point in this process (its workers are
-    processes, as always; the command in a subprocess of its own: tests/tools/test_bench_quick.py)."""
-    from dualvp.tools.bench import driver
-    from dualvp.tools.cli import main
-
-    monkeypatch.setattr(driver, "_raise_on_sigterm", lambda: None)  # leave this process's SIGTERM alone
-    monkeypatch.chdir(tmp_path)
+    """``dualvp bench --quick`` at 8 x 64 in this process (tests/tools/_bench_cli.py)."""
     csv = tmp_path / "cpu.csv"
-    rc = main(["bench", "--quick", "--sizes", "8x64", "--modes", "lp,lp+ent+grad.keep", "--worlds", "none",
-               "--results", str(csv), *extra])
-    out = capsys.readouterr()
-    assert rc == 0, out.out[-3000:] + out.err[-3000:]
-    return out.out, (results.read(str(csv)) if csv.exists() else [])
+    stdout = run_bench(["--quick", "--sizes", "8x64", "--modes", "lp,lp+ent+grad.keep", "--worlds", "none",
+                        "--results", str(csv), *extra], tmp_path, capsys, monkeypatch)
+    return stdout, (results.read(str(csv)) if csv.exists() else [])
 
 
 @pytest.mark.slow

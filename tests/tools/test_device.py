@@ -76,16 +76,14 @@ def test_verify_with_too_few_gpus_says_how_many(nothing_starts, monkeypatch, cap
 
 @no_cuda_here
 @pytest.mark.slow
-@pytest.mark.parametrize("command", ["bench"])
-def test_cli_without_cuda_fails_fast_in_a_subprocess(command, tmp_path):
-    # In a fresh interpreter (torch imported by the check itself). Both commands ask the same
-    # _proc.cuda_problem first; verify's order is pinned in process by
+def test_cli_without_cuda_fails_fast_in_a_subprocess(tmp_path):
+    # `dualvp bench` in a fresh interpreter (torch imported by the check itself). verify asks the same
+    # _proc.cuda_problem first; its order is pinned in process by
     # test_verify_without_cuda_exits_2_before_anything, and its fresh process here added no path.
-    extra = ["--quick", "--out", str(tmp_path / "x.json")] if command == "bench" else []
-    proc = subprocess.run([sys.executable, "-m", "dualvp", command, "--device", "cuda", *extra],
-                          capture_output=True, text=True, timeout=120, env=_env(), cwd=ROOT)
+    proc = subprocess.run([sys.executable, "-m", "dualvp", "bench", "--device", "cuda", "--quick", "--out",
+                           str(tmp_path / "x.json")], capture_output=True, text=True, timeout=120, env=_env(), cwd=ROOT)
     assert proc.returncode == 2, proc.stdout + proc.stderr
-    assert f"dualvp {command}: --device cuda: no CUDA device" in proc.stderr
+    assert "dualvp bench: --device cuda: no CUDA device" in proc.stderr
     assert proc.stdout == "" and not (tmp_path / "x.json").exists()
 
 
