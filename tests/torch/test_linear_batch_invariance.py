@@ -136,7 +136,7 @@ def _interpreting():
 
 @pytest.mark.parametrize(
     "table_id, ts",
-    # several row blocks at float32: T = 130 below
+    # fast: float32 with keep_ids at T = 7 (one partial row block); the T = 40 runs (several blocks and groups) slow
     # T = 40: 3 row blocks of 16 under the interpreter, the last partial (8 rows), in 2 dh groups of
     # group_rows = 2 blocks, the last group partial; T = 7 one partial block. (T = 130's 9 blocks and T = 64's 4
     # whole ones reached no other path, at 3x / 1.5x the interpreter's time.)

@@ -62,7 +62,8 @@ def test_case_w1(case):
 # Wider vocabularies: the forward walks a row in several column blocks (128 under the interpreter, 2 per
 # column split: V = 512 in 2 splits, 640 and 768 in 3), so the running maxima move between blocks and splits
 # and rescale the running sums (kept pair included). (Twice these widths before: more blocks of the same
-# paths at twice the interpreter's time.) Slow: the kept set far below the max across blocks stays fast.
+# paths at twice the interpreter's time.) Slow; a row over several blocks and splits in the fast tier:
+# test_kept_set_far_below_the_max_across_blocks (V = 1024).
 _WIDE = [cases.case(n, vocab=v, lead=lead, worlds=(1, 2)) for n, v, lead in (
     ("everything", 512, (3, 4)), ("neg_inf_masked", 768, (6,)), ("extreme_temp", 512, (6,)),
     ("drop_target", 512, (5,)), ("confident_lm_bf16", 640, (6,)))]
