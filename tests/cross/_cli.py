@@ -6,7 +6,8 @@ of a fresh one per run, and the command's own start-up is not paid again. The
 JAX backend still runs in the child ``dualvp verify`` starts
 (:func:`dualvp.tools.verify.start_jax`), which inherits ``fault`` from the
 environment; nothing in this process reads it. ``python -m dualvp`` as a
-process: tests/tools/test_device.py::test_cli_without_cuda_fails_fast_in_a_subprocess.
+process (``bench``, which asks the same CUDA check first as ``verify``):
+tests/tools/test_device.py::test_cli_without_cuda_fails_fast_in_a_subprocess.
 """
 
 import contextlib
