@@ -60,8 +60,17 @@ if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
 # only where megatron is installed (find_spec of the top-level package imports nothing).
 import importlib.util  # noqa: E402
 
-if importlib.util.find_spec("megatron") is not None:
-    os.environ.setdefault("DUALVP_FORKSERVER_PRELOAD", "megatron.core.tensor_parallel")
+_preload = ["megatron.core.tensor_parallel"] if importlib.util.find_spec("megatron") is not None else []
+
+# Triton's interpreter patches triton.language again at every @triton.jit call inside a kernel
+# (tl.sum, tl.max, ...): tests/_triton_interpreter.py patches once per launch, here and, through
+# the forkserver's preload, in the ranks the tests fork.
+from tests import _triton_interpreter  # noqa: E402,F401
+
+if _triton_interpreter.installed:
+    _preload.append("tests._triton_interpreter")
+if _preload:
+    os.environ.setdefault("DUALVP_FORKSERVER_PRELOAD", ",".join(_preload))
 
 # Hypothesis: a bounded profile for CI; DUALVP_FUZZ_EXAMPLES raises the budget
 # for a longer opt-in run.
