@@ -1,8 +1,9 @@
 """W = 2 and W = 4 real gloo ranks: the case table, the compat layer, and ranks that disagree.
 
 One spawn per W (``dualvp_torch.testing.run_ranks``) runs everything of
-``_sweep.rank_suite``; every test below reads its results (they live in one
-file so that a pytest-xdist worker that runs them spawns the ranks once).
+``_sweep.rank_suite`` on the eager kernels; every test below reads its results (they live in one
+file so that a pytest-xdist worker that runs them spawns the ranks once). The compiled kernels at
+W = 2: every case in tests/cross/test_cross_backends.py.
 
 Ranks that disagree never hang: every rank raises the same error, within
 seconds. The rank bodies are in ``_disagree.py``; they run inside that spawn
@@ -24,7 +25,7 @@ pytestmark = pytest.mark.slow  # gloo ranks spawned
 @pytest.mark.parametrize("world", [2, 4])
 def test_table_against_reference(world):
     res = _suite(world)
-    failures = [f for r in res for f in r["sweep_eager"] + r["sweep_compiled"]]
+    failures = [f for r in res for f in r["sweep_eager"]]
     assert not failures, "\n".join(failures[:30])
 
 

@@ -115,6 +115,6 @@ def _ranks_body(rank, world_size):
 @pytest.mark.slow
 def test_under_activation_checkpointing_on_two_ranks():
     # the drop-ins on the eager engine, as at W = 1 above (on the compiled one each rank would compile
-    # their kernels; the compiled engine's collectives at W = 2: test_logits_ranks.py)
+    # their kernels; the compiled engine's collectives at W = 2: tests/cross/test_cross_backends.py)
     for result in run_ranks(_ranks_body, 2, timeout=300, env={"DUALVP_COMPILE": "0"}):
         assert result == {op: (1, 2, True) for op in RANK_OPS}, result

@@ -208,5 +208,5 @@ def test_fullgraph_on_two_ranks():
     """With a process group (passed to the custom op by name), validation and all-gather included.
 
     The op's eager engine: the caller's graph holds the op as opaque whatever runs inside it (the compiled
-    engine at W = 2: test_logits_ranks.py; each rank would compile its kernels here)."""
+    engine at W = 2: tests/cross/test_cross_backends.py; each rank would compile its kernels here)."""
     assert run_ranks(_fullgraph_ranks, 2, timeout=120, env={"DUALVP_COMPILE": "0"}) == [True, True]
