@@ -4,6 +4,8 @@ Every op (logits, extended, fused) is run by each engine, called eagerly and fro
 ``torch.compile(fullgraph=True)`` (a graph break raises) with the ``aot_eager`` and ``inductor`` backends.
 """
 
+import types
+
 import pytest
 import torch
 
@@ -22,12 +24,22 @@ CALLERS = [
 ]
 
 
+def fresh(fn):
+    """A copy of ``fn`` with a code object of its own, which dynamo has never compiled.
+
+    Dynamo's cache and recompile limit are per code object: a closure of the same code compiled for
+    the 9th time would meet the limit. ``torch._dynamo.reset()`` starts afresh too, but it drops every
+    code object's graphs, the compiled engine's kernels included: traced again (~1.4 s each) by every
+    later test of the process.
+    """
+    return types.FunctionType(fn.__code__.replace(), fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__)
+
+
 def compiled(fn, caller: str):
-    """``fn`` as the ``caller`` runs it: as is, or compiled with ``fullgraph=True`` by that backend."""
+    """``fn`` as the ``caller`` runs it: as is, or compiled afresh with ``fullgraph=True`` by that backend."""
     if caller == "eager":
         return fn
-    torch._dynamo.reset()
-    return torch.compile(fn, fullgraph=True, backend=caller)  # fullgraph: a graph break raises
+    return torch.compile(fresh(fn), fullgraph=True, backend=caller)  # fullgraph: a graph break raises
 
 
 def matrix(cases, ids=None) -> list:
@@ -35,8 +47,8 @@ def matrix(cases, ids=None) -> list:
     compiled engine under the fullgraph callers on the first case only.
 
     The compiled engine's kernels compile inside the op's real kernel at run time, the same for every
-    caller (the caller's graph holds the op as opaque, ``_dynamo.reset`` makes each param compile again):
-    its case-dependent variants run from the eager caller on every case; the eager engine, cheap, on every
+    caller (the caller's graph holds the op as opaque): its case-dependent variants run from the eager
+    caller on every case; the eager engine, cheap, on every
     case and caller (the fake kernel's outputs per case under each caller). The Triton engine runs the
     same fake kernel: on every case from the eager caller, under the fullgraph callers on the first case
     in the fast tier (its other cases there: slow).

@@ -21,7 +21,7 @@ from dualvp.testing import extended as ext  # noqa: E402
 from dualvp_torch import logprob_entropy  # noqa: E402
 
 from . import _ext_ranks  # noqa: E402
-from ._custom_op import compiled, matrix  # noqa: E402
+from ._custom_op import compiled, fresh, matrix  # noqa: E402
 
 _CASES = ["all_nucleus", "k_masked", "row_tau_only", "p2_only"]
 
@@ -130,9 +130,8 @@ def test_dispatch_modes_see_the_ops_with_the_same_bits(inplace):
 def test_one_graph_no_break():
     """dynamo's own account: one graph, no break, for every extended option at once."""
     prob = ext.make_ext(ext.ext_case("all_nucleus"))
-    torch._dynamo.reset()
     x = torch.tensor(prob.shard(0, 1)[0], dtype=torch.float32, requires_grad=True)
-    explain = torch._dynamo.explain(_loss_fn(prob, "eager"))(x)
+    explain = torch._dynamo.explain(fresh(_loss_fn(prob, "eager")))(x)
     assert explain.graph_count == 1 and explain.graph_break_count == 0, explain.break_reasons
 
 
@@ -143,7 +142,6 @@ def test_temperature_tensor_that_requires_grad_stays_a_constant_under_fullgraph(
     y = torch.tensor([1, 2, 3, 4])
     fn = torch.compile(lambda z, t: logprob_entropy(z, y, temperature=t, impl="eager"), fullgraph=True,
                        backend="aot_eager")
-    torch._dynamo.reset()
     lp, _ = fn(z, tau)
     assert not lp.requires_grad
     want = torch.log_softmax(z.double() / tau.detach().double()[:, None], -1).gather(1, y[:, None])[:, 0]
