@@ -42,9 +42,14 @@ def compiled(fn, caller: str):
     return torch.compile(fresh(fn), fullgraph=True, backend=caller)  # fullgraph: a graph break raises
 
 
-def matrix(cases, ids=None) -> list:
+def matrix(cases, ids=None, compiled_first_case_only: bool = False) -> list:
     """``pytest.param(case, engine, caller)`` over :data:`ENGINES` x :data:`CALLERS` for each case, the
     compiled engine under the fullgraph callers on the first case only.
+
+    ``compiled_first_case_only``: the compiled engine on the first case only, from every caller: for an
+    op whose every case another test runs eagerly on the compiled engine (that call is the eager
+    caller's: the same custom op), which this matrix would repeat (~1.4 s of tracing per variant in a
+    process that has not compiled it).
 
     The compiled engine's kernels compile inside the op's real kernel at run time, the same for every
     caller (the caller's graph holds the op as opaque): its case-dependent variants run from the eager
@@ -59,7 +64,7 @@ def matrix(cases, ids=None) -> list:
         for eng in ENGINES:
             for cal in CALLERS:
                 (impl,), (caller,) = eng.values, cal.values
-                if impl == "compiled" and caller != "eager" and i > 0:
+                if impl == "compiled" and (caller != "eager" or compiled_first_case_only) and i > 0:
                     continue
                 breadth = [pytest.mark.slow] if impl == "triton" and caller != "eager" and i > 0 else []
                 out.append(pytest.param(case, impl, caller, id=f"{cid}-{eng.id}-{cal.id}",

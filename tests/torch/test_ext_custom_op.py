@@ -70,9 +70,10 @@ def _judge(prob, lp, h, p2, g):
     assert not bad, (prob.case.name, bad)
 
 
-# every case x engine x caller, but the compiled engine under the fullgraph callers on all_nucleus only
-# (_custom_op.matrix: its other cases compile the same variants as under the eager caller)
-@pytest.mark.parametrize("name,impl,caller", matrix(_CASES))
+# every case x engine x caller, but the compiled engine on all_nucleus only (_custom_op.matrix): its
+# fullgraph callers compile the same variants as the eager caller, and the eager caller's call on the
+# compiled engine is test_logits_extended.py::test_extended_w1_all[compiled-*] (every extended case)
+@pytest.mark.parametrize("name,impl,caller", matrix(_CASES, compiled_first_case_only=True))
 def test_eager_and_fullgraph_match_the_oracle(name, impl, caller):
     prob = ext.make_ext(ext.ext_case(name))
     lp, h, p2, g = _run(prob, compiled(_loss_fn(prob, impl), caller))
