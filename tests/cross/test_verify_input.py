@@ -17,7 +17,7 @@ pytest.importorskip("jax")
 
 from dualvp.tools import cli, verify  # noqa: E402
 
-from ._cli import run_verify  # noqa: E402
+from ._cli import jax_in_process, run_verify  # noqa: E402
 
 
 def _verify(*args, fault: str = ""):
@@ -34,7 +34,8 @@ def _saved(seed=0, lead=(2, 6), vocab=64):
 
 
 @pytest.mark.slow
-def test_torch_save_file_passes_at_tp2(tmp_path):
+def test_torch_save_file_passes_at_tp2(tmp_path, monkeypatch):
+    jax_in_process(monkeypatch)  # the JAX child as a process: test_npz_file_passes_at_tp2
     z, y, k = _saved()
     path = tmp_path / "batch.pt"
     torch.save({"logits": z.to(torch.bfloat16), "target": y, "keep_mask": k}, path)
@@ -86,8 +87,9 @@ def test_load_input_reads_keep_ids(tmp_path):
 
 
 @pytest.mark.slow
-def test_keep_ids_file_passes_at_tp2(tmp_path):
+def test_keep_ids_file_passes_at_tp2(tmp_path, monkeypatch):
     """A saved ``keep_ids [T, K]``: every backend against the oracle of the mask made from the ids."""
+    jax_in_process(monkeypatch)  # the JAX child as a process: test_npz_file_passes_at_tp2
     z, y, k = _saved(seed=2)
     ids = torch.where(k, torch.arange(64), -1)[..., :40].flip(-1)  # the kept ids below 40, padded with -1
     path = tmp_path / "ids.pt"
@@ -193,7 +195,9 @@ def test_extended_comparison_can_fail():
 
 @pytest.mark.slow
 def test_k_targets_and_row_temperature_file_passes_at_tp2(tmp_path):
-    """``target [..., K]`` and ``temperature [...]`` from a file: the extended op, torch and JAX, vs the oracle."""
+    """``target [..., K]`` and ``temperature [...]`` from a file: the extended op, torch and JAX, vs the oracle.
+
+    The extended op's JAX child as a process (tests/tools/test_verify_ext.py runs it in this one)."""
     z, y, k = _saved(seed=2)
     yk = torch.stack([y, torch.randint(0, 64, y.shape)], -1)
     path = tmp_path / "ext.pt"

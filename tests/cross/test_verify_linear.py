@@ -8,7 +8,8 @@ the JAX backward forgets ``1/temperature``) must FAIL on exactly the four rows
 that see JAX's ``dh`` / ``dW`` and PASS on the other eight (torch's bfloat16
 gradients among them). The adapters are also checked in this process against
 the float64 oracle at W = 1. Two CLI runs in this process (tests/cross/_cli.py: 2 gloo ranks
-forked from the forkserver and one JAX child each), ~10 s on the shared 2-core machine.
+forked from the forkserver each; the faulty run's JAX child a process, the passing run's in this
+process).
 """
 
 import numpy as np
@@ -21,7 +22,7 @@ from dualvp import testing  # noqa: E402
 from dualvp.testing import cases  # noqa: E402
 from dualvp.tools import cli  # noqa: E402
 
-from ._cli import run_verify  # noqa: E402
+from ._cli import jax_in_process, run_verify  # noqa: E402
 
 _SMALL = ("--op", "linear", "--tp", "2", "--tokens", "24", "--hidden", "16", "--vocab", "300",
           "--temperature", "0.7", "--mask", "nucleus", "--no-compile")
@@ -32,7 +33,8 @@ def _rows(stdout):
 
 
 @pytest.mark.slow
-def test_verify_linear_passes_at_tp2():
+def test_verify_linear_passes_at_tp2(monkeypatch):
+    jax_in_process(monkeypatch)
     dtype = "float32"
     proc = run_verify(*_SMALL, "--dtype", dtype)
     assert proc.returncode == 0, proc.stdout + proc.stderr
