@@ -6,6 +6,8 @@ of its own: tests/tools/test_bench_quick.py's
 ``test_per_impl_workers_make_inputs_in_the_background_and_a_failure_is_a_row``.
 """
 
+import json
+
 
 def run_bench(args, cwd, capsys, monkeypatch, expect_rc: int = 0) -> str:
     """Run ``dualvp bench args`` in ``cwd``; assert its exit code; return its stdout."""
@@ -18,3 +20,18 @@ def run_bench(args, cwd, capsys, monkeypatch, expect_rc: int = 0) -> str:
     out = capsys.readouterr()
     assert rc == expect_rc, out.out[-3000:] + out.err[-3000:]
     return out.out
+
+
+def worker_here(job: dict, capsys, monkeypatch) -> list:
+    """The worker's loop (:mod:`dualvp.tools.bench.worker`) for ``job`` in this process; its records.
+
+    For tests not about the process boundary: a worker process is a torch or JAX start-up (seconds)
+    each. The workers as processes: tests/tools/test_bench_quick.py."""
+    from dualvp.tools.bench import worker
+
+    monkeypatch.setattr(worker, "_TURNS", worker.Turns(False))
+    capsys.readouterr()
+    (worker.run_jax if worker.IMPLS[job["impl"]].framework == "jax" else worker.run_torch)(job)
+    recs = [json.loads(ln[2:]) for ln in capsys.readouterr().out.splitlines() if ln.startswith("@@")]
+    assert all(r["kind"] == "result" for r in recs), recs
+    return recs
