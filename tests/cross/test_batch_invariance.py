@@ -1,13 +1,14 @@
 """Batch invariance and determinism of every engine on the CPU.
 
 A row's log-prob, entropy and gradient row must be bitwise the same whether
-the row is computed alone (T = 1) or inside a call of T = 7, 64 or 1000 (torch: 200) rows
-at a random position among random other rows, and the same from run to run
-(docs/decisions.md, "Batch invariance: one reduction order per row"). The
-reference is the engine itself on the row alone: bitwise equality to another
-formulation is not the property (agreement with the float64 oracle is checked
-elsewhere, within TOLERANCES). The gradient is taken with a random upstream
-gradient per row, so it depends on the entropy's statistics as well.
+the row is computed alone (T = 1) or inside a call of T = 7, 64 and, on the wider tables, a
+few hundred rows (torch: 200; JAX: several row chunks, the last overlapping) at a random
+position among random other rows, and the same from run to run (docs/decisions.md,
+"Batch invariance: one reduction order per row"). The reference is the engine
+itself on the row alone: bitwise equality to another formulation is not the
+property (agreement with the float64 oracle is checked elsewhere, within
+TOLERANCES). The gradient is taken with a random upstream gradient per row, so
+it depends on the entropy's statistics as well.
 
 Tables: V_local = 300 and 1000 float32 without a mask, and V_local = 4099 bfloat16
 with a keep mask, one of whose checked rows keeps no column within
@@ -127,7 +128,7 @@ def _torch_runner(table: dict, impl: str):
     return run
 
 
-# torch: T = 200 rather than JAX's 1000. On the eager engine it reaches what T = 1000 did: a shard above
+# torch: T = 200 rather than the 1000 rows once run. On the eager engine it reaches what T = 1000 did: a shard above
 # eager.SMALL_SHARD_ELEMENTS, cut by the budget into multi-row chunks at non-zero offsets (float32: 7-row
 # statistics and 4-row gradient chunks; bfloat16: 3-row statistics chunks, one holding the marked row that
 # redo_marked_rows recomputes), at a fraction of the CPU (a bfloat16 call: 1.6 s at T = 200, 3.9 s at
@@ -228,19 +229,20 @@ def _jax_runner(table: dict, world: int = 1):
     return run
 
 
+# Sharded and not: T = 7 and 64 (past XLA:CPU's 4096-element switch on every table), and on the two wider
+# tables a T that runs several row chunks with an overlapping last one (chunks.chunk_rows, the same unsharded
+# and under shard_map: 524 rows at V_local = 1000, 124 at 4099, from the width alone): 600 and 300 rows reach
+# what T = 1000 did there at a fraction of the rows (V_local = 300's chunk holds 1744 rows: T = 1000 was one
+# chunk, like T = 64).
+JAX_TS = {"V300-f32": (7, 64), "V1000-f32": (7, 64, 600), "V4099-bf16-keep": (7, 64, 300)}
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("table_id", list(TABLES))
 def test_jax_logprob_entropy_batch_invariant(table_id):
     pytest.importorskip("jax")
     table = make_table(**TABLES[table_id])
-    check_invariance(_jax_runner(table), table)
-
-
-# Sharded: T = 7 and 64 (past XLA:CPU's 4096-element switch on every table), and on the two wider tables a T
-# that runs several row chunks with an overlapping last one under shard_map (chunks.chunk_rows: 524 rows at
-# V_local = 1000, 124 at 4099, from the width alone): 600 and 300 rows reach what T = 1000 did there at a
-# fraction of the rows (V_local = 300's chunk holds 1744 rows: T = 1000 was one chunk, like T = 64).
-SHARDED_TS = {"V300-f32": (7, 64), "V1000-f32": (7, 64, 600), "V4099-bf16-keep": (7, 64, 300)}
+    check_invariance(_jax_runner(table), table, JAX_TS[table_id])
 
 
 @pytest.mark.slow
@@ -248,7 +250,7 @@ SHARDED_TS = {"V300-f32": (7, 64), "V1000-f32": (7, 64, 600), "V4099-bf16-keep":
 def test_jax_sharded_batch_invariant(table_id):
     pytest.importorskip("jax")
     table = make_table(**TABLES[table_id])
-    check_invariance(_jax_runner(table, world=2), table, SHARDED_TS[table_id])
+    check_invariance(_jax_runner(table, world=2), table, JAX_TS[table_id])
 
 
 # --- the fused LM-head op ------------------------------------------------------------------
