@@ -14,8 +14,11 @@ Run as a script by ``torchrun`` (``tests/torch/test_torchrun.py``:
 
     python -m torch.distributed.run ... tests/torch/_torchrun_worker.py OUT_DIR
 
-it joins the launcher's group (env://, gloo, a short process-group timeout),
-runs :func:`torchrun_cases` and writes ``OUT_DIR/rank<R>.json``; then it
+it first runs ``dualvp verify`` (:data:`VERIFY_ARGS`, through the command's
+:func:`dualvp.tools.cli.main`: the command joins the launcher's group and
+destroys it), then joins a group of its own (gloo, a short process-group
+timeout), runs :func:`torchrun_cases` and writes ``OUT_DIR/rank<R>.json``
+(the cases' outcomes, verify's exit status and output); then it
 writes ``OUT_DIR/pid<R>`` and calls the op in a loop (at most
 :data:`LOOP_SECONDS`) until the test kills one worker: a survivor writes
 ``OUT_DIR/fault<R>.json`` (exception, wall-clock time) and exits 1.
@@ -231,16 +234,40 @@ def _write_json(path: str, obj) -> None:
     os.replace(path + ".tmp", path)
 
 
+def _verify() -> tuple:
+    """``dualvp verify`` as this worker of the launch (its own process group, env://, destroyed when it
+    returns): ``(exit status, what it printed)``."""
+    import contextlib
+    import io
+
+    from dualvp.tools import cli
+
+    buf = io.StringIO()
+    with contextlib.redirect_stdout(buf):
+        rc = cli.main(list(VERIFY_ARGS))
+    return rc, buf.getvalue()
+
+
+#: The arguments of the ``dualvp verify`` run that opens each worker.
+VERIFY_ARGS = ("verify", "--tokens", "32", "--vocab", "256")
+
+
 def main() -> None:
     out = sys.argv[1]
     rank = int(os.environ["RANK"])
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=PG_TIMEOUT_S))
     info = {k: os.environ.get(k) for k in ("RANK", "LOCAL_RANK", "GROUP_RANK", "WORLD_SIZE", "AGENT_TAG")}
+    verify_rc, verify_out = _verify()
+    # The cases' group: its keys under a prefix of their own in the launcher's store, so that none of the
+    # verify group's keys (env://, "default_pg", the same group name after its destroy) is read again.
+    store, _, world = next(dist.rendezvous("env://"))
+    dist.init_process_group("gloo", store=dist.PrefixStore("dualvp_cases", store), rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=PG_TIMEOUT_S))
     t0 = time.perf_counter()
     cases = torchrun_cases(rank)
     _write_json(os.path.join(out, f"rank{rank}.json"),
-                dict(info, pid=os.getpid(), seconds=time.perf_counter() - t0, cases=cases))
+                dict(info, pid=os.getpid(), seconds=time.perf_counter() - t0, cases=cases, verify_rc=verify_rc,
+                     verify_out=verify_out))
     # kill phase: loop over calls until the test kills a worker (the survivors raise) or LOOP_SECONDS pass
     p = make_problem(5, 8, 4 * V_LOCAL)
     _write_json(os.path.join(out, f"pid{rank}"), os.getpid())
