@@ -6,8 +6,9 @@ Fast: a few cases on one process (eager, Triton under the interpreter, the
 fused op's tile loop, the in-place gradient). Slow: the whole table
 (:data:`dualvp.testing.cases.KEEP_IDS_CASES`) compiled, on Triton, on 2 and 4
 gloo ranks, the fused op on 2 ranks, DTensor, and bad ids on one rank only;
-at W = 2, 4, 8 a few cases of both conformance tables with ids against the
-mask built from the same ids on the eager, Triton and compiled engines.
+at W = 2, 4 a few cases of both conformance tables with ids against the
+mask built from the same ids on the eager and Triton engines (compiled: ids
+on one case at W = 2).
 """
 
 import functools
@@ -515,12 +516,33 @@ def test_keep_ids_with_an_extended_option_raises_in_jax_only():
 # --- keep_ids against keep_mask built from the same ids, W gloo ranks, every engine ------------------------
 
 # A few masked cases of the conformance tables per world (the base op's and the extended op's), the compiled
-# engine on the first only (its compiles dominate the cost); the whole base table runs on eager at W = 2, 4
-# above and on every engine at W = 1.
+# engine on the first only, with ids (its compiles dominate the cost); the whole base table runs on eager at
+# W = 2, 4 above and on every engine at W = 1.
 # W = 2 and 4 (a rank layout beyond two ranks; W = 8 spawned 8 ranks for the same shard path): the cases
 # spread over both spawns
 _IDS_VS_MASK = {2: ("all_everything", "drop_target", "all_confident_lm_bf16", "all_drop_target", "p2_masked"),
                 4: ("everything", "all_neg_inf_masked", "row_tau_masked", "neg_inf_masked", "confident_lm_bf16")}
+
+
+def _ids_against_mask(rank, world, jobs, compiled_job):
+    """:func:`_ext_ranks.ids_against_mask` of ``jobs``; ``"compiled"``: this rank's compiled run of
+    ``compiled_job`` (a problem) with the kept set as ids only. With ids every engine runs unmasked and the
+    kept set's part is the same torch code beside it (dualvp_torch.keep_ids): the compiled run with the mask
+    too (it ran here before) compiled a second variant of forward + backward on each rank, the masked compiled
+    engine that the in-process tests pin."""
+    import torch.distributed as dist
+
+    from dualvp_torch import compiled
+
+    from . import _ext_ranks
+
+    out = _ext_ranks.ids_against_mask(rank, world, jobs)
+    if compiled_job is not None:
+        ids, masked = _ext_ranks.mask_of_ids(compiled_job)
+        out["compiled"] = _ext_ranks.run_case(masked, rank, world, dist.group.WORLD, "compiled", ids=True,
+                                              id_array=ids)
+    out["compile_failed"] = compiled.failed()
+    return out
 
 
 def _ids_case(name):
@@ -544,25 +566,36 @@ def _joined(outs):
                           outs[0]["sum_p2"])
 
 
-@pytest.mark.slow  # W gloo ranks spawned, compiles on each
+@pytest.mark.slow  # W gloo ranks spawned, compiles on each at W = 2
 @pytest.mark.parametrize("world", sorted(_IDS_VS_MASK))
 def test_ids_equal_the_mask_of_the_same_ids_on_gloo_ranks(world):
     """keep_ids [..., K] (repeated ids, -1 padding, the same on every rank) and the keep mask built from those ids
-    by the oracle's loop (each rank its shard): the same results within TOLERANCES on the eager, Triton
-    (interpreter) and compiled engines, and both within TOLERANCES of the float64 oracle."""
+    by the oracle's loop (each rank its shard): the same results within TOLERANCES on the eager and Triton
+    (interpreter) engines, and both within TOLERANCES of the float64 oracle; the compiled engine with ids (one
+    case, W = 2) within TOLERANCES of the eager engine with the mask and of the oracle."""
     from dualvp.testing import extended as ext
     from dualvp_torch.testing import run_ranks
 
     from . import _ext_ranks
 
     impls = ("eager", "triton") if _triton_ok() else ("eager",)
-    # compiled: one case at W = 2 (its compiles on every rank cost ~40 s a case; the engine's ids path does
-    # not depend on W; test_whole_table_one_process runs it on every keep_ids case at W = 1)
-    jobs = [(ext.make_ext(_ids_case(n)), impls + (("compiled",) if i == 0 and world == 2 else ()))
-            for i, n in enumerate(_IDS_VS_MASK[world])]
+    jobs = [(ext.make_ext(_ids_case(n)), impls) for n in _IDS_VS_MASK[world]]
     assert all(world in p.case.worlds and p.keep_mask is not None for p, _ in jobs)
-    res = run_ranks(_ext_ranks.ids_against_mask, world, jobs, timeout=900)
+    # compiled: the first case at W = 2, with ids (the engine's ids path does not depend on W;
+    # test_whole_table_one_process runs it on every keep_ids case at W = 1), against the eager run with the mask
+    compiled_job = jobs[0][0] if world == 2 else None
+    res = run_ranks(_ids_against_mask, world, jobs, compiled_job, timeout=900)
     assert not any(r["compile_failed"] for r in res), "a compiled stage fell back to eager"
+    if compiled_job is not None:
+        _, masked = _ext_ranks.mask_of_ids(compiled_job)
+        with_ids = _joined([r["compiled"] for r in res])
+        with_mask = _joined([r["outputs"][0][0][2] for r in res])  # the eager engine's, with the mask
+        assert all(r["outputs"][0][0][0] == "eager" for r in res)
+        for q, quantity in (("logprob", "logprob"), ("entropy", "entropy"), ("grad", "grad"), ("sum_p2", "entropy")):
+            a, b = getattr(with_ids, q), getattr(with_mask, q)
+            assert (a is None) == (b is None), ("compiled", q)
+            assert a is None or testing.within_tolerance(a, b, testing.tolerance(masked.case.dtype, quantity)), q
+        assert not ext.ext_failures(masked, with_ids), ("compiled", ext.ext_failures(masked, with_ids))
     for j, (prob, impls_j) in enumerate(jobs):
         _, masked = _ext_ranks.mask_of_ids(prob)
         dtype = prob.case.dtype
