@@ -113,3 +113,33 @@ def run_case(rank: int, world: int, case_kw: dict, hidden: int, run_kw: dict, lo
             raise AssertionError(f"gradient dtype {x.dtype}, expected {want_dtype}")
         out.append(None if x is None else x.detach().double().numpy())
     return tuple(out)
+
+
+def run_roundings(rank: int, world: int, case_kw: dict, hidden: int, roundings: tuple) -> dict:
+    """``{gradient_rounding: (dh, dW)}`` (NumPy float64) of one forward and one backward per rounding.
+
+    The forward does not read ``gradient_rounding`` (the backward does, when it runs): the runs of
+    :func:`run_case` with each rounding would repeat the same forward. Each backward takes the
+    gradients of the same loss (``torch.autograd.grad``, the graph kept for the next).
+    """
+    from dualvp_torch import triton_kernels, tuning
+
+    if not triton_kernels.interpreting():
+        raise RuntimeError("TRITON_INTERPRET is not 1 in the child")
+    P = make_problem(case_kw, hidden)
+    dt = getattr(torch, P.case.dtype)
+    h = torch.tensor(P.hidden).to(dt).requires_grad_(True)
+    w = torch.tensor(P.weight).to(dt).requires_grad_(True)
+    keep = None if P.keep_mask is None else torch.tensor(P.keep_mask)
+    lp, en = linear_logprob_entropy(h, w, torch.tensor(P.target), keep_mask=keep, temperature=P.case.temperature,
+                                    ignore_index=P.case.ignore_index, impl="triton")
+    loss = (lp * torch.tensor(P.grad_logprob, dtype=lp.dtype)).sum() + \
+        (en * torch.tensor(P.grad_entropy, dtype=en.dtype)).sum()
+    out = {}
+    for i, rounding in enumerate(roundings):
+        with tuning.using(tuning.Tuning(gradient_rounding=rounding)):
+            dh, dw = torch.autograd.grad(loss, [h, w], retain_graph=i + 1 < len(roundings))
+        if dh.dtype != dt or dw.dtype != dt:
+            raise AssertionError(f"gradient dtypes {dh.dtype}, {dw.dtype}, expected {dt}")
+        out[rounding] = (dh.double().numpy(), dw.double().numpy())
+    return out
