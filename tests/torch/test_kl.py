@@ -125,7 +125,9 @@ def test_compiled_matches_oracle_w1_all_cases(dtype):
             continue
         p = make_kl(case, dtype)
         fails += kl_failures(p, _run(p, impl="compiled"), "compiled ")
-        if case.name == "basic":  # only one input needs a gradient: the other variants of the backward
+        # only one input needs a gradient: the other variants of the backward, in float32 (each is a graph
+        # compiled anew per dtype, ~1 s; which gradients the graph forms does not depend on the dtype)
+        if case.name == "basic" and dtype == "float32":
             for need in ((True, False), (False, True)):
                 kl, dz, dr = _run(p, need=need, impl="compiled")
                 fails += kl_failures(p, (kl, dz, dr), f"compiled need={need} ")
@@ -135,14 +137,15 @@ def test_compiled_matches_oracle_w1_all_cases(dtype):
 @pytest.fixture(scope="module")
 def w2_engines():
     """``{impl: per-rank run_cases}`` of the compiled and (under the interpreter) Triton engines at W = 2,
-    from one spawn of the 2 ranks (a spawn costs a start-up of torch per rank). The compiled engine in
-    float32: its bfloat16 graphs (each compiled anew, per rank) are test_compiled_matches_oracle_w1_all_cases's
-    on every case, and the cross-rank step does not depend on the dtype (the Triton engine: both dtypes)."""
+    from one spawn of the 2 ranks (a spawn costs a start-up of torch per rank). Both engines in float32: their
+    bfloat16 graphs and kernels (each graph compiled anew, per rank; the kernels interpreted) are
+    test_compiled_matches_oracle_w1_all_cases's and test_triton_matches_oracle_w1's on every case, and the
+    cross-rank step does not depend on the dtype (the eager engine runs it in both at W = 2 and 4)."""
     try:
         interpreted = _triton_device() == "cpu"
     except pytest.skip.Exception:  # no triton: the compiled engine only
         interpreted = False
-    impls = {"compiled": ("float32",), "triton": DTYPES} if interpreted else {"compiled": ("float32",)}
+    impls = {"compiled": ("float32",), "triton": ("float32",)} if interpreted else {"compiled": ("float32",)}
     per_rank = run_ranks(_kl_ranks.run_engines, 2, impls, timeout=900)
     return {impl: [r[impl] for r in per_rank] for impl in impls}
 
