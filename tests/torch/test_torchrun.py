@@ -240,3 +240,39 @@ def test_launched_verdict_is_the_same_on_every_rank(capsys):
     seen = _verdicts([(good, None, "a"), (good, None, "a"), (good, None, "b"), (good, None, "c")], capsys)
     assert [rc for rc, _ in seen] == [1] * 4
     assert all("FAIL: the ranks of TP group(s) [1] hold different" in line for _, line in seen), seen
+
+
+@pytest.mark.parametrize("argv,env,exit_by", [
+    (["verify"], {"RANK": "1", "WORLD_SIZE": "4", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500"}, "_exit"),
+    (["verify"], {}, "sys.exit"),
+    (["bench"], {"RANK": "1", "WORLD_SIZE": "4", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500"}, "sys.exit"),
+])
+def test_console_main_exit_under_a_launcher(monkeypatch, argv, env, exit_by):
+    # `python -m dualvp verify` as a launcher's worker leaves by os._exit with main's status once its
+    # output is flushed (the interpreter's teardown aborted on a loaded CI machine: dualvp.tools.cli);
+    # anything else by sys.exit. The launched run itself: test_verify_under_torchrun_passes_on_every_rank.
+    from dualvp.tools import cli
+
+    class Exited(BaseException):
+        pass
+
+    def exit_with(how):
+        def leave(rc):
+            raise Exited(how, rc)
+        return leave
+
+    flushed = []
+    for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(k, raising=False)
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    monkeypatch.setattr(sys, "argv", ["dualvp", *argv])
+    monkeypatch.setattr(cli, "main", lambda a: 3 if a == argv else -1)
+    monkeypatch.setattr(os, "_exit", exit_with("_exit"))
+    monkeypatch.setattr(sys, "exit", exit_with("sys.exit"))
+    monkeypatch.setattr(sys.stdout, "flush", lambda: flushed.append("out"))
+    monkeypatch.setattr(sys.stderr, "flush", lambda: flushed.append("err"))
+    with pytest.raises(Exited) as e:
+        cli.console_main()
+    assert e.value.args == (exit_by, 3)
+    assert flushed == (["out", "err"] if exit_by == "_exit" else [])
