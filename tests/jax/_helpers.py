@@ -49,15 +49,29 @@ def x64_for(dtype: str):
     return jax.enable_x64(True) if dtype == "float64" else contextlib.nullcontext()
 
 
+def put(x, dtype=None):
+    """``x`` (NumPy, any dtype) on the device, converted on the host to ``dtype``.
+
+    ``jnp.asarray`` and ``.astype`` compile a small XLA program for every new shape and dtype (a trace, a
+    lowering and a compile each); ``jax.device_put`` of a NumPy array of the final dtype compiles nothing.
+    The 16-bit floats convert through ml_dtypes (round to nearest even, as XLA's convert). Integers
+    follow JAX's default (int32 without jax_enable_x64).
+    """
+    x = np.asarray(x)
+    if dtype is not None:
+        x = x.astype(jnp.dtype(dtype))
+    return jax.device_put(x)
+
+
 def inputs(prob: cases.Problem, dtype: str | None = None):
     """JAX arrays of a problem: logits in the case dtype (exact: already rounded), target, mask, cotangents."""
     dtype = dtype or prob.case.dtype
-    z = jnp.asarray(prob.logits.astype(np.float32) if dtype != "float64" else prob.logits).astype(JNP_DTYPES[dtype])
-    y = jnp.asarray(prob.target)
-    k = None if prob.keep_mask is None else jnp.asarray(prob.keep_mask)
+    z = put(prob.logits.astype(np.float32) if dtype != "float64" else prob.logits, JNP_DTYPES[dtype])
+    y = put(prob.target)
+    k = None if prob.keep_mask is None else put(prob.keep_mask)
     cdt = jnp.float64 if dtype == "float64" else jnp.float32
-    gl = jnp.asarray(prob.grad_logprob, cdt)
-    ge = jnp.asarray(prob.grad_entropy, cdt)
+    gl = put(prob.grad_logprob, cdt)
+    ge = put(prob.grad_entropy, cdt)
     return z, y, k, gl, ge
 
 
@@ -142,7 +156,7 @@ def shard_map_runner(world: int, kind: str, tau: float, ignore_index: int, has_m
 
 def check_close(name, x, ref, dtype, quantity):
     """``x`` (a JAX array) within the shared tolerance of ``ref`` for ``dtype`` / ``quantity``."""
-    x = np.asarray(jnp.asarray(x, jnp.float64 if x.dtype == jnp.float64 else jnp.float32), dtype=np.float64)
+    x = np.asarray(x).astype(np.float64)  # on the host: exact from any float dtype, no XLA program
     tol = testing.tolerance(dtype, quantity)
     ok = testing.within_tolerance(x, ref, tol)
     assert ok, f"{name} {quantity}: max errors (abs, rel) {testing.max_errors(x, ref)} > {tol}"

@@ -6,6 +6,8 @@ the float64 oracle ``dualvp.reference`` on the full logits, and the chain rule
 """
 
 
+import functools
+
 import numpy as np
 import pytest
 
@@ -17,8 +19,9 @@ from jax.sharding import Mesh, PartitionSpec as P  # noqa: E402
 import dualvp_jax  # noqa: E402
 from dualvp import reference  # noqa: E402
 from dualvp.testing import cases, metrics  # noqa: E402
+from ._helpers import put  # noqa: E402
 
-_JNP = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
+_JNP = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float64": jnp.float64}
 _H = 24
 _V_LOCAL = 1001  # divides no block size
 _BLOCKS = dict(token_block=16, vocab_block=256)  # T = 37 or 36: a short last chunk; 1001 = 3 * 256 + 233
@@ -52,7 +55,7 @@ def _problem(T, world, dtype, *, mask=False, ignore=False, seed=0, lead=None):
 
 
 def _check(name, x, ref, dtype, quantity):
-    x = np.asarray(jnp.asarray(x, jnp.float32), dtype=np.float64)
+    x = np.asarray(x).astype(np.float64)  # on the host (exact), no XLA program
     assert x.shape == ref.shape, (name, x.shape, ref.shape)
     tol = metrics.tolerance(dtype, quantity)
     assert metrics.within_tolerance(x, ref, tol), f"{name}: max errors (abs, rel) {metrics.max_errors(x, ref)} > {tol}"
@@ -71,7 +74,8 @@ def _check_all(out, ref, dtype, with_entropy=True):
 
 
 def _jx(x, dtype):
-    return jnp.asarray(x, jnp.float32).astype(_JNP[dtype])
+    """Already rounded to ``dtype``: converted on the host (device_put compiles nothing)."""
+    return put(x if dtype == "float64" else np.asarray(x, np.float32), _JNP[dtype])
 
 
 # --- unsharded -------------------------------------------------------------------
@@ -84,17 +88,25 @@ _SCENARIOS = {
 }
 
 
+@functools.partial(jax.jit, static_argnames=("temperature", "with_entropy", "entropy_grad", "blocks"))
+def _unsharded_vjp(h, w, y, keep, gl, ge, *, temperature, with_entropy, entropy_grad, blocks):
+    """Forward and backward in one program (eager, each would be its own); every array an argument."""
+    def f(h, w):
+        return dualvp_jax.linear_logprob_entropy(h, w, y, keep_mask=keep, temperature=temperature,
+                                                 with_entropy=with_entropy, entropy_grad=entropy_grad, **dict(blocks))
+
+    (lp, ent), vjp = jax.vjp(f, h, w)
+    return (lp, ent) + vjp((gl, ge if with_entropy else None))
+
+
 def _run_unsharded(h, w, y, keep, gl, ge, dtype, *, temperature=1.0, with_entropy=True, entropy_grad=True,
                    blocks=_BLOCKS):
-    def f(h, w):
-        return dualvp_jax.linear_logprob_entropy(
-            h, w, jnp.asarray(y), keep_mask=None if keep is None else jnp.asarray(keep), temperature=temperature,
-            with_entropy=with_entropy, entropy_grad=entropy_grad, **blocks)
-
     hj, wj = _jx(h, dtype), _jx(w, dtype)
-    (lp, ent), vjp = jax.vjp(f, hj, wj)
-    dh, dw = vjp((jnp.asarray(gl, jnp.float32), jnp.asarray(ge, jnp.float32) if with_entropy else None))
-    assert lp.dtype == jnp.float32 and dh.dtype == hj.dtype and dw.dtype == wj.dtype
+    cdt = np.float64 if dtype == "float64" else np.float32
+    lp, ent, dh, dw = _unsharded_vjp(hj, wj, put(y), None if keep is None else put(keep), put(gl, cdt), put(ge, cdt),
+                                     temperature=temperature, with_entropy=with_entropy, entropy_grad=entropy_grad,
+                                     blocks=tuple(sorted(blocks.items())))
+    assert lp.dtype == cdt and dh.dtype == hj.dtype and dw.dtype == wj.dtype
     return lp, ent, dh, dw
 
 
@@ -138,12 +150,7 @@ def test_float64_under_x64():
     """float64 inputs compute in float64 (jax_enable_x64, scoped to the test)."""
     h, w, y, keep, gl, ge = _problem(37, 1, "float64", mask=True, ignore=True, seed=6)
     with jax.enable_x64(True):
-        def f(h, w):
-            return dualvp_jax.linear_logprob_entropy(h, w, jnp.asarray(y), keep_mask=jnp.asarray(keep),
-                                                     temperature=0.3, **_BLOCKS)
-
-        (lp, ent), vjp = jax.vjp(f, jnp.asarray(h), jnp.asarray(w))
-        dh, dw = vjp((jnp.asarray(gl), jnp.asarray(ge)))
+        lp, ent, dh, dw = _run_unsharded(h, w, y, keep, gl, ge, "float64", temperature=0.3)
         assert lp.dtype == dh.dtype == dw.dtype == jnp.float64
         out = [np.asarray(x) for x in (lp, ent, dh, dw)]
     ref = _oracle(h, w, y, gl, ge, keep=keep, temperature=0.3)
@@ -179,10 +186,10 @@ def _run_shard_map(h, w, y, keep, gl, ge, dtype, world, *, temperature=1.0, mode
     h_spec = P("tp") if mode in ("partial", "sequence_parallel") else P()
     in_specs = (h_spec, P("tp"), P()) + ((P(None, "tp"),) if has_mask else ())
     sm = jax.shard_map(body, mesh=mesh, in_specs=in_specs, out_specs=(P(), P()), check_vma=True)
-    hj = _jx(h, dtype)
     if mode == "partial":  # every shard gets its own copy of h, so each returns its partial dh
-        hj = jnp.tile(hj, (world, 1))
-    extra = (jnp.asarray(keep),) if has_mask else ()
+        h = np.tile(h, (world, 1))
+    hj = _jx(h, dtype)
+    extra = (put(keep),) if has_mask else ()
 
     # every array an argument: closed over, it would be a constant that XLA folds (seconds of compile)
     @jax.jit
@@ -191,7 +198,7 @@ def _run_shard_map(h, w, y, keep, gl, ge, dtype, world, *, temperature=1.0, mode
         dh, dw = vjp((glj, gej))
         return lp, ent, dh, dw
 
-    return run(hj, _jx(w, dtype), jnp.asarray(y), extra, jnp.asarray(gl, jnp.float32), jnp.asarray(ge, jnp.float32))
+    return run(hj, _jx(w, dtype), put(y), extra, put(gl, np.float32), put(ge, np.float32))
 
 
 # W = 2 in float32 through the same per-shard op in the library's shard_map:
@@ -239,7 +246,7 @@ def test_sequence_parallel_vs_float64(world, dtype):
 
 def _args(y, keep, gl, ge):
     """Target, keep mask and cotangents as arguments of the jitted program (not constants XLA would fold)."""
-    return jnp.asarray(y), jnp.asarray(keep), jnp.asarray(gl, jnp.float32), jnp.asarray(ge, jnp.float32)
+    return put(y), put(keep), put(gl, np.float32), put(ge, np.float32)
 
 
 # sequence_parallel on an explicit mesh (tp = 2, rows over dp): test_sharded_global_form_keeps_data_parallel_rows.
@@ -285,10 +292,12 @@ def test_sharded_global_form_keeps_data_parallel_rows(sp):
         return (lp, ent) + vjp((glj, gej))
 
     with jax.set_mesh(mesh):
-        hj = jax.device_put(_jx(h, "float32"), jax.sharding.NamedSharding(mesh, P("dp", None)))
-        yj, kj, glj, gej = _args(y, keep, gl, ge)
+        # from the host: resharding a device array would compile a program
+        hj = jax.device_put(np.asarray(h, np.float32), jax.sharding.NamedSharding(mesh, P("dp", None)))
+        yj, kj, _, _ = _args(y, keep, gl, ge)
         # the cotangents sharded as the outputs they go with (rows over dp)
-        glj, gej = (jax.device_put(a, jax.sharding.NamedSharding(mesh, P("dp"))) for a in (glj, gej))
+        glj, gej = (jax.device_put(np.asarray(a, np.float32), jax.sharding.NamedSharding(mesh, P("dp")))
+                    for a in (gl, ge))
         out = run(hj, _jx(w, "float32"), yj, kj, glj, gej)
     for x in out[:3]:  # log-prob, entropy and dh: rows split over dp, not replicated
         assert tuple(x.sharding.spec)[:1] == ("dp",), x.sharding.spec
@@ -400,9 +409,9 @@ def test_no_logits_sized_buffer(dtype):
     """Forward + backward scratch stays far below one [T, V_local] float32 buffer; the unfused path does not."""
     T, H, V = 512, 64, 8192
     rng = np.random.default_rng(5)
-    h = jnp.asarray(rng.normal(size=(T, H)), _JNP[dtype])
-    w = jnp.asarray(rng.normal(size=(V, H)) * 0.1, _JNP[dtype])
-    y = jnp.asarray(rng.integers(0, V, T))
+    h = put(rng.normal(size=(T, H)), _JNP[dtype])
+    w = put(rng.normal(size=(V, H)) * 0.1, _JNP[dtype])
+    y = put(rng.integers(0, V, T))
     logits_f32 = T * V * 4
 
     def fused(h, w):
@@ -456,7 +465,7 @@ def test_frozen_input_skips_its_gemm(world):
     frozen hidden, its psum over the axis); this pins it, counted in the compiled HLO.
     """
     h, w, y, keep, gl, ge = _problem(37, world, "float32", mask=True, seed=50)
-    hj, wj, yj, kj = _jx(h, "float32"), _jx(w, "float32"), jnp.asarray(y), jnp.asarray(keep)
+    hj, wj, yj, kj = _jx(h, "float32"), _jx(w, "float32"), put(y), put(keep)
 
     def op(h, w, y, k, **kw):
         return dualvp_jax.linear_logprob_entropy(h, w, y, keep_mask=k, temperature=0.9, **_BLOCKS, **kw)
@@ -471,7 +480,7 @@ def test_frozen_input_skips_its_gemm(world):
         lp, ent = f(a, b, y, k)
         return jnp.sum(lp * gl) + jnp.sum(ent * ge)
 
-    args = (hj, wj, yj, kj, jnp.asarray(gl, jnp.float32), jnp.asarray(ge, jnp.float32))
+    args = (hj, wj, yj, kj, put(gl, np.float32), put(ge, np.float32))
     count = lambda argnums: _dot_kinds(jax.grad(loss, argnums), args, 37, _V_LOCAL, _H, _BLOCKS)  # noqa: E731
     (dh_only, dh_prog), (dw_only, dw_prog) = count(0), count(1)
     # each program has the GEMMs of its own gradient (the count sees them) and none of the other's
