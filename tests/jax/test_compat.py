@@ -70,10 +70,26 @@ def expected(z, y, cot, axis=-1, where=None):
     return loss, g
 
 
-def value_and_grad(fn, z, cot):
-    out, vjp = jax.vjp(fn, z)
-    (g,) = vjp(jnp.asarray(cot, out.dtype))
-    return out, g
+def value_and_grad(fn, z, cot, *, jit=True):
+    """``fn(z)`` and the gradient of ``sum(cot * fn(z))``: forward and backward one jitted program (eager,
+    each is its own, and every new shape's input conversion another); ``jit=False``: op by op."""
+    if not jit:
+        out, vjp = jax.vjp(fn, z)
+        (g,) = vjp(jnp.asarray(cot, out.dtype))
+        return out, g
+
+    @jax.jit
+    def run(z, cot):
+        out, vjp = jax.vjp(fn, z)
+        return out, vjp(cot.astype(out.dtype))[0]
+
+    return run(z, np.asarray(cot).astype(z.dtype))  # rounded on the host, straight from float64
+
+
+def put(x, dtype=None):
+    """A NumPy array on the device, converted on the host (``jnp.asarray`` compiles a program per shape)."""
+    x = np.asarray(x)
+    return jax.device_put(x if dtype is None else x.astype(jnp.dtype(dtype)))
 
 
 def check(out, g, want, want_g, *, dtype=jnp.float32, vtol=2e-6, gtol=2e-6):
@@ -131,7 +147,7 @@ def test_unsharded_where_variants(where_kind, use_jit):
     where = {"none": None, "class": w, "row": row, "row_unit_axis": row[:, None],
              "class_broadcast": w[:1]}[where_kind]
     fn = lambda z: ce(z, jnp.asarray(y), where=None if where is None else jnp.asarray(where))  # noqa: E731
-    out, g = value_and_grad(jax.jit(fn) if use_jit else fn, jnp.asarray(z), cot)
+    out, g = value_and_grad(jax.jit(fn) if use_jit else fn, put(z), cot, jit=use_jit)
     want, want_g = expected(z, y, cot, where=where)
     check(out, g, want, want_g)
     if where_kind == "class":
@@ -152,7 +168,7 @@ def test_unsharded_axis_variants(axis, where_kind):
     z, y, w, row, cot = problem(shape=(6, 10, 8), axis=axis, seed=1)
     where = {"none": None, "class": w, "row": row}[where_kind]
     fn = jax.jit(lambda z: ce(z, jnp.asarray(y), axis=axis, where=None if where is None else jnp.asarray(where)))
-    out, g = value_and_grad(fn, jnp.asarray(z), cot)
+    out, g = value_and_grad(fn, put(z), cot)
     check(out, g, *expected(z, y, cot, axis=axis, where=where))
 
 
@@ -170,7 +186,7 @@ def test_unsharded_tuple_axis(axis):
     cot = rng.normal(size=bshape)
     for where in (None, w):
         fn = lambda z: ce(z, jnp.asarray(y), axis=axis, where=None if where is None else jnp.asarray(where))  # noqa: E731,B023
-        out, g = value_and_grad(fn, jnp.asarray(z), cot)
+        out, g = value_and_grad(fn, put(z), cot)
         check(out, g, *expected(z, y, cot, axis=axis, where=where))
 
 
@@ -178,7 +194,7 @@ def test_unsharded_tuple_axis(axis):
 @pytest.mark.parametrize("dtype,vtol,gtol", [("bfloat16", 3e-2, 1e-2), ("float16", 4e-3, 2e-3)])
 def test_16_bit_logits_keep_their_dtype(dtype, vtol, gtol):
     z, y, w, row, cot = problem(seed=3)
-    zt = jnp.asarray(z).astype(dtype)
+    zt = put(z, dtype)
     for where in (None, w):
         out, g = value_and_grad(lambda z: ce(z, jnp.asarray(y), where=where), zt, cot)  # noqa: B023
         # the oracle judges the rounded input the function saw
@@ -190,7 +206,7 @@ def test_16_bit_logits_keep_their_dtype(dtype, vtol, gtol):
 def test_float64_under_x64():
     with jax.enable_x64(True):
         z, y, w, row, cot = problem(seed=4)
-        z64 = jnp.asarray(z.astype(np.float64) + np.random.default_rng(0).normal(size=z.shape) * 1e-3)
+        z64 = put(z.astype(np.float64) + np.random.default_rng(0).normal(size=z.shape) * 1e-3)
         out, g = value_and_grad(lambda z: ce(z, jnp.asarray(y), where=jnp.asarray(w)), z64, cot)
         check(out, g, *expected(np.asarray(z64), y, cot, where=w), dtype=jnp.float64, vtol=1e-12, gtol=1e-12)
 
@@ -201,7 +217,7 @@ def test_banned_tokens_minus_inf():
     z[6:, ::3] = -np.inf
     y[6:] = 1  # a finite column
     for where in (None, w):
-        out, g = value_and_grad(lambda z: ce(z, jnp.asarray(y), where=where), jnp.asarray(z), cot)  # noqa: B023
+        out, g = value_and_grad(lambda z: ce(z, jnp.asarray(y), where=where), put(z), cot)  # noqa: B023
         want, want_g = expected(z, y, cot, where=where)
         check(out, g, want, want_g)
 
@@ -253,7 +269,7 @@ def test_inside_shard_map(world, where_kind, axis):
         return ce(z, y, axis=axis, where=ww[0] if ww else None, axis_name="tp")
 
     sm = jax.jit(jax.shard_map(body, mesh=_auto_mesh(world), in_specs=specs, out_specs=P(None)))
-    out, g = value_and_grad(lambda z: sm(z, *args), jnp.asarray(z), cot)
+    out, g = value_and_grad(lambda z: sm(z, *args), put(z), cot)
     check(out, g, *expected(z, y, cot, axis=axis, where=where))
 
 
@@ -271,7 +287,7 @@ def test_mesh_form(world, mesh_kind, where_kind):
         else _auto_mesh(world)
     fn = jax.jit(lambda z: ce(z, jnp.asarray(y), where=None if where is None else jnp.asarray(where),
                               mesh=mesh, vocab_axis="tp"))
-    out, g = value_and_grad(fn, jnp.asarray(z), cot)
+    out, g = value_and_grad(fn, put(z), cot)
     check(out, g, *expected(z, y, cot, where=where))
 
 
@@ -282,9 +298,9 @@ def test_mesh_form_2d_rows_sharded():
 
     mesh = jax.make_mesh((2, 4), ("dp", "tp"))
     z, y, w, row, cot = problem(seed=9)
-    zs = jax.device_put(jnp.asarray(z), NamedSharding(mesh, P("dp", "tp")))
-    ys = jax.device_put(jnp.asarray(y), NamedSharding(mesh, P("dp")))
-    ws = jax.device_put(jnp.asarray(w), NamedSharding(mesh, P("dp", "tp")))
+    zs = jax.device_put(z, NamedSharding(mesh, P("dp", "tp")))
+    ys = jax.device_put(y.astype(np.int32), NamedSharding(mesh, P("dp")))
+    ws = jax.device_put(w, NamedSharding(mesh, P("dp", "tp")))
     out, g = value_and_grad(jax.jit(lambda z: ce(z, ys, where=ws, mesh=mesh)), zs, cot)
     check(out, g, *expected(z, y, cot, where=w))
 
