@@ -10,7 +10,7 @@ from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import dualvp_jax  # noqa: E402
 from dualvp.testing import extended as ext  # noqa: E402
-from ._helpers import JNP_DTYPES, mesh_1d, x64_for  # noqa: E402
+from ._helpers import JNP_DTYPES, mesh_1d, put, x64_for  # noqa: E402
 
 
 def _run(prob: ext.ExtProblem, world: int, kind: str = "explicit") -> ext.ExtOutputs:
@@ -18,10 +18,11 @@ def _run(prob: ext.ExtProblem, world: int, kind: str = "explicit") -> ext.ExtOut
     c = prob.case
     dt = JNP_DTYPES[c.dtype]
     cdt = jnp.float64 if c.dtype == "float64" else jnp.float32
-    z = jnp.asarray(prob.logits if c.dtype == "float64" else prob.logits.astype(np.float32)).astype(dt)
-    y = jnp.asarray(prob.target)
-    keep = None if prob.keep_mask is None else jnp.asarray(prob.keep_mask)
-    tau = jnp.asarray(prob.temperature, cdt) if c.row_temperature else prob.temperature
+    # converted on the host (jnp.asarray / astype would compile a program per shape and dtype)
+    z = put(prob.logits if c.dtype == "float64" else prob.logits.astype(np.float32), dt)
+    y = put(prob.target)
+    keep = None if prob.keep_mask is None else put(prob.keep_mask)
+    tau = put(prob.temperature, cdt) if c.row_temperature else prob.temperature
     mesh = mesh_1d(world, kind)
 
     @jax.jit
@@ -36,10 +37,11 @@ def _run(prob: ext.ExtProblem, world: int, kind: str = "explicit") -> ext.ExtOut
         (g,) = vjp((gl, ge, gs))
         return lp, h, g, p2
 
-    gs = jnp.asarray(prob.grad_sum_p2 if c.sum_p2 else np.zeros(prob.target.shape[:len(prob.grad_entropy.shape)]), cdt)
-    lp, h, g, p2 = run(z, y, keep, tau, jnp.asarray(prob.grad_logprob, cdt), jnp.asarray(prob.grad_entropy, cdt), gs)
+    gs = put(prob.grad_sum_p2 if c.sum_p2 else np.zeros(prob.target.shape[:len(prob.grad_entropy.shape)]), cdt)
+    lp, h, g, p2 = run(z, y, keep, tau, put(prob.grad_logprob, cdt), put(prob.grad_entropy, cdt), gs)
+
     def f64(a):
-        return np.asarray(jnp.asarray(a, jnp.float64 if c.dtype == "float64" else jnp.float32), np.float64)
+        return np.asarray(a).astype(np.float64)  # exact from any float dtype
     return ext.ExtOutputs(f64(lp), f64(h), f64(g), f64(p2) if c.sum_p2 else None)
 
 

@@ -20,7 +20,7 @@ import dualvp_jax
 from dualvp_jax import kl as kl_mod
 from dualvp.testing.kl import KL_CASES, kl_failures, make_kl
 
-from ._helpers import JNP_DTYPES, mesh_1d
+from ._helpers import JNP_DTYPES, mesh_1d, put
 
 
 @functools.lru_cache(maxsize=None)
@@ -43,13 +43,14 @@ def _check(case, dtype, world):
     p = make_kl(case, dtype)
     mesh, run = _runner(world, case.temperature, case.direction, p.row_mask is not None)
     dt = JNP_DTYPES[dtype]
-    z = jnp.asarray(p.logits.astype(np.float32)).astype(dt)
-    r = jnp.asarray(p.ref_logits.astype(np.float32)).astype(dt)
-    m = jnp.ones(p.grad.shape, bool) if p.row_mask is None else jnp.asarray(p.row_mask)
+    # converted on the host (jnp.asarray / astype would compile a program per shape and dtype)
+    z = put(p.logits.astype(np.float32), dt)
+    r = put(p.ref_logits.astype(np.float32), dt)
+    m = put(np.ones(p.grad.shape, bool) if p.row_mask is None else p.row_mask)
     with jax.set_mesh(mesh):
-        kl, dz, dr = run(z, r, m, jnp.asarray(p.grad, jnp.float32))
+        kl, dz, dr = run(z, r, m, put(p.grad, np.float32))
     assert kl.dtype == jnp.float32 and dz.dtype == dt and dr.dtype == dt
-    return kl_failures(p, tuple(np.asarray(x.astype(jnp.float32)) for x in (kl, dz, dr)), f"W={world} ")
+    return kl_failures(p, tuple(np.asarray(x).astype(np.float32) for x in (kl, dz, dr)), f"W={world} ")
 
 
 # The slow tier runs every case at W = 1 (no axis) in float32 and at W = 4 (the shard combine, the same
@@ -204,8 +205,7 @@ def test_batch_invariant_rows(v, dtype):
         return kl, dz.astype(jnp.float32), dr.astype(jnp.float32)
 
     def call(idx):
-        out = run(jnp.asarray(z_all[idx], dt), jnp.asarray(r_all[idx], dt), jnp.asarray(m_all[idx]),
-                  jnp.asarray(g_all[idx]))
+        out = run(put(z_all[idx], dt), put(r_all[idx], dt), put(m_all[idx]), put(g_all[idx]))
         return [np.asarray(x) for x in out]
 
     alone = [call(np.array([i])) for i in range(3)]
