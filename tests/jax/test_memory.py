@@ -19,6 +19,7 @@ The second half pins the same for dualvp_jax.chunks by itself; tests/jax/test_ch
 checks the chunked forward's values against the float64 oracle.
 """
 
+import functools
 import re
 
 import numpy as np
@@ -79,6 +80,15 @@ def _loss_fn(outs):
     return loss
 
 
+@functools.lru_cache(maxsize=None)
+def _forward(dtype, world, mode, v):
+    """The forward alone, compiled at the bench size; one program per (dtype, W, mode, V) for the whole module
+    (test_value_and_grad_scratch and test_wide_rows_reduce_in_column_blocks read the same ones)."""
+    with_ent, masked = MODES[mode]
+    mesh, z, y, k = _specs(jnp.dtype(dtype), world, masked, v)
+    return jax.jit(_outputs_fn(mesh, with_ent, masked)).lower(z, y, k).compile()
+
+
 def _gathers(compiled) -> int:
     return len(re.findall(r"\ball-gather(?:-start)?\(", compiled.as_text()))
 
@@ -114,7 +124,7 @@ def test_value_and_grad_scratch(dtype, mode, world, v):
     assert ma.temp_size_in_bytes <= SCRATCH_VG * B, (ma.temp_size_in_bytes / B, "B of scratch")
     # the outputs are the loss and the gradient shard, nothing saved on the side
     assert ma.output_size_in_bytes <= 1.001 * B, ma.output_size_in_bytes / B
-    fw = jax.jit(outs).lower(z, y, k).compile()
+    fw = _forward(dtype, world, mode, v)
     assert fw.memory_analysis().temp_size_in_bytes <= SCRATCH_FWD * B, fw.memory_analysis().temp_size_in_bytes / B
     # one all-gather of O(T) statistics per call (forward), none in the backward
     assert _gathers(vg) == _gathers(fw) == (1 if world > 1 else 0)
@@ -142,9 +152,7 @@ def test_wide_rows_reduce_in_column_blocks(dtype, mode):
     on about one core (chunks.COLUMN_BLOCK); the op reduces such rows in column
     blocks, merged like shards, masked or not. Without them the widest is V_WIDE.
     """
-    with_ent, masked = MODES[mode]
-    mesh, z, y, k = _specs(jnp.dtype(dtype), 1, masked, V_WIDE)
-    fw = jax.jit(_outputs_fn(mesh, with_ent, masked)).lower(z, y, k).compile()
+    fw = _forward(dtype, 1, mode, V_WIDE)
     assert 1000 < _widest_reduction(fw) <= chunks.COLUMN_BLOCK, _widest_reduction(fw)
 
 
