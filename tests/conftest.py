@@ -1,4 +1,13 @@
 import os
+import sys
+
+# Bytecode caches, where the environment turns them off (PYTHONDONTWRITEBYTECODE: this machine sets
+# it): otherwise every process of a run (the xdist workers, the CLI and bench subprocesses, the
+# torchrun workers) compiles dualvp's sources again (~0.6 s of a process's start) and each worker
+# re-runs pytest's assertion rewriting of every test module (~1 s). Set here, in the process that
+# starts the workers, before they start.
+sys.dont_write_bytecode = False
+os.environ.pop("PYTHONDONTWRITEBYTECODE", None)
 
 # Without a GPU the Triton kernels run on the CPU under Triton's interpreter. Triton decides at import
 # (its language functions) and at decoration (each kernel) whether it interprets, so the variable is set
