@@ -7,8 +7,6 @@ the same ids". The fast tier runs a few cases; the whole table
 op's table are slow.
 """
 
-import functools
-
 import numpy as np
 import pytest
 
@@ -17,55 +15,13 @@ import jax.numpy as jnp  # noqa: E402
 
 import dualvp_jax  # noqa: E402
 from dualvp import reference, testing  # noqa: E402
-from dualvp.testing import cases  # noqa: E402
+from dualvp.testing import backends, cases  # noqa: E402
 from dualvp_jax import function as jfunction  # noqa: E402
 from dualvp_jax._tuning import Tuning  # noqa: E402
 
-from ._helpers import JNP_DTYPES, mesh_1d, put, x64_for  # noqa: E402
+from ._helpers import mesh_1d  # noqa: E402
 
 FAST = ("drop_target_ids", "everything_ids")
-
-
-# The jax backend of dualvp.testing.backends (sharded_logprob_entropy / sharded_linear_logprob_entropy on a
-# ("tp",) mesh of the first W devices, the cotangents of the problem), with forward and backward one jitted
-# program of module scope: cases that share shapes, dtype and options share it, and the inputs are converted
-# on the host (eager, the harness's vjp is two programs and each conversion another).
-@functools.partial(jax.jit, static_argnames=("world", "temperature", "ignore_index"))
-def _logits_vjp(z, y, keep, ids, gl, ge, *, world, temperature, ignore_index):
-    def f(z):
-        return dualvp_jax.sharded_logprob_entropy(z, y, mesh_1d(world), "tp", keep_mask=keep, keep_ids=ids,
-                                                  temperature=temperature, ignore_index=ignore_index)
-
-    (lp, h), vjp = jax.vjp(f, z)
-    (g,) = vjp((gl.astype(lp.dtype), ge.astype(h.dtype)))
-    return lp, h, g
-
-
-@functools.partial(jax.jit, static_argnames=("world", "temperature", "ignore_index"))
-def _linear_vjp(h, w, y, keep, ids, gl, ge, *, world, temperature, ignore_index):
-    def f(h, w):
-        return dualvp_jax.sharded_linear_logprob_entropy(h, w, y, mesh_1d(world), "tp", keep_mask=keep, keep_ids=ids,
-                                                         temperature=temperature, ignore_index=ignore_index)
-
-    (lp, en), vjp = jax.vjp(f, h, w)
-    return (lp, en) + vjp((gl.astype(lp.dtype), ge.astype(en.dtype)))
-
-
-def _run(p, world):
-    """``_run(p, world)`` as one program: Outputs or LinearOutputs in float64."""
-    c = p.case
-    dt = JNP_DTYPES[c.dtype]
-    cdt = np.float64 if c.dtype == "float64" else np.float32
-    opt = dict(world=world, temperature=c.temperature, ignore_index=c.ignore_index)
-    keep = None if p.keep_mask is None else put(p.keep_mask)
-    ids = None if p.keep_ids is None else put(p.keep_ids)
-    with x64_for(c.dtype):
-        rest = (put(p.target), keep, ids, put(p.grad_logprob, cdt), put(p.grad_entropy, cdt))
-        if isinstance(p, cases.LinearProblem):
-            out = _linear_vjp(put(p.hidden, dt), put(p.weight, dt), *rest, **opt)
-            return testing.LinearOutputs(*(np.asarray(x).astype(np.float64) for x in out))
-        out = _logits_vjp(put(p.logits, dt), *rest, **opt)
-        return testing.Outputs(*(np.asarray(x).astype(np.float64) for x in out))
 
 
 def _check(problem, out):
@@ -80,7 +36,7 @@ def test_keep_ids_vs_oracle_fast(name):
     c = cases.case(name)
     p = cases.make(c)
     assert p.keep_mask is None and p.keep_ids is not None
-    _check(p, _run(p, 2))
+    _check(p, backends.run("jax", p, 2))
 
 
 # Every case once, at W = 1 (no axis) or W = 4 (several shards, ids in each) alternating over the table
@@ -95,7 +51,7 @@ _TABLE = [pytest.param(c, 4 if i % 2 else 1, id=f"{c.name}-W{4 if i % 2 else 1}"
 def test_keep_ids_whole_table(c, world):
     assert world in c.worlds, (c.name, c.worlds)
     p = cases.make(c)
-    _check(p, _run(p, world))
+    _check(p, backends.run("jax", p, world))
 
 
 @pytest.mark.slow
@@ -103,10 +59,10 @@ def test_keep_ids_match_the_backends_own_mask_result():
     """The op with ids and the op with the mask made from them agree within TOLERANCES (W = 4)."""
     c = cases.case("random_mask_temp_ids")
     p = cases.make(c)
-    with_ids = _run(p, 4)
+    with_ids = backends.run("jax", p, 4)
     mask = reference.mask_from_ids(p.keep_ids, c.vocab)
     masked = cases.Problem(cases.case("random_mask_temp"), p.logits, p.target, mask, p.grad_logprob, p.grad_entropy)
-    with_mask = _run(masked, 4)
+    with_mask = backends.run("jax", masked, 4)
     for q in ("logprob", "entropy", "grad"):
         assert testing.within_tolerance(getattr(with_ids, q), getattr(with_mask, q), testing.tolerance(c.dtype, q)), q
 
@@ -120,7 +76,7 @@ def _problem_with_ids(ids, name="nucleus"):
 def test_empty_k_keeps_only_the_target():
     """``K = 0``: the kept set is the target alone (log-prob 0 on valid rows)."""
     p = _problem_with_ids(np.zeros((6, 0), np.int64))
-    out = _run(p, 2)
+    out = backends.run("jax", p, 2)
     _check(p, out)
     np.testing.assert_array_equal(out.logprob, 0.0)
 
@@ -229,7 +185,7 @@ _FUSED = [pytest.param(c, 2 - i % 2, id=f"{c.name}-W{2 - i % 2}") for i, c in en
 @pytest.mark.parametrize("c,world", _FUSED)
 def test_fused_op_whole_table(c, world):
     p = cases.make_linear(c, 16)
-    bad = testing.failures(p, {"jax": _run(p, world)})
+    bad = testing.failures(p, {"jax": backends.run("jax", p, world)})
     assert not bad, (world, bad)
 
 
